@@ -1,0 +1,37 @@
+"""Datasets, by name (`dataset=...`). A loader returns an ImageDataset (train and test tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dpbench.registry import Registry
+
+
+@dataclass
+class ImageDataset:
+    train_images: torch.Tensor  # [N, C, H, W] float32, normalised
+    train_labels: torch.Tensor  # [N] int64
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    num_classes: int
+    patch_size: int
+
+    @property
+    def channels(self) -> int:
+        return self.train_images.shape[1]
+
+    @property
+    def image_size(self) -> int:
+        return self.train_images.shape[-1]
+
+
+DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset")
+
+
+def load_dataset(cfg, seed: int) -> ImageDataset:
+    from dpbench.data import images  # noqa: F401  (registers the image datasets)
+
+    return DATASETS.get(cfg.name)(cfg, seed)

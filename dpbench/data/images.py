@@ -1,0 +1,107 @@
+"""Image classification datasets: bundled digits, generated synthetic data, torchvision's sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpbench.data import DATASETS, ImageDataset
+from dpbench.errors import UserError
+
+
+def _normalise(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel standardisation with training-set statistics."""
+    mean = train.mean(dim=(0, 2, 3), keepdim=True)
+    std = train.std(dim=(0, 2, 3), keepdim=True).clamp(min=1e-6)
+    return (train - mean) / std, (test - mean) / std
+
+
+@DATASETS.register("digits")
+def load_digits(cfg, seed: int) -> ImageDataset:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes): a fixed stratified 80/20 split."""
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = sklearn_digits()
+    images = digits.images.astype(np.float32)[:, None] / 16.0
+    train_x, test_x, train_y, test_y = train_test_split(
+        images, digits.target, test_size=0.2, stratify=digits.target, random_state=cfg.split_seed
+    )
+    train, test = _normalise(torch.from_numpy(train_x), torch.from_numpy(test_x))
+    return ImageDataset(
+        train, torch.from_numpy(train_y).long(), test, torch.from_numpy(test_y).long(), 10, cfg.patch_size
+    )
+
+
+@DATASETS.register("synthetic")
+def load_synthetic(cfg, seed: int) -> ImageDataset:
+    """Gaussian class clusters of any shape: learnable, tiny, generated on the spot (for tests)."""
+    generator = torch.Generator().manual_seed(cfg.data_seed)
+    shape = (cfg.channels, cfg.image_size, cfg.image_size)
+    centres = torch.randn((cfg.num_classes, *shape), generator=generator)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.arange(n) % cfg.num_classes
+        noise = torch.randn((n, *shape), generator=generator) * cfg.noise
+        return centres[labels] + noise, labels
+
+    train_x, train_y = draw(cfg.train_size)
+    test_x, test_y = draw(cfg.test_size)
+    return ImageDataset(train_x, train_y, test_x, test_y, cfg.num_classes, cfg.patch_size)
+
+
+# torchvision datasets: (class name, constructor split argument, files expected under data_dir).
+TORCHVISION = {
+    "mnist": ("MNIST", "train", "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    "fashion_mnist": ("FashionMNIST", "train", "FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    "cifar10": ("CIFAR10", "train", "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}"),
+    "cifar100": ("CIFAR100", "train", "cifar-100-python/{train,test,meta}"),
+    "svhn": ("SVHN", "split", "{train,test}_32x32.mat"),
+}
+
+
+def _torchvision_split(cfg, train: bool):
+    import torchvision
+
+    class_name, split_arg, files = TORCHVISION[cfg.name]
+    dataset_class = getattr(torchvision.datasets, class_name)
+    root = Path(cfg.data_dir).expanduser()
+    kwargs = {"train": train} if split_arg == "train" else {"split": "train" if train else "test"}
+    try:
+        try:
+            return dataset_class(root=str(root), download=False, **kwargs)
+        except RuntimeError:
+            if not cfg.download:
+                raise
+            return dataset_class(root=str(root), download=True, **kwargs)
+    except Exception as error:  # offline download, missing or corrupt files
+        raise UserError(
+            f"dataset {cfg.name} is not under {root} (expected {files}) and could not be downloaded "
+            f"({type(error).__name__}); copy the files there or set dataset.data_dir=PATH"
+        ) from None
+
+
+def _to_tensors(split) -> tuple[torch.Tensor, torch.Tensor]:
+    data = split.data
+    data = torch.as_tensor(np.asarray(data))
+    if data.dim() == 3:  # MNIST-like [N, H, W]
+        data = data[:, None]
+    elif data.shape[-1] in (1, 3) and data.shape[1] not in (1, 3):  # CIFAR [N, H, W, C]
+        data = data.permute(0, 3, 1, 2)
+    labels = getattr(split, "targets", None)
+    if labels is None:
+        labels = split.labels
+    return data.float() / 255.0, torch.as_tensor(np.asarray(labels)).long()
+
+
+def _load_torchvision(cfg, seed: int) -> ImageDataset:
+    train_x, train_y = _to_tensors(_torchvision_split(cfg, train=True))
+    test_x, test_y = _to_tensors(_torchvision_split(cfg, train=False))
+    train_x, test_x = _normalise(train_x, test_x)
+    return ImageDataset(train_x, train_y, test_x, test_y, cfg.num_classes, cfg.patch_size)
+
+
+for _name in TORCHVISION:
+    DATASETS.register(_name)(_load_torchvision)

@@ -1,0 +1,1 @@
+"""Where results go: the rich console, results.json (the contract) and Weights & Biases."""

@@ -1,0 +1,45 @@
+"""The rich console: a live progress bar during training and a summary table at the end."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def training_progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  ε {task.fields[eps]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def summary_table(results: dict) -> Table:
+    privacy, metrics = results["privacy"], results["metrics"]
+    memory, throughput = results["memory"], results["throughput"]
+    table = Table(title=f"dpbench · {results['algo']} · {results['model']} · {results['dataset']}")
+    for column in ("test acc", "best acc", "ε spent", "δ", "σ", "peak memory", "samples/s", "wall time"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        _fmt(metrics.get("test_accuracy"), ".4f"),
+        _fmt(metrics.get("best_test_accuracy"), ".4f"),
+        _fmt(privacy.get("epsilon"), ".3f") if privacy.get("private") else "∞ (non-private)",
+        _fmt(privacy.get("delta"), ".0e") if privacy.get("private") else "—",
+        _fmt(privacy.get("noise_multiplier"), ".4f"),
+        f"{memory['peak_bytes'] / 2**20:.1f} MiB ({memory['kind']})",
+        _fmt(throughput.get("samples_per_s"), ".1f"),
+        f"{throughput['wall_s']:.1f} s",
+    )
+    return table

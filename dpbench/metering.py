@@ -1,0 +1,86 @@
+"""Peak memory, state bytes and throughput.
+
+Peak memory is reset at the start of every run so each job of a multirun reports its own:
+on a GPU through torch.cuda's peak statistics; on the CPU by resetting Linux's resident-set
+high-water mark (writing 5 to /proc/self/clear_refs) and reading VmHWM afterwards.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class PeakMemory:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @property
+    def kind(self) -> str:
+        if self.device.type == "cuda":
+            return "cuda_max_reserved"
+        return "cpu_peak_rss" if _can_reset_rss() else "cpu_peak_rss_since_process_start"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif _can_reset_rss():
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def read(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {
+                "peak_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+                "kind": self.kind,
+                "cuda_max_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+            }
+        return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind}
+
+
+def _can_reset_rss() -> bool:
+    path = Path("/proc/self/clear_refs")
+    return sys.platform.startswith("linux") and path.exists()
+
+
+def _cpu_peak_rss() -> int:
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class Throughput:
+    """Examples per second over the steps after a warm-up (first steps pay for allocation)."""
+
+    def __init__(self, warmup_steps: int = 3):
+        self.warmup_steps = warmup_steps
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.examples = 0
+        self.measured_time = 0.0
+        self._step_start = 0.0
+
+    def step_started(self) -> None:
+        self._step_start = time.perf_counter()
+
+    def step_finished(self, examples: int) -> None:
+        elapsed = time.perf_counter() - self._step_start
+        self.steps += 1
+        if self.steps > self.warmup_steps:
+            self.examples += examples
+            self.measured_time += elapsed
+
+    def summary(self) -> dict:
+        return {
+            "samples_per_s": self.examples / self.measured_time if self.measured_time > 0 else None,
+            "measured_steps": max(0, self.steps - self.warmup_steps),
+            "wall_s": time.perf_counter() - self.start,
+        }

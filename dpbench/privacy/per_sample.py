@@ -1,0 +1,92 @@
+"""Per-sample gradients through Opacus's grad samplers, with a seam for per-layer transforms.
+
+`PerSampleGradients` attaches Opacus's forward/backward hooks to a model. After
+`backward_per_sample(losses)` every trainable parameter holds a tensor [B, ...] of per-example
+gradients. `sampler_overrides` maps a module *instance* to a function
+`(module, activations, backprops) -> {param: per-sample tensor}` that replaces Opacus's grad
+sampler for that module only: DP-GRAPE uses it to compute projected per-sample gradients inside
+the hook, so the full per-sample gradient of a projected layer is never materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from opacus.grad_sample import GradSampleModule
+from torch import nn
+
+GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
+
+
+class _GradSampleModuleWithOverrides(GradSampleModule):
+    """Opacus's GradSampleModule, looking up grad samplers by module instance before type."""
+
+    def __init__(self, module: nn.Module, overrides: dict[nn.Module, GradSampler]):
+        # Opacus keeps GRAD_SAMPLERS as a class attribute; use a per-instance copy extended with
+        # the overrides. Both are plain attributes, set before hooks are added in __init__.
+        self._overrides = overrides
+        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **overrides}
+        super().__init__(module, batch_first=True, loss_reduction="sum", strict=True)
+
+    def _get_module_type(self, module: nn.Module):
+        return module if module in getattr(self, "_overrides", {}) else type(module)
+
+
+class PerSampleGradients:
+    def __init__(self, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
+
+    def backward_per_sample(self, losses: torch.Tensor) -> list[torch.Tensor]:
+        """Backpropagate per-example losses [B]; return per-sample grads aligned with `self.params`.
+
+        The summed batch gradient that autograd also accumulates in `.grad` is discarded.
+        """
+        losses.sum().backward()
+        per_sample = []
+        for p in self.params:
+            grad_sample = p.grad_sample
+            if isinstance(grad_sample, list):  # several backward passes without a reset
+                raise RuntimeError("per-sample gradients were accumulated twice without a reset")
+            if grad_sample is None:  # parameter unused in this forward pass
+                grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
+            per_sample.append(grad_sample)
+            p.grad_sample = None
+            p.grad = None
+        return per_sample
+
+    def detach(self) -> None:
+        self._module._close()
+
+
+def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each example's gradient over all given tensors (flat clipping): [B]."""
+    squared = [g.reshape(g.shape[0], -1).float().pow(2).sum(dim=1) for g in per_sample]
+    return torch.stack(squared, dim=0).sum(dim=0).sqrt()
+
+
+# Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s
+# min(1, C/||g||) (Opacus's form, with its 1e-6 guard); the others are DP-SGD variants whose
+# sensitivity is still C.
+CLIP_FACTORS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "flat": lambda norms, c, gamma: (c / (norms + 1e-6)).clamp(max=1.0),
+    "automatic": lambda norms, c, gamma: c / (norms + gamma),
+    "psac": lambda norms, c, gamma: c / (norms + gamma / (norms + gamma)),
+}
+
+
+def clip_factors(norms: torch.Tensor, clip_norm: float, rule: str = "flat", gamma: float = 0.01) -> torch.Tensor:
+    factors = CLIP_FACTORS[rule](norms, clip_norm, gamma)
+    # A NaN/inf gradient from one example must not poison the sum: it contributes nothing.
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
+    """sum_i factor_i * g_i for each tensor, accumulated in float32."""
+    factors = factors.float()
+    return [
+        torch.einsum("b,b...->...", factors, torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0))
+        for g in per_sample
+    ]

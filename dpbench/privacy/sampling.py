@@ -1,0 +1,62 @@
+"""Batch samplers: Poisson (what the accountants assume) and shuffled fixed-size batches.
+
+Poisson sampling uses Opacus's UniformWithReplacementSampler (each example joins each batch
+independently with probability q), driven by an entropy-seeded generator: amplification by
+subsampling assumes the adversary does not know which examples were drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from dpbench.privacy.noise import entropy_seed
+
+
+class PoissonBatches:
+    name = "poisson"
+
+    def __init__(self, num_samples: int, sample_rate: float):
+        from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+        generator = torch.Generator()
+        generator.manual_seed(entropy_seed())
+        self.sample_rate = sample_rate
+        self._sampler = UniformWithReplacementSampler(
+            num_samples=num_samples, sample_rate=sample_rate, generator=generator
+        )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:  # the trainer decides when to stop
+            yield from self._sampler
+
+
+class ShuffledBatches:
+    """Fixed-size batches from a reshuffled permutation each epoch (seeded, reproducible).
+
+    The accountants' guarantee assumes Poisson sampling; a run with this sampler says so."""
+
+    name = "shuffle"
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int):
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            order = torch.randperm(self.num_samples, generator=self.generator).tolist()
+            for start in range(0, self.num_samples - self.batch_size + 1, self.batch_size):
+                yield order[start : start + self.batch_size]
+
+
+def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int):
+    if kind == "poisson":
+        return PoissonBatches(num_samples, batch_size / num_samples)
+    if kind == "shuffle":
+        return ShuffledBatches(num_samples, batch_size, seed)
+    from dpbench.errors import UserError
+
+    raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")

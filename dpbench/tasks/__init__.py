@@ -1,0 +1,49 @@
+"""Tasks: a dataset, the per-sample loss and the evaluation metric, per task kind.
+
+The one primitive every algorithm uses is `per_sample_loss(model, batch) -> Tensor[B]`:
+first-order algorithms backpropagate it, zeroth-order ones difference it under perturbation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpbench.registry import Registry
+
+Batch = Any  # whatever the task's batches are; algorithms only hand them back to the task
+
+
+class Task(ABC):
+    train_size: int
+
+    @abstractmethod
+    def batch(self, indices: list[int]) -> Batch:
+        """The training examples at these indices, on the task's device."""
+
+    @abstractmethod
+    def batch_size(self, batch: Batch) -> int: ...
+
+    @abstractmethod
+    def per_sample_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Loss of each example, shape [B]."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Test metrics; must contain 'accuracy' (the headline metric)."""
+
+    def model_spec(self):
+        """What the model builder needs (input shape, classes)."""
+        raise NotImplementedError
+
+
+TASKS: Registry[type[Task]] = Registry("task")
+
+
+def build_task(cfg, device: torch.device) -> Task:
+    from dpbench.tasks import image  # noqa: F401
+
+    return TASKS.get(cfg.dataset.get("task", "image_classification"))(cfg, device)
