@@ -1,0 +1,215 @@
+"""DPZero (Zhang et al., ICML 2024, Algorithm 2 as run in its experiments) and its shared
+zeroth-order machinery (MeZO, Malladi et al. 2023, is the same estimator without privacy).
+
+One step, for a logical batch read in physical chunks:
+  seed  <- public per-step direction seed (seeded generator: directions are data-independent)
+  s_i    = (l_i(theta + lam*z) - l_i(theta - lam*z)) / (2 lam)   per-example scalar, z = z(seed)
+  g      = (sum_i clip_C(s_i) + N(0, sigma^2 C^2)) / B           one scalar of noise per step
+  theta <- theta - lr * (g * z + wd * theta)                     z regenerated from the seed
+
+Privacy: each example contributes one scalar clipped to [-C, C], so the clipped sum has L2
+sensitivity C under add/remove and 2C under replace-one; the direction z is public
+(post-processing). The noise comes from `PrivacySetup.noise` (entropy-seeded), never from the
+direction seed: the reference code draws it right after `torch.manual_seed(seed)`, which makes it
+recomputable from the seed (spec pitfall 2) -- not reproduced here.
+
+Memory: no autograd graph, no gradients, no optimizer state, z never stored. Where MeZO adds
++lam z, -2 lam z, +lam z to the weights in place (which does not restore fp32 weights bit for bit
+and drifts in fp16), dpbench perturbs just in time: a forward pre-hook on each module that owns
+trainable parameters swaps in theta_p +- lam z_p (computed in fp32, cast to the weight dtype) and
+the forward hook swaps the untouched original back. The working set is the same as MeZO's (one
+parameter-sized z at a time), the weights are never written during the evaluations (exactly
+restored in every dtype), and z_p is regenerated from (seed, parameter index), so the order in
+which modules run does not matter. Requirement (the same as Opacus's grad samplers): a trainable
+parameter is only read inside the forward of a module that owns it; a check enforces that every
+trainable parameter was perturbed during each evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from dpbench.algorithms.base import ALGORITHMS, Algorithm, StepResult
+from dpbench.errors import UserError
+from dpbench.tasks import Batch
+
+DIRECTIONS = ("gaussian", "sphere")  # N(0, I_d) (experiments) | uniform on sqrt(d) S^{d-1} (theory)
+SEED_RANGE = 2**62
+SEED_STRIDE = 1_000_003  # per-parameter seeds: seed + index * stride (mod 2^63)
+
+
+class ZerothOrderAlgorithm(Algorithm):
+    """Two-point estimates along one public random direction per step; subclasses privatise them."""
+
+    def __init__(self, model, task, cfg, lr, privacy):
+        super().__init__(model, task, cfg, lr, privacy)
+        unique: dict[int, nn.Parameter] = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                unique.setdefault(id(p), p)
+        self.params = list(unique.values())
+        if not self.params:
+            raise UserError(f"algo={cfg.name} found no trainable parameter in the model")
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.dimension = sum(p.numel() for p in self.params)
+        self.smoothing = float(cfg.smoothing)
+        if not self.smoothing > 0:
+            raise UserError(f"algo.smoothing (lambda) must be positive, got {cfg.smoothing}")
+        self.direction = str(cfg.direction)
+        if self.direction not in DIRECTIONS:
+            raise UserError(f"algo.direction={self.direction!r} is not known; use gaussian or sphere")
+        self.weight_decay = float(cfg.weight_decay)
+        # modules that directly own trainable parameters: where the perturbation hooks go
+        self.owners: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.index]
+            if own:
+                self.owners.append((module, own))
+        # Direction seeds are public: drawn from a generator seeded by the experiment seed (through
+        # the global torch RNG), so runs are reproducible; the DP noise never depends on them.
+        self.seed_generator = torch.Generator()
+        self.seed_generator.manual_seed(int(torch.randint(0, SEED_RANGE, ()).item()))
+        self.perturbation_bytes = 0  # largest fp32 working set one module's perturbation held
+
+    # --- the direction -----------------------------------------------------------------------
+    def next_seed(self) -> int:
+        return int(torch.randint(0, SEED_RANGE, (), generator=self.seed_generator).item())
+
+    def direction_part(self, p: nn.Parameter, seed: int) -> torch.Tensor:
+        """Parameter p's block of the N(0, I) draw for this seed, fp32 (regenerated, never stored)."""
+        generator = torch.Generator(device=p.device)
+        generator.manual_seed((seed + self.index[id(p)] * SEED_STRIDE) % 2**63)
+        return torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
+
+    def direction_scale(self, seed: int) -> float:
+        """z = scale * N(0, I) draw: 1 for gaussian, sqrt(d)/||draw|| for the sphere (one extra pass)."""
+        if self.direction == "gaussian":
+            return 1.0
+        squared = sum(float(self.direction_part(p, seed).double().pow(2).sum()) for p in self.params)
+        return math.sqrt(self.dimension / squared)
+
+    @contextmanager
+    def perturbed(self, seed: int, coefficient: float):
+        """Within the block, every forward sees theta + coefficient * draw(seed); theta is untouched."""
+        active: dict[int, list] = {}  # id(p) -> [original data, nesting depth]
+        touched: set[int] = set()
+
+        def swap_in(module, _inputs, own=None):
+            for p in own:
+                key = id(p)
+                if key in active:  # shared parameter already perturbed by an enclosing module
+                    active[key][1] += 1
+                    continue
+                original = p.data
+                perturbed = original.float() + coefficient * self.direction_part(p, seed)
+                self.perturbation_bytes = max(self.perturbation_bytes, 2 * perturbed.numel() * 4)
+                active[key] = [original, 1]
+                p.data = perturbed.to(original.dtype)
+                touched.add(key)
+
+        def swap_out(module, _inputs, _output, own=None):
+            for p in own:
+                entry = active[id(p)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    p.data = entry[0]
+                    del active[id(p)]
+
+        handles = []
+        for module, own in self.owners:
+            handles.append(module.register_forward_pre_hook(lambda m, i, own=own: swap_in(m, i, own)))
+            handles.append(module.register_forward_hook(lambda m, i, o, own=own: swap_out(m, i, o, own)))
+        try:
+            yield touched
+        finally:
+            for handle in handles:
+                handle.remove()
+            for p in self.params:  # an exception mid-forward must not leave weights perturbed
+                if id(p) in active:
+                    p.data = active.pop(id(p))[0]
+
+    def finite_differences(self, batch: Batch, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-example s_i = (l_i(theta + lam z) - l_i(theta - lam z)) / (2 lam) and mean losses, fp32 [B]."""
+        step = self.smoothing * scale
+        losses = []
+        for coefficient in (step, -step):
+            with self.perturbed(seed, coefficient) as touched:
+                losses.append(self.task.per_sample_loss(self.model, batch).float())
+            if len(touched) != len(self.params):
+                missed = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in touched]
+                raise UserError(
+                    f"zeroth-order perturbation missed parameters {missed[:3]}: they are read outside the "
+                    "forward of the module that owns them; move them into a submodule (see models/vit.py)"
+                )
+        plus, minus = losses
+        return (plus - minus) / (2 * self.smoothing), (plus + minus) / 2
+
+    def estimate(self, batches: list[Batch], seed: int, scale: float, clip: float | None):
+        """Sum over the logical batch of (clipped) s_i, the mean loss and the realised batch size."""
+        total = 0.0  # python float: double-precision accumulation
+        loss_total, count = 0.0, 0
+        was_training = self.model.training
+        self.model.eval()  # dropout off for both evaluations, as in MeZO/DPZero
+        try:
+            with torch.inference_mode():
+                for batch in batches:
+                    if self.task.batch_size(batch) == 0:
+                        continue
+                    differences, losses = self.finite_differences(batch, seed, scale)
+                    if clip is not None:
+                        # a non-finite loss must not break the [-C, C] bound; the loss still reports it
+                        differences = torch.nan_to_num(differences, nan=0.0, posinf=clip, neginf=-clip)
+                        differences = differences.clamp(-clip, clip)  # = min(1, C/|s|) s, DPZero's clip
+                    total += differences.double().sum().item()
+                    loss_total += losses.double().sum().item()
+                    count += differences.numel()
+        finally:
+            self.model.train(was_training)
+        return total, (loss_total / count if count else float("nan")), count
+
+    def apply_update(self, seed: int, scale: float, projected_gradient: float) -> None:
+        """theta <- theta - lr (g z + wd theta), parameter by parameter, in fp32 then cast."""
+        with torch.no_grad():
+            for p in self.params:
+                z = self.direction_part(p, seed)
+                update = z.mul_(projected_gradient * scale)
+                if self.weight_decay and p.ndim >= 2:  # MeZO/OPT: no decay on biases and norms
+                    update.add_(p.float(), alpha=self.weight_decay)
+                if p.dtype == torch.float32:
+                    p.sub_(update, alpha=self.lr)
+                else:
+                    p.copy_(p.float().sub_(update, alpha=self.lr))
+
+    def optimizer_state_bytes(self) -> int:
+        return 0  # plain SGD along z: the only state is the next seed
+
+    def extra_results(self) -> dict:
+        return {
+            "smoothing": self.smoothing,
+            "direction": self.direction,
+            "dimension": self.dimension,
+            "weight_decay": self.weight_decay,
+            "perturbation_working_bytes": self.perturbation_bytes,
+        }
+
+
+@ALGORITHMS.register("dpzero")
+class DPZero(ZerothOrderAlgorithm):
+    """Per-example scalar clipping to [-C, C], one scalar Gaussian noise per step (sensitivity C)."""
+
+    def privatize(self, clipped_sum: float) -> float:
+        std = self.privacy.noise_multiplier * self.privacy.clip_norm
+        noise = float(self.privacy.noise.sample((), std))
+        return (clipped_sum + noise) / self.privacy.expected_batch_size
+
+    def step(self, batches: list[Batch]) -> StepResult:
+        seed = self.next_seed()
+        scale = self.direction_scale(seed)
+        clipped_sum, loss, count = self.estimate(batches, seed, scale, clip=self.privacy.clip_norm)
+        # an empty Poisson batch still releases (pure) noise and moves along z
+        self.apply_update(seed, scale, self.privatize(clipped_sum))
+        return StepResult(loss, count)

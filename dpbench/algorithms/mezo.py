@@ -1,0 +1,23 @@
+"""MeZO (Malladi et al., NeurIPS 2023): DPZero's two-point estimator without clipping or noise.
+
+The non-private reference for DPZero: g = mean_i s_i over the realised batch, then the same
+in-place SGD step along the regenerated direction (see dpzero.py for the machinery).
+"""
+
+from __future__ import annotations
+
+from dpbench.algorithms.base import ALGORITHMS, StepResult
+from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
+
+
+@ALGORITHMS.register("mezo")
+class MeZO(ZerothOrderAlgorithm):
+    private = False
+
+    def step(self, batches) -> StepResult:
+        seed = self.next_seed()
+        scale = self.direction_scale(seed)
+        total, loss, count = self.estimate(batches, seed, scale, clip=None)
+        if count:
+            self.apply_update(seed, scale, total / count)
+        return StepResult(loss, count)
