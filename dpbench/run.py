@@ -22,6 +22,7 @@ from dpbench.logging.wandb_logger import build_logger
 from dpbench.metering import PeakMemory
 from dpbench.models import build_model
 from dpbench.privacy.accountants import build_accountant, calibrate_noise_multiplier, planned_ledger
+from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS, under_relation
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.sampling import build_sampler
 from dpbench.tasks import build_task
@@ -40,6 +41,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"privacy.delta must lie strictly between 0 and 1, got {p.delta}")
     if p.clip_norm is None or not p.clip_norm > 0:
         raise UserError(f"privacy.clip_norm must be positive, got {p.clip_norm}")
+    if neighboring(cfg) not in NEIGHBORING_RELATIONS:
+        raise UserError(f"privacy.neighboring={neighboring(cfg)!r} is not known; use add_remove or replace_one")
     if p.sampling not in ("poisson", "shuffle"):
         raise UserError(f"privacy.sampling={p.sampling!r} is not known; use poisson or shuffle")
     if not t.batch_size or t.batch_size <= 0:
@@ -58,6 +61,11 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"device={cfg.device!r} is not known; use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+
+
+def neighboring(cfg: DictConfig) -> str:
+    """The neighbouring relation epsilon is stated for (configs without the key: add_remove)."""
+    return str(cfg.privacy.get("neighboring", "add_remove"))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,7 +140,10 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
 
         def ledger_for(noise_multiplier: float):
             return planned_ledger(
-                lambda step: algo_cls.planned_mechanisms(cfg.algo, noise_multiplier, sample_rate, step), steps
+                lambda step: under_relation(
+                    algo_cls.planned_mechanisms(cfg.algo, noise_multiplier, sample_rate, step), neighboring(cfg)
+                ),
+                steps,
             )
 
         if privacy_cfg.noise_multiplier is not None:
@@ -147,6 +158,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             noise=GaussianNoise(device, secure=bool(privacy_cfg.secure_rng)),
             clipping=privacy_cfg.clipping,
             clipping_gamma=float(privacy_cfg.clipping_gamma),
+            neighboring=neighboring(cfg),
         )
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy)
 
@@ -190,7 +202,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             "planned_steps": steps,
             "accountant": cfg.accountant.name if algo_cls.private else None,
             "sampling": privacy_cfg.sampling,
-            "neighboring": "add_remove",
+            "neighboring": neighboring(cfg) if algo_cls.private else None,
             "ledger": state.ledger.as_records(),
         },
         "metrics": {

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from dpbench.privacy.mechanisms import GaussianMechanism
+from dpbench.privacy.mechanisms import GaussianMechanism, under_relation
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.per_sample import (
     GradSampler,
@@ -36,6 +36,7 @@ class PrivacySetup:
     noise: GaussianNoise  # entropy-seeded generator (dpbench.privacy.noise)
     clipping: str = "flat"  # rule in dpbench.privacy.per_sample.CLIP_FACTORS
     clipping_gamma: float = 0.01
+    neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
 
 
 @dataclass
@@ -66,7 +67,8 @@ class Algorithm(ABC):
     def mechanisms_for_step(self, step: int) -> list[GaussianMechanism]:
         if not self.private:
             return []
-        return self.planned_mechanisms(self.cfg, self.privacy.noise_multiplier, self.privacy.sample_rate, step)
+        planned = self.planned_mechanisms(self.cfg, self.privacy.noise_multiplier, self.privacy.sample_rate, step)
+        return under_relation(planned, self.privacy.neighboring)
 
     def extra_results(self) -> dict:
         """Algorithm-specific facts for results.json (e.g. secondary noise multipliers)."""

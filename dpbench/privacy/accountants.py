@@ -5,6 +5,10 @@ They wrap the field's libraries instead of re-deriving formulas:
   prv  Opacus's PRV accountant (falls back to pld with a warning when PRV's discretisation fails)
   gdp  Opacus's Gaussian-DP (CLT) accountant: homogeneous ledgers only; known to underestimate
   pld  Google's dp-accounting privacy-loss-distribution accountant
+
+Mechanisms stated under replace-one (`privacy.neighboring=replace_one`) are accounted exactly by
+pld (dp-accounting's REPLACE_ONE relation) and through the conservative add/remove reduction
+`GaussianMechanism.add_remove_noise_multiplier` (sigma/2) by the Opacus-based accountants.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class RDPAccountant(Accountant):
         if not ledger:
             return 0.0
         rdp = sum(
-            compute_rdp(q=m.sample_rate, noise_multiplier=m.noise_multiplier, steps=n, orders=RDP_ORDERS)
+            compute_rdp(q=m.sample_rate, noise_multiplier=m.add_remove_noise_multiplier, steps=n, orders=RDP_ORDERS)
             for m, n in ledger.items()
         )
         with warnings.catch_warnings():
@@ -62,14 +66,18 @@ class PLDAccountant(Accountant):
 
         if not ledger:
             return 0.0
+        items = ledger.items()
+        if all(m.neighboring == "replace_one" for m, _ in items):  # exact replace-one accounting
+            relation, multipliers = dpa.NeighboringRelation.REPLACE_ONE, [m.noise_multiplier for m, _ in items]
+        else:  # add/remove, or a mixed ledger: replace-one mechanisms through the sigma/2 reduction
+            relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+            multipliers = [m.add_remove_noise_multiplier for m, _ in items]
         events = [
-            dpa.SelfComposedDpEvent(
-                dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(m.noise_multiplier)), n
-            )
-            for m, n in ledger.items()
+            dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(sigma)), n)
+            for (m, n), sigma in zip(items, multipliers)
         ]
         accountant = dpa.pld.PLDAccountant(
-            value_discretization_interval=self.value_discretization_interval
+            neighboring_relation=relation, value_discretization_interval=self.value_discretization_interval
         )
         accountant.compose(dpa.ComposedDpEvent(events))
         return float(accountant.get_epsilon(delta))
@@ -85,7 +93,7 @@ class PRVAccountant(Accountant):
         if not ledger:
             return 0.0
         accountant = OpacusPRV()
-        accountant.history = [(m.noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
+        accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
         try:
             # Upper bound of PRV's estimate; eps_error scales with the answer (spec pitfall 3).
             first = accountant.get_epsilon(delta, eps_error=0.01)
@@ -115,7 +123,7 @@ class GDPAccountant(Accountant):
         (m, n), = items
         return float(
             gdp.compute_eps_poisson(
-                steps=n, noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate, delta=delta
+                steps=n, noise_multiplier=m.add_remove_noise_multiplier, sample_rate=m.sample_rate, delta=delta
             )
         )
 

@@ -1,27 +1,58 @@
 """The ledger: which noisy releases a run made, in the accountants' common language.
 
 An algorithm declares, for each step, the subsampled Gaussian mechanisms it runs. A mechanism's
-noise multiplier is the noise standard deviation divided by the L2 sensitivity of the released
-sum under the add/remove-one neighbouring relation (Opacus's convention). The trainer appends
-what each step actually ran; the accountant composes the ledger into epsilon.
+noise multiplier is the noise standard deviation divided by the per-example L2 bound of the
+released sum, i.e. its sensitivity under the add/remove-one neighbouring relation (Opacus's
+convention). Its `neighboring` field says which relation the guarantee is stated for:
+`add_remove` (default) or `replace_one` (substitution; the sum's sensitivity is then twice the
+bound, as in the DPZero paper). The trainer appends what each step actually ran; the accountant
+composes the ledger into epsilon.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
 
 
 @dataclass(frozen=True)
 class GaussianMechanism:
     noise_multiplier: float  # noise std / L2 sensitivity
     sample_rate: float  # Poisson sampling probability q of the batch it reads
+    neighboring: str = "add_remove"  # relation the guarantee is stated for (NEIGHBORING_RELATIONS)
 
     def __post_init__(self) -> None:
+        if self.neighboring not in NEIGHBORING_RELATIONS:
+            raise ValueError(f"neighboring must be one of {NEIGHBORING_RELATIONS}, got {self.neighboring!r}")
         if not self.noise_multiplier > 0:
             raise ValueError(f"noise multiplier must be positive, got {self.noise_multiplier}")
         if not 0 < self.sample_rate <= 1:
             raise ValueError(f"sample rate must lie in (0, 1], got {self.sample_rate}")
+
+
+    @property
+    def add_remove_noise_multiplier(self) -> float:
+        """Noise multiplier of an add/remove mechanism whose guarantee covers this one.
+
+        replace_one -> sigma / 2, i.e. add/remove accounting at sensitivity 2C. Why this is sound
+        per step: with Poisson rate q, the worst replace-one pair is P = qN(-C)+(1-q)N(0) vs
+        Q = qN(C)+(1-q)N(0); by advanced joint convexity (Balle, Barthe, Gaboardi 2018, Thm 2)
+        H_{g'}(P||Q) = q H_g(N(-C) || (1-b)N(0) + b N(C)) <= q H_g(N(-C)||N(C)) (convexity in the
+        second argument; Gaussians at distance C are closer than at 2C), which is exactly the
+        add/remove ("remove") hockey-stick divergence at sensitivity 2C. It is also what the DPZero
+        code does (Opacus add/remove multiplier m, noise std 2mC). The rdp, prv and gdp
+        accountants (Opacus: add/remove only) use it; the pld accountant accounts replace-one
+        exactly with dp-accounting's REPLACE_ONE relation, and tests/test_dpzero.py checks that
+        the reduction is never below that exact value.
+        """
+        return self.noise_multiplier if self.neighboring == "add_remove" else self.noise_multiplier / 2
+
+
+def under_relation(mechanisms: list[GaussianMechanism], neighboring: str) -> list[GaussianMechanism]:
+    """The same mechanisms with their guarantee stated under `neighboring`."""
+    return [replace(m, neighboring=neighboring) for m in mechanisms]
 
 
 class Ledger:
@@ -49,6 +80,6 @@ class Ledger:
 
     def as_records(self) -> list[dict]:
         return [
-            {"noise_multiplier": m.noise_multiplier, "sample_rate": m.sample_rate, "count": n}
+            {"noise_multiplier": m.noise_multiplier, "sample_rate": m.sample_rate, "neighboring": m.neighboring, "count": n}
             for m, n in self.items()
         ]
