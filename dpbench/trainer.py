@@ -112,6 +112,7 @@ class Trainer:
                             f"training loss became {result.loss} at step {state.step}: lower train.lr "
                             "or privacy.clip_norm; results so far are in results.json"
                         )
+                    self.logger.log_step(state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
                     window_loss += result.loss * result.batch_size
                     window_count += result.batch_size
                     state.train_loss = window_loss / window_count
