@@ -20,7 +20,7 @@ COPY conf ./conf
 # Keep the image's CUDA build of torch/torchvision: pin them as constraints so pip never
 # replaces them with another multi-GB wheel while installing dpbench's other dependencies.
 RUN python -c "import torch, torchvision; print(f'torch=={torch.__version__.split(\"+\")[0]}'); print(f'torchvision=={torchvision.__version__.split(\"+\")[0]}')" > /tmp/constraints.txt \
- && python -m pip install -c /tmp/constraints.txt ".[nlp]" \
+ && python -m pip install -c /tmp/constraints.txt . \
  && dpbench --help > /dev/null
 
 ENTRYPOINT ["dpbench"]
