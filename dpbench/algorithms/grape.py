@@ -38,11 +38,9 @@ from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
     Projection,
     adam_config,
-    check_not_tied_outside,
-    make_projection,
+    build_projections,
     project,
     projection_summary,
-    select_projected_modules,
 )
 from dpbench.errors import UserError
 from dpbench.logging.console import console
@@ -71,18 +69,11 @@ class DPGrape(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         self.rank = int(cfg.rank)
         self.update_interval = int(cfg.update_interval)
-        if self.rank < 1 or self.update_interval < 1:
-            raise UserError(f"algo.rank and algo.update_interval must be >= 1, got {cfg.rank}, {cfg.update_interval}")
         if cfg.get("projector", "gaussian") not in PROJECTORS:
             raise UserError(f"algo.projector={cfg.projector!r} is not known; use {' or '.join(PROJECTORS)}")
         self.make_projector = PROJECTORS[cfg.get("projector", "gaussian")]
-        modules = select_projected_modules(model, cfg.get("projected_modules"))
-        check_not_tied_outside(model, modules)
+        modules, self.projections = build_projections(model, cfg)
         self.projected_modules = modules
-        self.projections: dict[nn.Parameter, Projection] = {
-            module.weight: make_projection(i, name, module.weight.shape, self.rank)
-            for i, (name, module) in enumerate(modules.items())
-        }
         if not modules:
             console.print("[yellow]warning:[/] grape found no layer matching algo.projected_modules; it runs as DP-Adam")
         seed = cfg.get("projection_seed")

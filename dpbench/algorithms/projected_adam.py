@@ -167,3 +167,56 @@ def projection_summary(projections: dict[nn.Parameter, Projection], params: list
         "projected_numel": sum(proj.rank * proj.kept_dim for proj in projections.values()),  # r Σ n_ℓ
         "full_numel": sum(p.numel() for p in params if id(p) not in projected_ids),
     }
+
+
+class SVDSubspaces:
+    """GaLore's projectors (Algorithms 4-5): every F steps, P = top-r singular vectors of the
+    current batch gradient of each projected layer (U[:, :r] for side left, V[:, :r] for right),
+    stored until the next refresh (Table 2: r Σ m_ℓ projector memory)."""
+
+    def __init__(self, projections: dict[nn.Parameter, Projection], update_interval: int):
+        self.projections = projections
+        self.update_interval = update_interval
+        self.projectors: dict[nn.Parameter, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def projected_step(self, adam: ProjectedAdam, params: list[nn.Parameter], gradients: list[torch.Tensor]) -> None:
+        """Refresh P when due (step 0, F, 2F, ...), project full-shape gradients, Adam-step."""
+        refresh = adam.step_count % self.update_interval == 0
+        low, projectors = [], {}
+        for p, g in zip(params, gradients):
+            projection = self.projections.get(p)
+            if projection is None:
+                low.append(g)
+                continue
+            if refresh or p not in self.projectors:
+                self.projectors[p] = self._svd_projector(g, projection)
+            projector = self.projectors[p]
+            low.append(project(g.float(), projector, projection.side))
+            projectors[p] = (projector, projection.side)
+        adam.step(low, projectors)
+
+    @staticmethod
+    def _svd_projector(gradient: torch.Tensor, projection: Projection) -> torch.Tensor:
+        # A non-finite gradient makes the SVD fail to converge (GaLore issues #26/#58).
+        g = torch.nan_to_num(gradient.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        u, _, vh = torch.linalg.svd(g, full_matrices=False)
+        if projection.side == "left":
+            return u[:, : projection.rank].contiguous()  # (m, r)
+        return vh[: projection.rank].transpose(0, 1).contiguous()  # (n, r)
+
+    def projector_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.projectors.values())
+
+
+def build_projections(model: nn.Module, cfg) -> tuple[dict[str, nn.Linear], dict[nn.Parameter, Projection]]:
+    """The projected modules by name, and each one's weight -> Projection (algo.rank, patterns)."""
+    rank, interval = int(cfg.rank), int(cfg.update_interval)
+    if rank < 1 or interval < 1:
+        raise UserError(f"algo.rank and algo.update_interval must be >= 1, got {cfg.rank}, {cfg.update_interval}")
+    modules = select_projected_modules(model, cfg.get("projected_modules"))
+    check_not_tied_outside(model, modules)
+    return modules, {
+        module.weight: make_projection(i, name, module.weight.shape, rank)
+        for i, (name, module) in enumerate(modules.items())
+    }
