@@ -144,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: the folder)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
-        console.print(f"[bold red]error:[/] {args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>")
+        console.print(f"[bold red]error:[/] {args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>", soft_wrap=True)
         return 2
     rows = load_rows(args.folder)
     if not rows:
-        console.print(f"[bold red]error:[/] no {RESULTS_FILE} under {args.folder}; run `dpbench -m ...` first")
+        console.print(f"[bold red]error:[/] no {RESULTS_FILE} under {args.folder}; run `dpbench -m ...` first", soft_wrap=True)
         return 2
     console.print(rows_table(rows))
     for r in ratios(rows):
         console.print(
             f"grape/dpadam at batch {r['batch_size']}: peak memory {_fmt(r['peak_mib'], '.3f')}, "
-            f"per-sample grads {_fmt(r['per_sample_grad_bytes'], '.3f')}, throughput {_fmt(r['samples_per_s'], '.3f')}"
+            f"per-sample grads {_fmt(r['per_sample_grad_bytes'], '.3f')}, throughput {_fmt(r['samples_per_s'], '.3f')}",
+            soft_wrap=True,
         )
     out = args.out or args.folder
     out.mkdir(parents=True, exist_ok=True)
