@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dpbench.errors import DivergedError, UserError
@@ -31,7 +32,8 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(2)
     except DivergedError as error:
         console.print(f"[bold red]diverged:[/] {error}", soft_wrap=True)
-        sys.exit(1)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:  # a grid goes on to its next job
+            sys.exit(1)
 
 
 def main() -> None:

@@ -111,7 +111,10 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
     seed_everything(cfg.seed)
 
     task = build_task(cfg, device)
-    model = build_model(cfg.model, task.model_spec()).to(device)
+    if hasattr(task, "build_model"):  # language tasks: the model needs the task's tokenizer
+        model = task.build_model(cfg.model).to(device)
+    else:
+        model = build_model(cfg.model, task.model_spec()).to(device)
     model.train()
     algo_cls = algorithm_class(cfg.algo.name)
     n, batch_size = task.train_size, cfg.train.batch_size
@@ -137,6 +140,8 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
 
         if privacy_cfg.noise_multiplier is not None:
             sigma = float(privacy_cfg.noise_multiplier)
+        elif steps == 0:  # zero-shot evaluation: nothing is released, nothing to calibrate
+            sigma = math.inf
         else:
             sigma = calibrate_noise_multiplier(accountant, ledger_for, privacy_cfg.epsilon, privacy_cfg.delta)
         privacy = PrivacySetup(
@@ -194,6 +199,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             "ledger": state.ledger.as_records(),
         },
         "metrics": {
+            "metric": getattr(task, "metric_name", "accuracy"),  # what test_accuracy holds
             "test_accuracy": last.get("test_accuracy"),
             "best_test_accuracy": state.best_accuracy,
             "train_loss": last.get("train_loss"),

@@ -51,7 +51,7 @@ class Trainer:
         self.logger = logger
         self.show_progress = show_progress
         self.state = TrainingState()
-        self.throughput = Throughput()
+        self.throughput = Throughput(warmup_steps=min(3, steps // 2))
 
     def epsilon_spent(self) -> float | None:
         if self.accountant is None:
@@ -112,6 +112,7 @@ class Trainer:
                             f"training loss became {result.loss} at step {state.step}: lower train.lr "
                             "or privacy.clip_norm; results so far are in results.json"
                         )
+                    self.logger.log_step(state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
                     window_loss += result.loss * result.batch_size
                     window_count += result.batch_size
                     state.train_loss = window_loss / window_count

@@ -10,6 +10,7 @@ cryptographic generator; `privacy.secure_rng=true` draws the noise from the OS C
 
 from __future__ import annotations
 
+import os
 import secrets
 
 import numpy as np
@@ -33,10 +34,20 @@ class GaussianNoise:
         if std == 0:
             return torch.zeros(shape, device=self.device, dtype=dtype)
         if self.secure:
-            # numpy's Generator on a SeedSequence of 256 fresh OS-entropy bits per draw: no state
-            # survives between draws, so no earlier output predicts a later one.
-            rng = np.random.default_rng(secrets.randbits(256))
-            values = rng.standard_normal(size=tuple(shape), dtype=np.float32)
-            return torch.from_numpy(values).to(device=self.device, dtype=dtype) * std
+            values = torch.from_numpy(secure_standard_normal(int(np.prod(shape))).reshape(tuple(shape)))
+            return (values * std).to(device=self.device, dtype=dtype)
         noise = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
         return (noise * std).to(dtype)
+
+
+def secure_standard_normal(count: int) -> np.ndarray:
+    """N(0, 1) samples from the OS CSPRNG (os.urandom) by Box-Muller, in float64.
+
+    As in Opacus's secure mode, each sample is the sum of four independent normals divided by
+    two, which blurs the floating-point artefacts of a single Gaussian draw (Mironov 2012).
+    torch offers no CSPRNG-backed sampler without the unmaintained torchcsprng, hence by hand.
+    """
+    bits = np.frombuffer(os.urandom(8 * 8 * count), dtype=np.uint64).reshape(4, 2, count)
+    uniform = ((bits >> np.uint64(11)).astype(np.float64) + 1.0) / 2.0**53  # (0, 1]
+    normals = np.sqrt(-2.0 * np.log(uniform[:, 0])) * np.cos(2.0 * np.pi * uniform[:, 1])
+    return (normals.sum(axis=0) / 2.0).astype(np.float32)

@@ -52,6 +52,7 @@ class PerSampleGradients:
                 raise RuntimeError("per-sample gradients were accumulated twice without a reset")
             if grad_sample is None:  # parameter unused in this forward pass
                 grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
+            grad_sample = _sum_rows_per_example(grad_sample, losses.shape[0])
             per_sample.append(grad_sample)
             p.grad_sample = None
             p.grad = None
@@ -59,6 +60,21 @@ class PerSampleGradients:
 
     def detach(self) -> None:
         self._module._close()
+
+
+def _sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tensor:
+    """[R, ...] per-row gradients -> [B, ...] per-example ones, when an example spans R/B rows.
+
+    Candidate scoring feeds K sequences per example, laid out example-major (rows b*K..b*K+K-1
+    are example b); the privacy unit is the example, so its rows' gradients are summed before
+    clipping.
+    """
+    rows = grad_sample.shape[0]
+    if rows == examples:
+        return grad_sample
+    if examples == 0 or rows % examples:
+        raise RuntimeError(f"{rows} per-row gradients do not split into {examples} examples")
+    return grad_sample.view(examples, rows // examples, *grad_sample.shape[1:]).sum(dim=1)
 
 
 def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,10 @@ class Task(ABC):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Test metrics; must contain 'accuracy' (the headline metric)."""
 
+    # Optional: a task whose model depends on it (a language model needs the task's tokenizer)
+    # defines `build_model(model_cfg) -> nn.Module`; run.py calls it instead of build_model.
+    metric_name = "accuracy"  # what evaluate()'s 'accuracy' holds (e.g. "f1" for generation)
+
     def model_spec(self):
         """What the model builder needs (input shape, classes)."""
         raise NotImplementedError
@@ -46,4 +50,11 @@ TASKS: Registry[type[Task]] = Registry("task")
 def build_task(cfg, device: torch.device) -> Task:
     from dpbench.tasks import image  # noqa: F401
 
-    return TASKS.get(cfg.dataset.get("task", "image_classification"))(cfg, device)
+    kind = cfg.dataset.get("task", "image_classification")
+    if kind in ("language", "prompt_mlm", "causal_lm"):  # transformers is imported only for these
+        from dpbench.tasks import causal_lm, prompt_mlm  # noqa: F401
+        from dpbench.tasks.language import language_task_kind
+
+        if kind == "language":  # RoBERTa -> prompt_mlm, OPT -> causal_lm
+            kind = language_task_kind(cfg)
+    return TASKS.get(kind)(cfg, device)

@@ -1,0 +1,18 @@
+"""DP-LoRA: DP-Adam on LoRA adapters only (the DPZero / DP-GRAPE papers' DP-LoRA baseline).
+
+Adapters are injected (peft, rank 8, alpha 16 by default) before the per-sample-gradient engine
+is built, so Opacus hooks see only adapter Linear layers as trainable: per-example clipping and
+Gaussian noise act on the adapter parameters alone, whose sum has sensitivity C as in DP-SGD.
+"""
+
+from __future__ import annotations
+
+from dpbench.algorithms.base import ALGORITHMS
+from dpbench.algorithms.dpadam import DPAdam
+from dpbench.models.lora import inject_lora
+
+
+@ALGORITHMS.register("dplora")
+class DPLoRA(DPAdam):
+    def __init__(self, model, task, cfg, lr, privacy):
+        super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

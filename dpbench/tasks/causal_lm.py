@@ -1,0 +1,174 @@
+"""OPT causal-LM tasks as in MeZO / DPZero / DP-GRAPE.
+
+Classification (SST-2, BoolQ): each candidate continuation is scored by the mean log-likelihood
+of its tokens; the training loss is cross-entropy over the candidates with logits = -mean NLL
+(MeZO's `train_as_classification`). An example is K rows (one per candidate), laid out
+example-major; the per-sample-gradient engine sums the K rows' gradients, so the privacy unit
+and the clipping are per example, not per row.
+Generation (SQuAD, DROP): the loss is the mean NLL of the gold answer's tokens (pitfall 10 of the
+DPZero digest: per example, never a batch mean); evaluation decodes greedily (<= 50 new tokens,
+stopping at a newline) and scores SQuAD F1 against every gold answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpbench.data.text import sample_subset
+from dpbench.errors import UserError
+from dpbench.tasks import TASKS
+from dpbench.tasks.language import LanguageTask
+from dpbench.tasks.prompts import CAUSAL_PROMPTS
+from dpbench.tasks.qa_metrics import exact_match, squad_f1
+
+
+@dataclass
+class CausalBatch:
+    input_ids: torch.Tensor  # [R, T], R = B * rows_per_example, example-major
+    attention_mask: torch.Tensor  # [R, T]
+    target_mask: torch.Tensor  # [R, T]: 1 where the token is scored (predicted from t-1)
+    labels: torch.Tensor  # [B] gold candidate (classification) or zeros
+    rows_per_example: int
+
+
+@TASKS.register("causal_lm")
+class CausalLMTask(LanguageTask):
+    default_data_seed = 0
+
+    def __init__(self, cfg, device):
+        name = cfg.dataset.name
+        if name not in CAUSAL_PROMPTS:
+            raise UserError(f"dataset={name} has no OPT template; OPT tasks: {', '.join(CAUSAL_PROMPTS)}")
+        self.prompt = CAUSAL_PROMPTS[name]
+        self.metric_name = "f1" if self.prompt.generation else "accuracy"
+        super().__init__(cfg, device)
+
+    def select(self, train_rows, test_rows):
+        data = self.cfg.dataset
+        num_train, num_dev = int(data.num_train), int(data.num_dev)
+        picked = sample_subset(len(train_rows), num_train + num_dev, self.data_seed)
+        train = [train_rows[i] for i in picked[:num_train]]
+        dev = [train_rows[i] for i in picked[num_train:]]
+        test = [test_rows[i] for i in sample_subset(len(test_rows), int(data.num_test), self.data_seed)]
+        return train, dev, test
+
+    def corpus(self, rows):
+        texts = []
+        for row in rows:
+            continuations = self.prompt.answers(row) if self.prompt.generation else self.prompt.candidates(row)
+            texts += [self.prompt.prompt(row) + c for c in continuations]
+        return texts
+
+    # --- encoding -------------------------------------------------------------------------
+    def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:
+        """Token ids of prompt + continuation (with BOS) and how many trailing ones are scored.
+
+        The continuation is the suffix of the jointly tokenised text when the prompt's tokens are
+        a prefix of it (as MeZO does); otherwise it is tokenised alone. The prompt is cut from the
+        left (after BOS) to fit max_length, as MeZO truncates from the left.
+        """
+        tok = self.tokenizer
+        prompt_ids = tok(prompt)["input_ids"]
+        full = tok(prompt + continuation)["input_ids"]
+        if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+            option = full[len(prompt_ids):]
+        else:
+            option = tok.encode(continuation, add_special_tokens=False)
+        return self.fit(prompt_ids, option), len(option)
+
+    def fit(self, prompt_ids: list[int], option: list[int]) -> list[int]:
+        room = self.max_length - len(option)
+        if len(prompt_ids) > room:
+            prompt_ids = prompt_ids[:1] + prompt_ids[len(prompt_ids) - room + 1:]
+        return prompt_ids + option
+
+    def prepare(self):
+        limit = getattr(self.tokenizer, "model_max_length", None) or 10**9  # the model's positions
+        self.max_length = int(min(int(self.cfg.dataset.get("max_length") or 2048), limit))
+        self.max_new_tokens = int(self.cfg.dataset.get("max_new_tokens", 50))
+        if self.prompt.generation:
+            # Train on the first gold answer (MeZO); evaluate against all of them.
+            self.train_encoded = [[self.encode(self.prompt.prompt(r), self.prompt.answers(r)[0])] for r in self.train_rows]
+            self.train_gold = [0] * len(self.train_rows)
+            self.eval_prompts = [self.fit(self.tokenizer(self.prompt.prompt(r))["input_ids"], [])[: self.max_length]
+                                 for r in self.eval_rows]
+            self.eval_answers = [[a.strip() for a in self.prompt.answers(r)] for r in self.eval_rows]
+        else:
+            def encode_rows(rows):
+                return [[self.encode(self.prompt.prompt(r), c) for c in self.prompt.candidates(r)] for r in rows]
+
+            self.train_encoded, self.train_gold = encode_rows(self.train_rows), [self.prompt.gold(r) for r in self.train_rows]
+            self.eval_encoded, self.eval_gold = encode_rows(self.eval_rows), [self.prompt.gold(r) for r in self.eval_rows]
+
+    def _batch(self, encoded: list[list[tuple[list[int], int]]], gold: list[int]) -> CausalBatch:
+        rows_per_example = len(encoded[0]) if encoded else 1
+        sequences = [ids for example in encoded for ids, _ in example]
+        ids, attention = self.pad(sequences)
+        target = torch.zeros_like(attention)
+        for row, (seq, scored) in enumerate(pair for example in encoded for pair in example):
+            target[row, len(seq) - scored: len(seq)] = 1
+        return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device), rows_per_example)
+
+    def batch(self, indices):
+        return self._batch([self.train_encoded[i] for i in indices], [self.train_gold[i] for i in indices])
+
+    def batch_size(self, batch: CausalBatch) -> int:
+        return int(batch.labels.shape[0])
+
+    # --- losses ---------------------------------------------------------------------------
+    def row_nll(self, model: nn.Module, batch: CausalBatch) -> torch.Tensor:
+        """Mean NLL of each row's scored tokens: [R]."""
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [R, T, V]
+        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -log_probs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [R, T-1]
+        scored = batch.target_mask[:, 1:].float()
+        return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
+
+    def per_sample_loss(self, model, batch):
+        if self.batch_size(batch) == 0:
+            return torch.zeros(0, device=self.device)
+        nll = self.row_nll(model, batch)
+        if self.prompt.generation:
+            return nll  # [B]
+        return F.cross_entropy(-nll.view(-1, batch.rows_per_example), batch.labels, reduction="none")  # [B]
+
+    # --- evaluation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model):
+        was_training = model.training
+        model.eval()
+        try:
+            return self._evaluate_generation(model) if self.prompt.generation else self._evaluate_scoring(model)
+        finally:
+            model.train(was_training)
+
+    def _evaluate_scoring(self, model):
+        correct, loss, n = 0, 0.0, len(self.eval_gold)
+        for start in range(0, n, self.eval_batch_size):
+            stop = start + self.eval_batch_size
+            batch = self._batch(self.eval_encoded[start:stop], self.eval_gold[start:stop])
+            logits = -self.row_nll(model, batch).view(-1, batch.rows_per_example)  # [B, K]
+            loss += F.cross_entropy(logits, batch.labels, reduction="sum").item()
+            correct += (logits.argmax(dim=1) == batch.labels).sum().item()
+        return {"accuracy": correct / n, "loss": loss / n}
+
+    def _evaluate_generation(self, model):
+        tok = self.tokenizer
+        stop_ids = [tok.encode("\n", add_special_tokens=False)[-1], tok.eos_token_id]
+        f1_total, em_total, n = 0.0, 0.0, len(self.eval_prompts)
+        for start in range(0, n, self.eval_batch_size):
+            prompts = self.eval_prompts[start : start + self.eval_batch_size]
+            ids, attention = self.pad(prompts, left=True)  # left padding: generation appends on the right
+            generated = model.generate(
+                input_ids=ids, attention_mask=attention, do_sample=False, num_beams=1,
+                max_new_tokens=self.max_new_tokens, eos_token_id=stop_ids, pad_token_id=tok.pad_token_id,
+            )
+            for row, golds in zip(generated[:, ids.shape[1]:], self.eval_answers[start : start + self.eval_batch_size]):
+                text = tok.decode(row, skip_special_tokens=True).split("\n")[0].strip()
+                f1_total += max(squad_f1(text, gold) for gold in golds)
+                em_total += max(exact_match(text, gold) for gold in golds)
+        return {"accuracy": f1_total / n, "f1": f1_total / n, "exact_match": em_total / n}

@@ -1,0 +1,134 @@
+"""The console script as a user runs it: W&B files, multirun resume, one-line errors, divergence."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, compose
+
+from dpbench.errors import DivergedError, UserError
+from dpbench.logging.results import read_results
+from dpbench.run import run_job, validate
+
+
+def dpbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-m", "dpbench.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch):
+    from wandb_records import summary
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    results = run_job(cfg, tmp_path, show_progress=False)
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    values = summary(run_file)
+    assert float(values["test_accuracy"]) == pytest.approx(results["metrics"]["test_accuracy"])
+    assert int(values["peak_memory_bytes"]) == results["memory"]["peak_bytes"]
+    assert float(values["epsilon"]) == pytest.approx(results["privacy"]["epsilon"])
+
+
+def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
+    run_job(tiny_cfg(), tmp_path, show_progress=False)
+    assert (tmp_path / "results.json").is_file()
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"]
+    first = dpbench(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    files = sorted(sweep.glob("*/results.json"))
+    assert len(files) == 4
+    assert {json.loads(f.read_text())["algo"] for f in files} == {"adam", "dpsgd"}
+    stamps = {f: f.stat().st_mtime_ns for f in files}
+    files[0].unlink()  # as if the grid had been interrupted before this job finished
+    second = dpbench(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stderr.count("skipping") == 3
+    assert files[0].is_file()
+    for f in files[1:]:
+        assert f.stat().st_mtime_ns == stamps[f]
+
+
+BAD_INPUTS = [
+    (["privacy.epsilon=0"], "privacy.epsilon must be positive"),
+    (["privacy.epsilon=-1"], "privacy.epsilon must be positive"),
+    (["privacy.delta=1.5"], "privacy.delta must lie strictly between 0 and 1"),
+    (["privacy.delta=0"], "privacy.delta must lie strictly between 0 and 1"),
+    (["privacy.clip_norm=-1"], "privacy.clip_norm must be positive"),
+    (["train.physical_batch_size=64"], "train.physical_batch_size=64 must lie in 1..train.batch_size=32"),
+    (["privacy.sampling=fixed"], "privacy.sampling='fixed' is not known"),
+    (["privacy.noise_multiplier=-2"], "privacy.noise_multiplier must be positive"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_INPUTS)
+def test_bad_input_is_rejected_with_the_fix(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        validate(compose(TINY + overrides))
+
+
+def test_unreachable_epsilon_is_a_user_error(tiny_cfg, tmp_path):
+    with pytest.raises(UserError, match="no noise multiplier reaches"):
+        run_job(tiny_cfg("privacy.epsilon=1e-9", "train.steps=50"), tmp_path, show_progress=False)
+
+
+def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
+    result = dpbench(*TINY, "privacy.epsilon=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: privacy.epsilon must be positive")
+    unknown = dpbench("algo=nope", cwd=tmp_path)
+    assert unknown.returncode != 0
+    assert "Could not find 'algo/nope'" in unknown.stderr and "dpadam" in unknown.stderr
+
+
+def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
+    results = run_job(tiny_cfg("privacy.delta=0.01"), tmp_path, show_progress=False)
+    assert any("not below 1/n" in note for note in results["notes"])
+
+
+def test_shuffle_sampling_is_recorded_with_a_warning(tiny_cfg, tmp_path):
+    results = run_job(tiny_cfg("privacy.sampling=shuffle"), tmp_path, show_progress=False)
+    assert results["privacy"]["sampling"] == "shuffle"
+    assert any("assumes Poisson sampling" in note for note in results["notes"])
+
+
+def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):
+    with pytest.raises(DivergedError, match="training loss became"):
+        run_job(tiny_cfg("algo=dpsgd", "train.lr=1e38", "train.steps=20", "train.eval_every=1"), tmp_path, show_progress=False)
+    results = read_results(tmp_path)
+    assert results["status"] == "diverged"
+    assert results["privacy"]["steps"] < 20
+    assert results["privacy"]["epsilon"] > 0  # the steps that ran were accounted
+
+
+def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
+    """Gradient accumulation over physical batches privatises exactly the logical batch's sum."""
+    import torch
+
+    from dpbench.algorithms import PrivacySetup, algorithm_class
+    from dpbench.models import build_model
+    from dpbench.privacy.noise import GaussianNoise
+    from dpbench.tasks import build_task
+
+    cfg = tiny_cfg()
+    task = build_task(cfg, torch.device("cpu"))
+    indices = list(range(20))
+    updates = []
+    for chunk in (20, 6):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, task.model_spec())
+        setup = PrivacySetup(0.0, 1.0, 20.0, 20 / task.train_size, GaussianNoise("cpu"))
+        algo = algorithm_class("dpsgd")(model, task, compose(["algo=dpsgd"]).algo, 0.1, setup)
+        algo.step([task.batch(indices[i : i + chunk]) for i in range(0, 20, chunk)])
+        updates.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
