@@ -120,7 +120,7 @@ def plot_accuracy_vs_epsilon(rows: list[dict], path: Path) -> Path | None:
     series = defaultdict(dict)
     for r in rows:
         if r["epsilon"] is not None and r["accuracy"] is not None:
-            series[r["algo"]].setdefault(round(r["epsilon"], 3), []).append(r["accuracy"])
+            series[r["algo"]].setdefault(round(r["epsilon"], 1), []).append(r["accuracy"])
     if not any(len(points) > 1 for points in series.values()):
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
