@@ -1,0 +1,55 @@
+"""GaLore (Zhao et al. 2024; DP-GRAPE paper, Algorithm 4): non-private Adam with moments in the
+subspace of the top-r singular vectors of each projected layer's batch gradient, refreshed every F
+steps. The non-private reference for naive DP-GaLore and DP-GRAPE (no GaLore `scale`: 1.0, as
+the DP-GRAPE reference code uses)."""
+
+from __future__ import annotations
+
+from dpbench.algorithms.base import ALGORITHMS, Algorithm, StepResult
+from dpbench.algorithms.projected_adam import (
+    ProjectedAdam,
+    SVDSubspaces,
+    adam_config,
+    build_projections,
+    projection_summary,
+)
+
+
+@ALGORITHMS.register("galore")
+class GaLore(Algorithm):
+    private = False
+
+    def __init__(self, model, task, cfg, lr, privacy=None):
+        super().__init__(model, task, cfg, lr, privacy)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        _, projections = build_projections(model, cfg)
+        self.subspaces = SVDSubspaces(projections, int(cfg.update_interval))
+        self.optimizer = ProjectedAdam(self.params, lr, **adam_config(cfg))
+
+    def step(self, batches) -> StepResult:
+        total = sum(self.task.batch_size(b) for b in batches)
+        if total == 0:
+            return StepResult(float("nan"), 0)
+        loss_total = 0.0
+        for batch in batches:  # gradient accumulation: mean loss over the logical batch
+            if self.task.batch_size(batch) == 0:
+                continue
+            losses = self.task.per_sample_loss(self.model, batch)
+            (losses.sum() / total).backward()
+            loss_total += losses.detach().float().sum().item()
+        gradients = [p.grad if p.grad is not None else p.new_zeros(p.shape) for p in self.params]
+        self.subspaces.projected_step(self.optimizer, self.params, gradients)
+        for p in self.params:
+            p.grad = None
+        return StepResult(loss_total / total, total)
+
+    def optimizer_state_bytes(self) -> int:
+        return self.optimizer.state_bytes()
+
+    def extra_results(self) -> dict:
+        return {
+            **projection_summary(self.subspaces.projections, self.params),
+            "rank": int(self.cfg.rank),
+            "update_interval": self.subspaces.update_interval,
+            "projector_bytes": self.subspaces.projector_bytes(),
+        }

@@ -1,0 +1,45 @@
+"""Naive DP-GaLore (DP-GRAPE paper, Algorithm 5): DP-Adam's privatisation of full per-sample
+gradients, then GaLore on the noisy batch gradient.
+
+Full per-sample gradients are flat-clipped, summed, noised in full dimension and divided by B,
+exactly as DP-Adam (one Gaussian mechanism per step). Every F steps the SVD of each projected
+layer's *noisy* batch gradient gives P = U[:, :r] (or V[:, :r] for tall weights); Adam runs in that
+subspace and the update is projected back. The SVD sees only privatised gradients, so it is
+post-processing. Saves optimizer-state memory but none of the per-sample-gradient memory.
+"""
+
+from __future__ import annotations
+
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm
+from dpbench.algorithms.projected_adam import (
+    ProjectedAdam,
+    SVDSubspaces,
+    adam_config,
+    build_projections,
+    projection_summary,
+)
+
+
+@ALGORITHMS.register("galore_naive")
+class NaiveDPGaLore(DPFirstOrderAlgorithm):
+    def __init__(self, model, task, cfg, lr, privacy):
+        _, projections = build_projections(model, cfg)
+        self.subspaces = SVDSubspaces(projections, int(cfg.update_interval))
+        super().__init__(model, task, cfg, lr, privacy)
+
+    def build_optimizer(self, params):
+        return ProjectedAdam(params, self.lr, **adam_config(self.cfg))
+
+    def apply_update(self, gradients):
+        self.subspaces.projected_step(self.optimizer, self.params, gradients)
+
+    def optimizer_state_bytes(self) -> int:
+        return self.optimizer.state_bytes()
+
+    def extra_results(self) -> dict:
+        return {
+            **projection_summary(self.subspaces.projections, self.params),
+            "rank": int(self.cfg.rank),
+            "update_interval": self.subspaces.update_interval,
+            "projector_bytes": self.subspaces.projector_bytes(),
+        }
