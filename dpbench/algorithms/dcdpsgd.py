@@ -117,6 +117,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         # seeded global RNG once); the privacy noise never comes from it.
         self.projection_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
         self.tail_fraction_seen: list[float] = []
+        self.last_tail: torch.Tensor | None = None
 
     @staticmethod
     def tail_clip_of(cfg, body_clip: float) -> float:
@@ -179,6 +180,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             scores_all = torch.cat(scores)
             noisy = scores_all + self.privacy.noise.sample(scores_all.shape, self.sigma_tr)  # sensitivity 1
             tail, thresholds = self.clip_thresholds(noisy)
+            self.last_tail = tail  # [B] bool, for diagnostics and tests
             self.tail_fraction_seen.append(tail.float().mean().item())
             factors = clip_factors(torch.cat(norms), thresholds)  # min(1, c_i/||g_i||), per example
             start = 0
