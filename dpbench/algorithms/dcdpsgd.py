@@ -63,7 +63,22 @@ def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Genera
     uniform = torch.rand((dim, k), generator=generator).clamp_min(1e-12)
     magnitude = (-torch.log(uniform)).pow(theta)
     signs = torch.randint(0, 2, (dim, k), generator=generator).float() * 2 - 1
-    basis, _ = torch.linalg.qr(magnitude * signs)  # reduced QR: basis^T basis = I
+    return orthonormalise(magnitude * signs)
+
+
+def orthonormalise(matrix: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis [d, k] of the columns' span (basis^T basis = I).
+
+    CholeskyQR2 (two passes of Q = A R^-1 with R^T R = A^T A): matrix-multiply bound, ~10x
+    faster than Householder QR for tall d x k matrices on CPU; falls back to QR when the Gram
+    matrix is numerically singular.
+    """
+    basis = matrix
+    for _ in range(2):
+        factor, info = torch.linalg.cholesky_ex(basis.T @ basis)
+        if info.item() != 0:
+            return torch.linalg.qr(matrix)[0]
+        basis = torch.linalg.solve_triangular(factor.T, basis, upper=True, left=False)
     return basis
 
 

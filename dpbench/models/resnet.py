@@ -13,6 +13,8 @@ resnet18  torchvision's ResNet-18 with norm_layer = GroupNorm (pure-Python model
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 
 from dpbench.models import MODELS, DataSpec
@@ -65,6 +67,7 @@ def build_resnet9(cfg, spec: DataSpec) -> nn.Module:
 @MODELS.register("resnet18")
 def build_resnet18(cfg, spec: DataSpec) -> nn.Module:
     from torchvision.models import resnet18
+    from torchvision.models.resnet import BasicBlock
 
     groups = int(cfg.get("groups", 32))
     model = resnet18(num_classes=spec.num_classes, norm_layer=lambda c: nn.GroupNorm(min(groups, c), c))
@@ -73,8 +76,19 @@ def build_resnet18(cfg, spec: DataSpec) -> nn.Module:
         model.maxpool = nn.Identity()
     elif spec.channels != 3:
         model.conv1 = nn.Conv2d(spec.channels, 64, 7, stride=2, padding=3, bias=False)
-    # Opacus hooks cannot see through in-place activations feeding a residual add.
+    # Opacus's backward hooks forbid in-place ops on hooked module outputs (the block's
+    # `out += identity` and inplace ReLU): make both out-of-place.
     for module in model.modules():
         if isinstance(module, nn.ReLU):
             module.inplace = False
+        if isinstance(module, BasicBlock):
+            module.forward = types.MethodType(_basic_block_forward, module)
     return model
+
+
+def _basic_block_forward(self, x):
+    """torchvision's BasicBlock.forward with an out-of-place residual add."""
+    identity = x if self.downsample is None else self.downsample(x)
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    return self.relu(out + identity)
