@@ -168,15 +168,18 @@ def test_resnet18_has_groupnorm_only():
 
 
 # --- end to end on synthetic data ---------------------------------------------------------------
-SMALL = ["dataset=synthetic", "train.steps=2", "train.batch_size=8", "train.eval_every=2", "dataset.test_size=16"]
+SMALL = ["dataset=synthetic", "train.steps=2", "train.batch_size=8", "train.eval_every=2", "dataset.test_size=16",
+         "dataset.train_size=64"]
+FIXED_SIGMA = ["privacy.noise_multiplier=1.0"]  # calibration is tested in test_dcdpsgd/test_dpdr
 
 
 @pytest.mark.parametrize("overrides", [
-    ["algo=dcdpsgd", "model=tanh_cnn", "dataset.image_size=28", "train.physical_batch_size=4"],
-    ["algo=dpdr", "model=cnn5", "dataset.channels=3", "dataset.image_size=32", "algo.decomposition_steps=2"],
-    ["algo=dpdr", "model=resnet9", "model.width=8", "dataset.channels=3", "dataset.image_size=16"],
-    ["algo=dcdpsgd", "model=resnet18", "dataset.channels=3", "dataset.image_size=16", "algo.score_params=first", "train.batch_size=4"],
-    ["algo=dpsgd", "model=cnn", "privacy.clipping=psac"],
+    ["algo=dcdpsgd", "model=tanh_cnn", "dataset.image_size=28", "train.physical_batch_size=4"],  # calibrated
+    ["algo=dpdr", "model=cnn5", "dataset.channels=3", "dataset.image_size=32", "algo.decomposition_steps=2", *FIXED_SIGMA],
+    ["algo=dpdr", "model=resnet9", "model.width=8", "dataset.channels=3", "dataset.image_size=16", *FIXED_SIGMA],
+    ["algo=dcdpsgd", "model=resnet18", "dataset.channels=3", "dataset.image_size=16", "algo.score_params=first", "train.batch_size=2",
+     "train.steps=1", "dataset.image_size=8", *FIXED_SIGMA],
+    ["algo=dpsgd", "model=cnn", "privacy.clipping=psac", *FIXED_SIGMA],
     ["algo=dpdr", "model=cnn", "algo.paper_accounting=true", "privacy.noise_multiplier=0.6", "algo.sigma_perp=0.6", "algo.sigma_alpha=0.8", "algo.claimed_epsilon=8"],
 ])
 def test_new_configs_run_end_to_end(tmp_path, overrides):
@@ -189,11 +192,21 @@ def test_new_configs_run_end_to_end(tmp_path, overrides):
         assert results["algorithm"]["claimed_epsilon"] == 8 and results["algorithm"]["sigma_alpha"] == 0.8
 
 
-@pytest.mark.parametrize("experiment", sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml")))
-def test_experiment_configs_compose_and_run_on_synthetic(tmp_path, experiment):
+EXPERIMENTS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_configs_compose(experiment):
     real = compose_config(f"experiment={experiment}")
     assert real.dataset.name != "synthetic" and real.algo.name in ("dcdpsgd", "dpdr")
-    cfg = compose_config(f"experiment={experiment}", *SMALL, "dataset.channels=3", "dataset.image_size=16",
-                         "train.physical_batch_size=null", "model.name=cnn")
+    assert real.name == experiment and real.model.name in ("tanh_cnn", "cnn5", "resnet9", "resnet18")
+    # the baselines of the paper's tables run on the same experiment config
+    assert compose_config(f"experiment={experiment}", "algo=dpsgd", "privacy.clipping=psac").algo.name == "dpsgd"
+
+
+@pytest.mark.parametrize("experiment", ["dcdpsgd_imagenette_lt", "dpdr_svhn"])
+def test_experiment_configs_run_on_synthetic(tmp_path, experiment):
+    cfg = compose_config(f"experiment={experiment}", *SMALL, "train.steps=1", "dataset.channels=3",
+                         "dataset.image_size=16", "train.physical_batch_size=null", "model.name=cnn", *FIXED_SIGMA)
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results["status"] == "completed"
