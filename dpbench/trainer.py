@@ -51,7 +51,7 @@ class Trainer:
         self.logger = logger
         self.show_progress = show_progress
         self.state = TrainingState()
-        self.throughput = Throughput()
+        self.throughput = Throughput(warmup_steps=min(3, steps // 2))
 
     def epsilon_spent(self) -> float | None:
         if self.accountant is None:

@@ -29,16 +29,19 @@ def _fmt(value, spec: str) -> str:
 def summary_table(results: dict) -> Table:
     privacy, metrics = results["privacy"], results["metrics"]
     memory, throughput = results["memory"], results["throughput"]
-    table = Table(title=f"dpbench · {results['algo']} · {results['model']} · {results['dataset']}")
+    table = Table(
+        title=f"dpbench · {results['algo']} · {results['model']} · {results['dataset']} · {results['status']}",
+        caption=f"peak memory: {memory['kind']}",
+    )
     for column in ("test acc", "best acc", "ε spent", "δ", "σ", "peak memory", "samples/s", "wall time"):
         table.add_column(column, justify="right")
     table.add_row(
         _fmt(metrics.get("test_accuracy"), ".4f"),
         _fmt(metrics.get("best_test_accuracy"), ".4f"),
-        _fmt(privacy.get("epsilon"), ".3f") if privacy.get("private") else "∞ (non-private)",
+        _fmt(privacy.get("epsilon"), ".3f") if privacy.get("private") else "∞",
         _fmt(privacy.get("delta"), ".0e") if privacy.get("private") else "—",
         _fmt(privacy.get("noise_multiplier"), ".4f"),
-        f"{memory['peak_bytes'] / 2**20:.1f} MiB ({memory['kind']})",
+        f"{memory['peak_bytes'] / 2**20:.0f} MiB",
         _fmt(throughput.get("samples_per_s"), ".1f"),
         f"{throughput['wall_s']:.1f} s",
     )

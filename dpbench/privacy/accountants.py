@@ -113,11 +113,14 @@ class GDPAccountant(Accountant):
                 f"{len(items)} different mechanisms: use accountant=rdp, prv or pld"
             )
         (m, n), = items
-        return float(
-            gdp.compute_eps_poisson(
-                steps=n, noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate, delta=delta
+        try:
+            return float(
+                gdp.compute_eps_poisson(
+                    steps=n, noise_multiplier=m.noise_multiplier, sample_rate=m.sample_rate, delta=delta
+                )
             )
-        )
+        except ValueError:  # Opacus brackets epsilon in [0, 500]; beyond that it finds no root
+            return math.inf
 
 
 def build_accountant(name: str) -> Accountant:

@@ -1,0 +1,93 @@
+"""Every option of every config group composes, and every algorithm runs end to end."""
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose
+
+from dpbench.logging.results import read_results
+from dpbench.run import run_job
+
+GROUPS = ["dataset", "model", "algo", "accountant", "logger"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes(group, option):
+    cfg = compose([f"{group}={option}"])
+    assert cfg[group].name == option
+
+
+def test_required_options_exist():
+    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "svhn"} <= set(options("dataset"))
+    assert {"vit", "cnn"} <= set(options("model"))
+    assert {"adam", "dpsgd", "dpadam"} <= set(options("algo"))
+    assert {"rdp", "prv", "gdp", "pld"} == set(options("accountant")) & {"rdp", "prv", "gdp", "pld"}
+    assert {"wandb", "none"} <= set(options("logger"))
+
+
+def test_algo_configs_match_registry():
+    from dpbench.algorithms import ALGORITHMS, import_all
+
+    import_all()
+    assert set(options("algo")) == set(ALGORITHMS.names())
+
+
+REQUIRED_KEYS = {
+    "privacy": {"epsilon", "target_epsilon", "delta", "noise_multiplier", "sample_rate", "steps", "accountant", "sampling"},
+    "metrics": {"test_accuracy", "best_test_accuracy", "train_loss"},
+    "memory": {"peak_bytes", "kind", "per_sample_grad_bytes", "optimizer_state_bytes"},
+    "throughput": {"samples_per_s", "wall_s"},
+    "versions": {"torch", "opacus", "dpbench", "device"},
+}
+
+
+def check_results(results: dict) -> None:
+    for key in ("algo", "model", "dataset", "seed", "config", "status"):
+        assert key in results
+    for section, keys in REQUIRED_KEYS.items():
+        assert keys <= set(results[section]), f"{section} lacks {keys - set(results[section])}"
+    assert 0.0 <= results["metrics"]["test_accuracy"] <= 1.0
+    assert results["memory"]["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("algo", options("algo"))
+def test_every_algorithm_runs_end_to_end(algo, tiny_cfg, tmp_path: Path):
+    results = run_job(tiny_cfg(f"algo={algo}"), tmp_path, show_progress=False)
+    check_results(results)
+    assert read_results(tmp_path)["algo"] == algo
+    assert results["privacy"]["steps"] == 3
+    if results["privacy"]["private"]:
+        assert 0 < results["privacy"]["epsilon"] <= 8.0
+    else:
+        assert results["privacy"]["epsilon"] is None and results["privacy"]["ledger"] == []
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
+    if compose([f"model={model}"]).model.get("task_kind", "image") != "image":
+        pytest.skip("not an image model")
+    results = run_job(tiny_cfg(f"model={model}", "algo=dpsgd"), tmp_path, show_progress=False)
+    check_results(results)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv", "gdp", "pld"])
+def test_every_accountant_calibrates_a_run(accountant, tiny_cfg, tmp_path: Path):
+    results = run_job(tiny_cfg(f"accountant={accountant}", "algo=dpsgd"), tmp_path, show_progress=False)
+    assert results["privacy"]["accountant"] == accountant
+    assert 7.5 <= results["privacy"]["epsilon"] <= 8.0 + 1e-9
+
+
+def test_pyproject_lists_every_subpackage():
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "dpbench").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
