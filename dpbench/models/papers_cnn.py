@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dpbench.errors import UserError
 from dpbench.models import MODELS, DataSpec
 
 
@@ -28,11 +29,21 @@ def _flat_size(features: nn.Module, spec: DataSpec) -> int:
 def build_tanh_cnn(cfg, spec: DataSpec) -> nn.Module:
     groups = int(cfg.get("groups", 4))
     norm = (lambda c: [nn.GroupNorm(min(groups, c), c)]) if cfg.get("group_norm", False) else (lambda c: [])
-    features = nn.Sequential(
-        nn.Conv2d(spec.channels, 16, 8, stride=2, padding=2), *norm(16), nn.Tanh(), nn.MaxPool2d(2, 1),
-        nn.Conv2d(16, 32, 4, stride=2), *norm(32), nn.Tanh(), nn.MaxPool2d(2, 1),
-        nn.Flatten(),
-    )
+    # The layout is for 28x28; on smaller inputs (8x8 digits) the second conv is padded and a
+    # max pool on a 1x1 map is skipped, so the same model runs everywhere.
+    size = (spec.image_size + 4 - 8) // 2 + 1
+    if size < 1:
+        raise UserError(f"model=tanh_cnn needs images of at least 4x4, got {spec.image_size}")
+    layers: list[nn.Module] = [nn.Conv2d(spec.channels, 16, 8, stride=2, padding=2), *norm(16), nn.Tanh()]
+    if size >= 2:
+        layers.append(nn.MaxPool2d(2, 1))
+        size -= 1
+    pad = max(0, -(-(4 - size) // 2))
+    layers += [nn.Conv2d(16, 32, 4, stride=2, padding=pad), *norm(32), nn.Tanh()]
+    size = (size + 2 * pad - 4) // 2 + 1
+    if size >= 2:
+        layers.append(nn.MaxPool2d(2, 1))
+    features = nn.Sequential(*layers, nn.Flatten())
     hidden = int(cfg.get("hidden", 32))
     return nn.Sequential(
         features, nn.Linear(_flat_size(features, spec), hidden), nn.Tanh(), nn.Linear(hidden, spec.num_classes)
