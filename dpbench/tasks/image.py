@@ -15,6 +15,8 @@ from dpbench.tasks import TASKS, Task
 
 @TASKS.register("image_classification")
 class ImageClassificationTask(Task):
+    margins: torch.Tensor | None = None  # LDAM class margins; None = plain cross-entropy
+
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
         self.data = load_dataset(cfg.dataset, cfg.seed)
         self.device = device
