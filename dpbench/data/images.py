@@ -105,3 +105,73 @@ def _load_torchvision(cfg, seed: int) -> ImageDataset:
 
 for _name in TORCHVISION:
     DATASETS.register(_name)(_load_torchvision)
+
+
+# --- ImageNette and the long-tailed variants (DC-DPSGD's datasets) ------------------------------
+
+
+@DATASETS.register("imagenette")
+def load_imagenette(cfg, seed: int) -> ImageDataset:
+    """fast.ai's ImageNette through torchvision's reader (root/imagenette2[-320|-160]/{train,val}/<wnid>/*.JPEG).
+
+    Every image is resized to dataset.image_size squared (DC-DPSGD's code trains at 32x32) and
+    held in memory as one tensor; the val split is the test set (3,925 images).
+    """
+    import torchvision
+    from torchvision import transforms
+
+    root = Path(cfg.data_dir).expanduser()
+    size = int(cfg.image_size)
+    to_tensor = transforms.Compose([transforms.Resize((size, size)), transforms.PILToTensor()])
+
+    def split(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            dataset = torchvision.datasets.Imagenette(
+                str(root), split=name, size=cfg.size, download=bool(cfg.download), transform=to_tensor
+            )
+        except Exception as error:  # offline download, missing files
+            raise UserError(
+                f"dataset imagenette is not under {root} (expected imagenette2{'' if cfg.size == 'full' else '-' + cfg.size}"
+                f"/{{train,val}}/<wnid>/*.JPEG) and could not be downloaded ({type(error).__name__}); "
+                "copy it there or set dataset.data_dir=PATH"
+            ) from None
+        images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+        return torch.stack(images).float() / 255.0, torch.as_tensor(labels).long()
+
+    train_x, train_y = split("train")
+    test_x, test_y = split("val")
+    train_x, test_x = _normalise(train_x, test_x)
+    return ImageDataset(train_x, train_y, test_x, test_y, 10, cfg.patch_size)
+
+
+def long_tail_indices(labels: torch.Tensor, num_classes: int, imbalance_factor: float, seed: int) -> np.ndarray:
+    """Training indices of the exponential long-tail profile of Cao et al. 2019 (LDAM-DRW).
+
+    Class c keeps int(n_max * imbalance^(c/(K-1))) examples, n_max = N/K, chosen by the same
+    legacy-numpy shuffle as LDAM-DRW's IMBALANCECIFAR10 (seed 0 gives its subset):
+    CIFAR-10-LT at 0.01 has 12,406 images, ImageNette-LT 2,345.
+    """
+    targets = labels.numpy()
+    n_max = len(targets) / num_classes
+    rng = np.random.RandomState(seed)
+    keep = []
+    for c in range(num_classes):
+        count = int(n_max * imbalance_factor ** (c / (num_classes - 1.0)))
+        idx = np.where(targets == c)[0]
+        rng.shuffle(idx)
+        keep.append(idx[:count])
+    return np.concatenate(keep)
+
+
+def _load_long_tailed(cfg, seed: int) -> ImageDataset:
+    from omegaconf import OmegaConf
+
+    source = OmegaConf.merge(cfg, {"name": cfg.source})
+    data = DATASETS.get(cfg.source)(source, seed)
+    keep = torch.from_numpy(long_tail_indices(data.train_labels, data.num_classes, float(cfg.imbalance_factor), int(cfg.lt_seed)))
+    data.train_images, data.train_labels = data.train_images[keep], data.train_labels[keep]
+    return data
+
+
+for _name in ("cifar10_lt", "imagenette_lt"):
+    DATASETS.register(_name)(_load_long_tailed)

@@ -30,4 +30,4 @@ def build_model(model_cfg, spec: DataSpec) -> nn.Module:
 
 def _import_builders() -> None:
     # Importing the modules registers their builders.
-    from dpbench.models import cnn, vit  # noqa: F401
+    from dpbench.models import cnn, papers_cnn, resnet, vit  # noqa: F401
