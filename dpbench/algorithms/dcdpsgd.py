@@ -21,12 +21,16 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     proportional to 1/sigma^2 for a Gaussian) spent on the scores, the pair costs about what one
     Gaussian at sigma costs, and the accountant composes the two exact mechanisms. The paper
     instead calibrates each half to eps/2 and adds epsilons.
-  * Rank coupling (our analysis, not in the paper). The tail set is a top-k over the batch, so
-    removing one example can move one *other* example across the tail boundary. The default
-    (`algo.gradient_sensitivity=tail_clip`) follows the paper/issue model: the tail set is
-    post-processing of the noisy scores, the gradient release has sensitivity c1.
-    `rank_coupled` charges the unconditional worst case c1 + (c1 - c2) on the gradient release
-    instead (the noise itself stays sigma_dp*c1), which needs no argument about the scores.
+  * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
+    batch, so adding or removing one example can also move one *other* example across the tail
+    boundary (the tail count and the ranking both change), and the per-example noisy scores are
+    not themselves a DP release under add/remove. The default
+    (`algo.gradient_sensitivity=rank_coupled`) therefore charges the unconditional worst case
+    c1 + (c1 - c2) on the gradient release (the noise itself stays sigma_dp*c1), which needs no
+    argument about the scores; the score mechanism is still charged, conservatively.
+    `tail_clip` reproduces the paper/issue model (sensitivity c1, the tail set treated as
+    post-processing of the noisy scores); it is not a proven bound and results.json says which
+    was used.
 
 Physical batches: the tail set needs every noisy score of the logical batch, so with several
 physical batches the step makes two passes (scores, then clipped sums; per-sample gradients
