@@ -92,3 +92,9 @@ def test_pyproject_lists_every_subpackage():
         if "__pycache__" not in p.parts
     }
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_composes(experiment):
+    cfg = compose([f"experiment={experiment}"])
+    assert cfg.algo.name and cfg.dataset.name and cfg.model.name

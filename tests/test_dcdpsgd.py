@@ -122,7 +122,11 @@ def _dp_accounting_epsilon(events, delta):
 
 @pytest.mark.parametrize("sigma,fraction,steps", [(0.8, 0.5, 200), (1.5, 0.2, 1000)])
 def test_ledger_composes_both_mechanisms_like_dp_accounting(sigma, fraction, steps):
-    cfg = compose_config("algo=dcdpsgd", f"algo.score_budget_fraction={fraction}").algo
+    # tail_clip: the gradient release's multiplier is sigma_dp itself (rank_coupled rescales it,
+    # tested in test_calibration_meets_the_target_and_rank_coupled_costs_more)
+    cfg = compose_config(
+        "algo=dcdpsgd", f"algo.score_budget_fraction={fraction}", "algo.gradient_sensitivity=tail_clip"
+    ).algo
     q = 0.01
     ledger = planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step), steps)
     sigma_tr, sigma_dp = sigma / math.sqrt(fraction), sigma / math.sqrt(1 - fraction)
