@@ -2,11 +2,16 @@
 
 Peak memory is reset at the start of every run so each job of a multirun reports its own:
 on a GPU through torch.cuda's peak statistics; on the CPU by resetting Linux's resident-set
-high-water mark (writing 5 to /proc/self/clear_refs) and reading VmHWM afterwards.
+high-water mark (writing 5 to /proc/self/clear_refs) and reading VmHWM afterwards. Before the CPU
+reset, memory freed by an earlier job is handed back to the OS (glibc keeps freed heap pages
+otherwise, and the next job's peak would include them). `start_bytes` is the resident size at
+the reset (interpreter and libraries), so `peak_bytes - start_bytes` is what the run itself added.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
 import time
@@ -18,6 +23,7 @@ import torch
 class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
+        self.start_bytes = 0
 
     @property
     def kind(self) -> str:
@@ -26,11 +32,17 @@ class PeakMemory:
         return "cpu_peak_rss" if _can_reset_rss() else "cpu_peak_rss_since_process_start"
 
     def reset(self) -> None:
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif _can_reset_rss():
-            Path("/proc/self/clear_refs").write_text("5")
+            self.start_bytes = int(torch.cuda.memory_reserved(self.device))
+        else:
+            _release_freed_heap()
+            if _can_reset_rss():
+                Path("/proc/self/clear_refs").write_text("5")
+            self.start_bytes = _cpu_current_rss()
 
     def read(self) -> dict:
         if self.device.type == "cuda":
@@ -39,13 +51,31 @@ class PeakMemory:
                 "peak_bytes": int(torch.cuda.max_memory_reserved(self.device)),
                 "kind": self.kind,
                 "cuda_max_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                "start_bytes": self.start_bytes,
             }
-        return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind}
+        return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind, "start_bytes": self.start_bytes}
 
 
 def _can_reset_rss() -> bool:
     path = Path("/proc/self/clear_refs")
     return sys.platform.startswith("linux") and path.exists()
+
+
+def _release_freed_heap() -> None:
+    """glibc's malloc_trim: return free heap pages to the OS (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cpu_current_rss() -> int:
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _cpu_peak_rss() -> int:

@@ -35,6 +35,8 @@ def load_rows(folder: Path) -> list[dict]:
             "model": results.get("model"),
             "batch_size": (results.get("config") or {}).get("train", {}).get("batch_size"),
             "peak_mib": memory["peak_bytes"] / MIB if memory.get("peak_bytes") is not None else None,
+            "run_mib": (memory["peak_bytes"] - memory["start_bytes"]) / MIB
+            if memory.get("peak_bytes") is not None and memory.get("start_bytes") is not None else None,
             "memory_kind": memory.get("kind"),
             "per_sample_grad_bytes": memory.get("per_sample_grad_bytes"),
             "optimizer_state_bytes": memory.get("optimizer_state_bytes"),
@@ -53,11 +55,11 @@ def _fmt(value, spec: str) -> str:
 
 def rows_table(rows: list[dict]) -> Table:
     table = Table(title="dpbench results")
-    for column in ("algo", "batch", "peak MiB", "per-sample grads", "optimizer state", "samples/s", "accuracy", "ε", "status"):
+    for column in ("algo", "batch", "peak MiB", "run's own MiB", "per-sample grads", "optimizer state", "samples/s", "accuracy", "ε", "status"):
         table.add_column(column, justify="left" if column in ("algo", "status") else "right")
     for r in rows:
         table.add_row(
-            str(r["algo"]), _fmt(r["batch_size"], "d"), _fmt(r["peak_mib"], ".1f"),
+            str(r["algo"]), _fmt(r["batch_size"], "d"), _fmt(r["peak_mib"], ".1f"), _fmt(r["run_mib"], ".1f"),
             _fmt(None if r["per_sample_grad_bytes"] is None else r["per_sample_grad_bytes"] / MIB, ".2f") + " MiB",
             _fmt(None if r["optimizer_state_bytes"] is None else r["optimizer_state_bytes"] / MIB, ".2f") + " MiB",
             _fmt(r["samples_per_s"], ".1f"), _fmt(r["accuracy"], ".4f"), _fmt(r["epsilon"], ".2f"), str(r["status"]),
@@ -78,7 +80,7 @@ def ratios(rows: list[dict], numerator: str = "grape", denominator: str = "dpada
             a, b = r.get(key), other.get(key)
             return a / b if a is not None and b else None
 
-        out.append({"batch_size": batch, **{k: ratio(k) for k in ("peak_mib", "per_sample_grad_bytes", "samples_per_s")}})
+        out.append({"batch_size": batch, **{k: ratio(k) for k in ("peak_mib", "run_mib", "per_sample_grad_bytes", "samples_per_s")}})
     return out
 
 
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(rows_table(rows))
     for r in ratios(rows):
         console.print(
-            f"grape/dpadam at batch {r['batch_size']}: peak memory {_fmt(r['peak_mib'], '.3f')}, "
+            f"grape/dpadam at batch {r['batch_size']}: peak memory {_fmt(r['peak_mib'], '.3f')} "
+            f"(run's own {_fmt(r['run_mib'], '.3f')}), "
             f"per-sample grads {_fmt(r['per_sample_grad_bytes'], '.3f')}, throughput {_fmt(r['samples_per_s'], '.3f')}",
             soft_wrap=True,
         )

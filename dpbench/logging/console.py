@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(stderr=True)
+# Logs and CI have no terminal width; 120 columns keep the summary tables on one line a row.
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def training_progress() -> Progress:
