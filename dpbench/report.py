@@ -84,12 +84,29 @@ def ratios(rows: list[dict], numerator: str = "grape", denominator: str = "dpada
     return out
 
 
-def plot_memory(rows: list[dict], path: Path) -> Path | None:
+def _line_plot(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    """One line per algorithm, points sorted by x."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for algo, points in sorted(series.items()):
+        points = sorted(points)
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=algo)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(rows: list[dict], path: Path) -> Path | None:
     series = defaultdict(list)
     for r in rows:
         if r["batch_size"] is not None and r["peak_mib"] is not None:
@@ -97,47 +114,19 @@ def plot_memory(rows: list[dict], path: Path) -> Path | None:
     if not series:
         return None
     kind = next((r["memory_kind"] for r in rows if r["memory_kind"]), "peak")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for algo, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=algo)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel(f"peak memory (MiB, {kind})")
-    ax.set_title("Peak memory vs batch size")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _line_plot(series, "batch size", f"peak memory (MiB, {kind})", "Peak memory vs batch size", path)
 
 
 def plot_accuracy_vs_epsilon(rows: list[dict], path: Path) -> Path | None:
-    """Only when some algorithm ran at several ε."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = defaultdict(dict)
+    """Only when some algorithm ran at several ε; accuracy is averaged over runs at one ε."""
+    by_epsilon = defaultdict(dict)
     for r in rows:
         if r["epsilon"] is not None and r["accuracy"] is not None:
-            series[r["algo"]].setdefault(round(r["epsilon"], 1), []).append(r["accuracy"])
-    if not any(len(points) > 1 for points in series.values()):
+            by_epsilon[r["algo"]].setdefault(round(r["epsilon"], 1), []).append(r["accuracy"])
+    if not any(len(points) > 1 for points in by_epsilon.values()):
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for algo, points in sorted(series.items()):
-        eps = sorted(points)
-        ax.plot(eps, [sum(points[e]) / len(points[e]) for e in eps], marker="o", label=algo)
-    ax.set_xlabel("ε")
-    ax.set_ylabel("best test accuracy (mean over runs)")
-    ax.set_title("Accuracy vs privacy")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    series = {algo: [(e, sum(a) / len(a)) for e, a in points.items()] for algo, points in by_epsilon.items()}
+    return _line_plot(series, "ε", "best test accuracy (mean over runs)", "Accuracy vs privacy", path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ the true epsilon (privacy.epsilon) next to the paper's claimed one.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -11,7 +11,6 @@ from dpbench.algorithms.projected_adam import (
     SVDSubspaces,
     adam_config,
     build_projections,
-    projection_summary,
 )
 
 
@@ -47,9 +46,4 @@ class GaLore(Algorithm):
         return self.optimizer.state_bytes()
 
     def extra_results(self) -> dict:
-        return {
-            **projection_summary(self.subspaces.projections, self.params),
-            "rank": int(self.cfg.rank),
-            "update_interval": self.subspaces.update_interval,
-            "projector_bytes": self.subspaces.projector_bytes(),
-        }
+        return self.subspaces.summary(self.params, int(self.cfg.rank))

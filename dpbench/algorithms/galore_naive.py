@@ -16,7 +16,6 @@ from dpbench.algorithms.projected_adam import (
     SVDSubspaces,
     adam_config,
     build_projections,
-    projection_summary,
 )
 
 
@@ -37,9 +36,4 @@ class NaiveDPGaLore(DPFirstOrderAlgorithm):
         return self.optimizer.state_bytes()
 
     def extra_results(self) -> dict:
-        return {
-            **projection_summary(self.subspaces.projections, self.params),
-            "rank": int(self.cfg.rank),
-            "update_interval": self.subspaces.update_interval,
-            "projector_bytes": self.subspaces.projector_bytes(),
-        }
+        return self.subspaces.summary(self.params, int(self.cfg.rank))

@@ -208,6 +208,15 @@ class SVDSubspaces:
     def projector_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.projectors.values())
 
+    def summary(self, params: list[nn.Parameter], rank: int) -> dict:
+        """What results.json records about the subspaces (galore and galore_naive alike)."""
+        return {
+            **projection_summary(self.projections, params),
+            "rank": rank,
+            "update_interval": self.update_interval,
+            "projector_bytes": self.projector_bytes(),
+        }
+
 
 def build_projections(model: nn.Module, cfg) -> tuple[dict[str, nn.Linear], dict[nn.Parameter, Projection]]:
     """The projected modules by name, and each one's weight -> Projection (algo.rank, patterns)."""
