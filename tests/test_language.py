@@ -168,8 +168,8 @@ def test_lora_adapter_per_sample_grads(workspace, model_name, dataset):
 
 # --- end to end ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "model_name,dataset,algo", [("roberta", "sst2", "dpadam"), ("roberta", "sst2", "dplora"),
-                                ("opt", "squad", "dpadam"), ("opt", "squad", "dplora")],
+    "model_name,dataset,algo",
+    [(m, d, a) for m, d in (("roberta", "sst2"), ("opt", "squad")) for a in ("dpadam", "dplora", "grape", "dpzero")],
 )
 def test_language_runs_end_to_end(workspace, tmp_path, model_name, dataset, algo):
     from dpbench.run import run_job
