@@ -69,21 +69,24 @@ def _release_freed_heap() -> None:
         pass
 
 
-def _cpu_current_rss() -> int:
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
     status = Path("/proc/self/status")
     if status.exists():
         for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    return 0
+    return None
+
+
+def _cpu_current_rss() -> int:
+    return _proc_status_bytes("VmRSS") or 0
 
 
 def _cpu_peak_rss() -> int:
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
