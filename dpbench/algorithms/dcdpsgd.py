@@ -64,10 +64,10 @@ def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Genera
     entries are centred; inverse-CDF sampling keeps the public generator explicit.
     """
     k = min(k, dim)
-    uniform = torch.rand((dim, k), generator=generator).clamp_min(1e-12)
-    magnitude = (-torch.log(uniform)).pow(theta)
-    signs = torch.randint(0, 2, (dim, k), generator=generator).float() * 2 - 1
-    return orthonormalise(magnitude * signs)
+    # In place: d x k temporaries every step fragment the CPU heap and inflate resident memory.
+    magnitude = torch.rand((dim, k), generator=generator).clamp_min_(1e-12).log_().neg_().pow_(theta)
+    signs = torch.randint(0, 2, (dim, k), generator=generator, dtype=torch.float32).mul_(2).sub_(1)
+    return orthonormalise(magnitude.mul_(signs))
 
 
 def orthonormalise(matrix: torch.Tensor) -> torch.Tensor:
