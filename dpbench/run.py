@@ -211,7 +211,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             "ledger": state.ledger.as_records(),
         },
         "metrics": {
-            "metric": getattr(task, "metric_name", "accuracy"),  # what test_accuracy holds
+            "metric": task.metric_name,  # what test_accuracy holds
             "test_accuracy": last.get("test_accuracy"),
             "best_test_accuracy": state.best_accuracy,
             "train_loss": last.get("train_loss"),

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpbench.data.text import sample_subset
-from dpbench.errors import UserError
 from dpbench.tasks import TASKS
 from dpbench.tasks.language import LanguageTask
 from dpbench.tasks.prompts import CAUSAL_PROMPTS
@@ -38,14 +37,12 @@ class CausalBatch:
 @TASKS.register("causal_lm")
 class CausalLMTask(LanguageTask):
     default_data_seed = 0
+    prompts = CAUSAL_PROMPTS
+    family = "OPT"
 
-    def __init__(self, cfg, device):
-        name = cfg.dataset.name
-        if name not in CAUSAL_PROMPTS:
-            raise UserError(f"dataset={name} has no OPT template; OPT tasks: {', '.join(CAUSAL_PROMPTS)}")
-        self.prompt = CAUSAL_PROMPTS[name]
-        self.metric_name = "f1" if self.prompt.generation else "accuracy"
-        super().__init__(cfg, device)
+    @property
+    def metric_name(self) -> str:  # generation is scored by SQuAD F1
+        return "f1" if self.prompt.generation else "accuracy"
 
     def select(self, train_rows, test_rows):
         data = self.cfg.dataset

@@ -29,9 +29,14 @@ def language_task_kind(cfg) -> str:
 
 class LanguageTask(Task):
     default_data_seed: int
-    metric_name = "accuracy"
+    prompts: dict  # dataset name -> prompt of this task kind
+    family: str  # model family, for the error message
 
     def __init__(self, cfg, device: torch.device):
+        name = cfg.dataset.name
+        if name not in self.prompts:
+            raise UserError(f"dataset={name} has no {self.family} prompt; {self.family} tasks: {', '.join(self.prompts)}")
+        self.prompt = self.prompts[name]
         self.cfg = cfg
         self.device = device
         data = cfg.dataset

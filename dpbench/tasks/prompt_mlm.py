@@ -73,13 +73,8 @@ def label_word_ids(prompt: MLMPrompt, tokenizer) -> list[int]:
 @TASKS.register("prompt_mlm")
 class PromptMLMTask(LanguageTask):
     default_data_seed = 42
-
-    def __init__(self, cfg, device):
-        name = cfg.dataset.name
-        if name not in MLM_PROMPTS:
-            raise UserError(f"dataset={name} has no RoBERTa prompt; RoBERTa tasks: {', '.join(MLM_PROMPTS)}")
-        self.prompt = MLM_PROMPTS[name]
-        super().__init__(cfg, device)
+    prompts = MLM_PROMPTS
+    family = "RoBERTa"
 
     def select(self, train_rows, test_rows):
         classes = len(self.prompt.label_words)
