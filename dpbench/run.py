@@ -22,7 +22,7 @@ from dpbench.logging.wandb_logger import build_logger
 from dpbench.metering import PeakMemory
 from dpbench.models import build_model
 from dpbench.privacy.accountants import build_accountant, calibrate_noise_multiplier, planned_ledger
-from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS, under_relation
+from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.sampling import build_sampler
 from dpbench.tasks import build_task
@@ -132,6 +132,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
     steps = planned_steps(cfg, n)
 
     privacy_cfg = cfg.privacy
+    relation = neighboring(cfg)  # the neighbouring relation epsilon is stated for
     accountant = privacy = None
     sigma = None
     if algo_cls.private:
@@ -143,9 +144,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
 
         def ledger_for(noise_multiplier: float):
             return planned_ledger(
-                lambda step: under_relation(
-                    algo_cls.planned_mechanisms(cfg.algo, noise_multiplier, sample_rate, step), neighboring(cfg)
-                ),
+                lambda step: algo_cls.declared_mechanisms(cfg.algo, noise_multiplier, sample_rate, step, relation),
                 steps,
             )
 
@@ -163,7 +162,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             noise=GaussianNoise(device, secure=bool(privacy_cfg.secure_rng)),
             clipping=privacy_cfg.clipping,
             clipping_gamma=float(privacy_cfg.clipping_gamma),
-            neighboring=neighboring(cfg),
+            neighboring=relation,
         )
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy)
 
@@ -207,7 +206,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             "planned_steps": steps,
             "accountant": cfg.accountant.name if algo_cls.private else None,
             "sampling": privacy_cfg.sampling,
-            "neighboring": neighboring(cfg) if algo_cls.private else None,
+            "neighboring": relation if algo_cls.private else None,
             "ledger": state.ledger.as_records(),
         },
         "metrics": {

@@ -64,11 +64,19 @@ class Algorithm(ABC):
         """Mechanisms that step `step` runs for a base noise multiplier (used to calibrate sigma)."""
         return [GaussianMechanism(noise_multiplier, sample_rate)] if cls.private else []
 
+    @classmethod
+    def declared_mechanisms(
+        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, neighboring: str
+    ) -> list[GaussianMechanism]:
+        """`planned_mechanisms` stated under the run's neighbouring relation: what the ledger
+        records, both for calibration (run.py) and for the steps that actually ran."""
+        return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step), neighboring)
+
     def mechanisms_for_step(self, step: int) -> list[GaussianMechanism]:
         if not self.private:
             return []
-        planned = self.planned_mechanisms(self.cfg, self.privacy.noise_multiplier, self.privacy.sample_rate, step)
-        return under_relation(planned, self.privacy.neighboring)
+        p = self.privacy
+        return self.declared_mechanisms(self.cfg, p.noise_multiplier, p.sample_rate, step, p.neighboring)
 
     def extra_results(self) -> dict:
         """Algorithm-specific facts for results.json (e.g. secondary noise multipliers)."""
