@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import platform
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,19 +14,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import dpbench
-from dpbench.algorithms import PrivacySetup, algorithm_class
+from dpbench.algorithms import Algorithm, algorithm_class
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.console import console, summary_table
+from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import read_results, write_results
-from dpbench.logging.wandb_logger import build_logger
+from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.models import build_model
-from dpbench.privacy.accountants import build_accountant, calibrate_noise_multiplier, planned_ledger
 from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
-from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.plan import PrivacyPlan, neighboring, plan_privacy
 from dpbench.privacy.sampling import build_sampler
-from dpbench.tasks import build_task
-from dpbench.trainer import Trainer
+from dpbench.tasks import Task, build_task
+from dpbench.trainer import Trainer, TrainerConfig
 
 
 def validate(cfg: DictConfig) -> None:
@@ -63,11 +62,6 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
 
 
-def neighboring(cfg: DictConfig) -> str:
-    """The neighbouring relation epsilon is stated for (configs without the key: add_remove)."""
-    return str(cfg.privacy.get("neighboring", "add_remove"))
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,118 +93,85 @@ def versions(device: torch.device) -> dict:
     }
 
 
-def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
-    """Run one job. Returns its results (also written to run_dir/results.json)."""
-    run_dir = Path(run_dir)
-    if cfg.resume and (existing := read_results(run_dir)) is not None:
-        console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
-        return existing
+@dataclass
+class Job:
+    """Everything a run is built from (`setup`), before training."""
+
+    cfg: DictConfig
+    device: torch.device
+    task: Task
+    model: torch.nn.Module
+    algorithm: Algorithm
+    privacy: PrivacyPlan | None
+    steps: int
+
+
+def setup(cfg: DictConfig) -> Job:
+    """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm."""
     validate(cfg)
-    notes: list[str] = []
-
-    def warn(message: str) -> None:
-        notes.append(message)
-        console.print(f"[yellow]warning:[/] {message}")
-
     device = resolve_device(cfg.device)
-    memory = PeakMemory(device)
-    memory.reset()
-    started = time.perf_counter()
     seed_everything(cfg.seed)
-
     task = build_task(cfg, device)
-    if hasattr(task, "build_model"):  # language tasks: the model needs the task's tokenizer
-        model = task.build_model(cfg.model).to(device)
-    else:
-        model = build_model(cfg.model, task.model_spec()).to(device)
+    build = getattr(task, "build_model", None)  # language tasks: the model needs the task's tokenizer
+    model = (build(cfg.model) if build else build_model(cfg.model, task.model_spec())).to(device)
     model.train()
     algo_cls = algorithm_class(cfg.algo.name)
-    n, batch_size = task.train_size, cfg.train.batch_size
-    if batch_size > n:
-        raise UserError(f"train.batch_size={batch_size} exceeds the {n} training examples; lower it")
-    sample_rate = batch_size / n
-    steps = planned_steps(cfg, n)
+    if cfg.train.batch_size > task.train_size:
+        raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {task.train_size} training examples; lower it")
+    steps = planned_steps(cfg, task.train_size)
+    privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
+    algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
+    return Job(cfg, device, task, model, algorithm, privacy, steps)
 
-    privacy_cfg = cfg.privacy
-    relation = neighboring(cfg)  # the neighbouring relation epsilon is stated for
-    accountant = privacy = None
-    sigma = None
-    if algo_cls.private:
-        accountant = build_accountant(cfg.accountant.name)
-        if privacy_cfg.delta >= 1 / n:
-            warn(f"privacy.delta={privacy_cfg.delta} is not below 1/n = {1 / n:.2e}; such a delta allows leaking a record")
-        if privacy_cfg.sampling != "poisson":
-            warn("privacy.sampling=shuffle: the accountant's guarantee assumes Poisson sampling, so the reported epsilon is not a proven bound for this run")
 
-        def ledger_for(noise_multiplier: float):
-            return planned_ledger(
-                lambda step: algo_cls.declared_mechanisms(cfg.algo, noise_multiplier, sample_rate, step, relation),
-                steps,
-            )
-
-        if privacy_cfg.noise_multiplier is not None:
-            sigma = float(privacy_cfg.noise_multiplier)
-        elif steps == 0:  # zero-shot evaluation: nothing is released, nothing to calibrate
-            sigma = math.inf
-        else:
-            sigma = calibrate_noise_multiplier(accountant, ledger_for, privacy_cfg.epsilon, privacy_cfg.delta)
-        privacy = PrivacySetup(
-            noise_multiplier=sigma,
-            clip_norm=float(privacy_cfg.clip_norm),
-            expected_batch_size=sample_rate * n,
-            sample_rate=sample_rate,
-            noise=GaussianNoise(device, secure=bool(privacy_cfg.secure_rng)),
-            clipping=privacy_cfg.clipping,
-            clipping_gamma=float(privacy_cfg.clipping_gamma),
-            neighboring=relation,
-        )
-    algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy)
-
-    sampler = build_sampler(privacy_cfg.sampling, n, batch_size, cfg.seed)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
-    logger = build_logger(cfg.logger, run_dir, run_name, resolved)
+def fit(job: Job, run_dir: Path, logger, show_progress: bool) -> tuple[Trainer, str, Exception | None]:
+    """Train; a diverged run still returns its trainer so that what it measured is recorded."""
+    cfg = job.cfg
+    log_private_stats = job.privacy.log_private_stats if job.privacy else True
     trainer = Trainer(
-        task, algorithm, sampler, steps, cfg.train.physical_batch_size, cfg.train.eval_every,
-        accountant, privacy_cfg.delta if accountant else None, logger, show_progress,
+        job.task,
+        job.algorithm,
+        build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed),
+        TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats),
+        job.privacy,
+        [LoggerCallback(logger)] + ([ProgressCallback()] if show_progress else []),
     )
-    status, failure = "completed", None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
-            state = trainer.fit()
-        if not state.history:  # train.steps=0: evaluate the untrained (or pretrained) model
-            trainer._evaluate()
+            trainer.fit()
     except DivergedError as error:
-        status, failure = "diverged", error
-    state = trainer.state
+        return trainer, "diverged", error
+    return trainer, "completed", None
 
-    epsilon = trainer.epsilon_spent() if accountant else None
+
+def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> dict:
+    """results.json: the contract reports, resumption and checks read."""
+    cfg, algorithm, state = job.cfg, job.algorithm, trainer.state
     last = state.history[-1] if state.history else {}
-    results = {
+    sample_rate = cfg.train.batch_size / job.task.train_size
+    if job.privacy is not None:
+        privacy = job.privacy.results(state.ledger, state.step, job.steps)
+        notes = [*notes, *job.privacy.recorded_notes()]
+    else:
+        privacy = {
+            "private": False, "epsilon": None, "target_epsilon": None, "delta": None, "noise_multiplier": None,
+            "clip_norm": None, "sample_rate": sample_rate, "expected_batch_size": sample_rate * job.task.train_size,
+            "steps": state.step, "planned_steps": job.steps, "accountant": None, "neighboring": None, "ledger": [],
+        }
+    privacy["sampling"] = cfg.privacy.sampling
+    extra = algorithm.extra_results()
+    if job.privacy is not None and not job.privacy.log_private_stats:
+        extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results}
+    return {
         "status": status,
         "algo": cfg.algo.name,
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,
         "seed": cfg.seed,
-        "privacy": {
-            "private": algo_cls.private,
-            "epsilon": epsilon,
-            "target_epsilon": privacy_cfg.epsilon if (algo_cls.private and privacy_cfg.noise_multiplier is None) else None,
-            "delta": privacy_cfg.delta if algo_cls.private else None,
-            "noise_multiplier": sigma,
-            "clip_norm": privacy_cfg.clip_norm if algo_cls.private else None,
-            "sample_rate": sample_rate,
-            "expected_batch_size": sample_rate * n,
-            "steps": state.step,
-            "planned_steps": steps,
-            "accountant": cfg.accountant.name if algo_cls.private else None,
-            "sampling": privacy_cfg.sampling,
-            "neighboring": relation if algo_cls.private else None,
-            "ledger": state.ledger.as_records(),
-        },
+        "privacy": privacy,
         "metrics": {
-            "metric": task.metric_name,  # what test_accuracy holds
+            "metric": job.task.metric_name,  # what test_accuracy holds
             "test_accuracy": last.get("test_accuracy"),
             "best_test_accuracy": state.best_accuracy,
             "train_loss": last.get("train_loss"),
@@ -220,15 +181,33 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
             **memory.read(),
             "per_sample_grad_bytes": algorithm.per_sample_grad_bytes,
             "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in job.model.parameters()),
         },
         "throughput": {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started},
-        "algorithm": algorithm.extra_results(),
+        "algorithm": extra,
         "history": state.history,
         "notes": notes,
-        "versions": versions(device),
-        "config": resolved,
+        "versions": versions(job.device),
+        "config": OmegaConf.to_container(cfg, resolve=True),
     }
+
+
+def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
+    """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json)."""
+    run_dir = Path(run_dir)
+    if cfg.resume and (existing := read_results(run_dir)) is not None:
+        console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
+        return existing
+    memory = PeakMemory(resolve_device(cfg.device))
+    memory.reset()
+    started = time.perf_counter()
+    job = setup(cfg)
+    for message in job.privacy.notes if job.privacy else []:
+        console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
+    run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
+    logger = build_logger(cfg.logger, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True))
+    trainer, status, failure = fit(job, run_dir, logger, show_progress)
+    results = record(job, trainer, status, memory, started, notes=[])
     write_results(run_dir, results)
     logger.finish(results)
     console.print(summary_table(results))

@@ -1,29 +1,46 @@
 """One training loop for every algorithm: sampling, logical vs physical batches, evaluation,
-privacy ledger, metering and logging callbacks."""
+the privacy ledger of what ran, and callbacks that show and log progress."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from dpbench.algorithms import Algorithm
+from dpbench.algorithms import Algorithm, StepResult
 from dpbench.errors import DivergedError
-from dpbench.logging.console import training_progress
 from dpbench.metering import Throughput
-from dpbench.privacy.accountants import Accountant
 from dpbench.privacy.mechanisms import Ledger
+from dpbench.privacy.plan import PrivacyPlan
 from dpbench.tasks import Task
 
 
 @dataclass
+class TrainerConfig:
+    steps: int
+    physical_batch_size: int | None = None  # None: the logical batch in one piece
+    eval_every: int = 20  # steps between evaluations; <= 0: evaluate only at the end
+    log_private_stats: bool = True  # report un-noised training loss / batch sizes (see PrivacyPlan)
+
+
+@dataclass
 class TrainingState:
-    step: int = 0
+    step: int = 0  # the one step counter; algorithms receive it
     ledger: Ledger = field(default_factory=Ledger)
-    train_loss: float = float("nan")  # mean over the last logging window
-    last_eval: dict = field(default_factory=dict)
+    train_loss: float | None = None  # mean over the last evaluation window (None: not reported)
     best_accuracy: float | None = None
     history: list[dict] = field(default_factory=list)
-    diverged: bool = False
+
+
+class Callback:
+    """Hooks the trainer calls; the console progress bar and the W&B logger implement them."""
+
+    def on_fit_start(self, trainer: "Trainer") -> None: ...
+
+    def on_step(self, trainer: "Trainer", result: StepResult) -> None: ...
+
+    def on_eval(self, trainer: "Trainer", record: dict) -> None: ...
+
+    def on_fit_end(self, trainer: "Trainer") -> None: ...
 
 
 class Trainer:
@@ -32,44 +49,37 @@ class Trainer:
         task: Task,
         algorithm: Algorithm,
         sampler,
-        steps: int,
-        physical_batch_size: int | None,
-        eval_every: int,
-        accountant: Accountant | None,
-        delta: float | None,
-        logger,
-        show_progress: bool = True,
+        config: TrainerConfig,
+        privacy: PrivacyPlan | None = None,
+        callbacks: list[Callback] | None = None,
     ):
-        self.task = task
-        self.algorithm = algorithm
-        self.sampler = sampler
-        self.steps = steps
-        self.physical_batch_size = physical_batch_size
-        self.eval_every = max(1, eval_every)
-        self.accountant = accountant
-        self.delta = delta
-        self.logger = logger
-        self.show_progress = show_progress
+        self.task, self.algorithm, self.sampler = task, algorithm, sampler
+        self.config = config
+        self.privacy = privacy
+        self.callbacks = list(callbacks or [])
         self.state = TrainingState()
-        self.throughput = Throughput(warmup_steps=min(3, steps // 2))
+        self.throughput = Throughput(warmup_steps=min(3, config.steps // 2))
+        self._window_loss, self._window_count = 0.0, 0
 
     def epsilon_spent(self) -> float | None:
-        if self.accountant is None:
-            return None
-        return self.accountant.epsilon(self.state.ledger, self.delta)
+        return None if self.privacy is None else self.privacy.epsilon(self.state.ledger)
 
     def _physical_batches(self, indices: list[int]) -> list:
-        chunk = self.physical_batch_size or max(1, len(indices))
+        chunk = self.config.physical_batch_size or max(1, len(indices))
         return [self.task.batch(indices[i : i + chunk]) for i in range(0, len(indices), chunk)] or [
             self.task.batch([])
         ]
 
-    def _evaluate(self) -> dict:
-        metrics = self.task.evaluate(self.algorithm.model)
+    def _due_for_eval(self) -> bool:
+        every, step = self.config.eval_every, self.state.step
+        return step == self.config.steps or (every > 0 and step % every == 0)
+
+    def evaluate(self) -> dict:
+        """Test metrics of the current model, appended to the history."""
         state = self.state
+        metrics = self.task.evaluate(self.algorithm.model)
         accuracy = metrics["accuracy"]
         state.best_accuracy = accuracy if state.best_accuracy is None else max(state.best_accuracy, accuracy)
-        state.last_eval = metrics
         record = {
             "step": state.step,
             "train_loss": state.train_loss,
@@ -78,55 +88,48 @@ class Trainer:
             "epsilon": self.epsilon_spent(),
         }
         state.history.append(record)
-        self.logger.log_step(
-            state.step,
-            {
-                "train/loss": state.train_loss,
-                "test/accuracy": accuracy,
-                "test/loss": metrics.get("loss"),
-                **({"privacy/epsilon": record["epsilon"]} if record["epsilon"] is not None else {}),
-            },
-        )
+        self._window_loss, self._window_count = 0.0, 0
+        for callback in self.callbacks:
+            callback.on_eval(self, record)
         return record
 
-    def fit(self) -> TrainingState:
+    def _record(self, result: StepResult) -> None:
+        """Ledger and loss bookkeeping for one finished step."""
         state = self.state
-        batches = iter(self.sampler)
-        window_loss, window_count = 0.0, 0
-        with training_progress() as progress:
-            bar = progress.add_task(
-                type(self.algorithm).__name__, total=self.steps, loss="—", acc="—", eps="0" if self.accountant else "∞"
-            ) if self.show_progress else None
-            while state.step < self.steps:
-                indices = next(batches)
-                physical = self._physical_batches(indices)
+        if self.privacy is not None:
+            self.privacy.check_step(state.step, result.mechanisms)
+        state.ledger.extend(result.mechanisms)
+        state.step += 1
+        if result.batch_size == 0 or not self.config.log_private_stats:
+            return
+        if not math.isfinite(result.loss):
+            raise DivergedError(
+                f"training loss became {result.loss} at step {state.step}: lower train.lr "
+                "or privacy.clip_norm; results so far are in results.json"
+            )
+        self._window_loss += result.loss * result.batch_size
+        self._window_count += result.batch_size
+        state.train_loss = self._window_loss / self._window_count
+
+    def fit(self) -> TrainingState:
+        """Train for the configured steps (zero steps: evaluate the model as it is)."""
+        for callback in self.callbacks:
+            callback.on_fit_start(self)
+        try:
+            if self.config.steps == 0:
+                self.evaluate()
+            batches = iter(self.sampler)
+            while self.state.step < self.config.steps:
+                physical = self._physical_batches(next(batches))
                 self.throughput.step_started()
-                result = self.algorithm.step(physical)
+                result = self.algorithm.train_step(physical, self.state.step)
                 self.throughput.step_finished(result.batch_size)
-                state.ledger.extend(self.algorithm.mechanisms_for_step(state.step))
-                state.step += 1
-                if result.batch_size > 0:
-                    if not math.isfinite(result.loss):
-                        state.diverged = True
-                        raise DivergedError(
-                            f"training loss became {result.loss} at step {state.step}: lower train.lr "
-                            "or privacy.clip_norm; results so far are in results.json"
-                        )
-                    self.logger.log_step(state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
-                    window_loss += result.loss * result.batch_size
-                    window_count += result.batch_size
-                    state.train_loss = window_loss / window_count
-                if state.step % self.eval_every == 0 or state.step == self.steps:
-                    record = self._evaluate()
-                    window_loss, window_count = 0.0, 0
-                    if bar is not None:
-                        eps = record["epsilon"]
-                        progress.update(
-                            bar,
-                            loss=f"{record['train_loss']:.3f}",
-                            acc=f"{record['test_accuracy']:.3f}",
-                            eps="∞" if eps is None else f"{eps:.2f}",
-                        )
-                if bar is not None:
-                    progress.advance(bar)
-        return state
+                self._record(result)
+                for callback in self.callbacks:
+                    callback.on_step(self, result)
+                if self._due_for_eval():
+                    self.evaluate()
+        finally:
+            for callback in self.callbacks:
+                callback.on_fit_end(self)
+        return self.state

@@ -129,6 +129,6 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
         model = build_model(cfg.model, task.model_spec())
         setup = PrivacySetup(0.0, 1.0, 20.0, 20 / task.train_size, GaussianNoise("cpu"))
         algo = algorithm_class("dpsgd")(model, task, compose(["algo=dpsgd"]).algo, 0.1, setup)
-        algo.step([task.batch(indices[i : i + chunk]) for i in range(0, 20, chunk)])
+        algo.train_step([task.batch(indices[i : i + chunk]) for i in range(0, 20, chunk)], 0)
         updates.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)

@@ -66,13 +66,13 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_2c1_minus_c2():
     recorded = record_updates(algorithm)
     images, labels = _batch(task, 12)
     algorithm.projection_generator.manual_seed(7)
-    algorithm.step([(images, labels)])
+    algorithm.train_step([(images, labels)], 0)
     full = torch.cat([g.flatten() for g in recorded[-1]])
     worst = 0.0
     for drop in range(12):
         keep = [i for i in range(12) if i != drop]
         algorithm.projection_generator.manual_seed(7)  # same public subspace
-        algorithm.step([(images[keep], labels[keep])])
+        algorithm.train_step([(images[keep], labels[keep])], 0)
         worst = max(worst, (full - torch.cat([g.flatten() for g in recorded[-1]])).norm().item())
     c1, c2 = algorithm.tail_clip, algorithm.body_clip
     assert c2 < worst <= (2 * c1 - c2) * (1 + 1e-4)
@@ -94,7 +94,7 @@ def test_zero_score_noise_selects_the_exact_top_p(monkeypatch):
     record_updates(algorithm)
     images, labels = _batch(task, 30)
     # two physical batches: the two-pass path
-    algorithm.step([(images[:17], labels[:17]), (images[17:], labels[17:])])
+    algorithm.train_step([(images[:17], labels[:17]), (images[17:], labels[17:])], 0)
     # independent scores: one autograd gradient per example
     exact = []
     for i in range(30):
@@ -128,7 +128,7 @@ def test_ledger_composes_both_mechanisms_like_dp_accounting(sigma, fraction, ste
         "algo=dcdpsgd", f"algo.score_budget_fraction={fraction}", "algo.gradient_sensitivity=tail_clip"
     ).algo
     q = 0.01
-    ledger = planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step), steps)
+    ledger = planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_tr, sigma_dp = sigma / math.sqrt(fraction), sigma / math.sqrt(1 - fraction)
     per_sigma = {}
     for record in ledger.as_records():
@@ -149,7 +149,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
         cfg = compose_config("algo=dcdpsgd", f"algo.gradient_sensitivity={mode}").algo
 
         def ledger_for(sigma, cfg=cfg):
-            return planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step), steps)
+            return planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
 
         sigma = calibrate_noise_multiplier(RDPAccountant(), ledger_for, 4.0, 1e-5)
         assert 3.95 <= RDPAccountant().epsilon(ledger_for(sigma), 1e-5) <= 4.0

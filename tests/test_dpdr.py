@@ -30,7 +30,7 @@ def test_without_noise_or_clipping_the_reconstruction_is_the_batch_gradient():
     images, labels = task.batch(list(range(24)))
     for step in range(3):  # DP-SGD, then two decomposition steps
         expected = _mean_gradient(algorithm.model, images, labels)
-        algorithm.step([(images[:10], labels[:10]), (images[10:], labels[10:])])
+        algorithm.train_step([(images[:10], labels[:10]), (images[10:], labels[10:])], step)
         for got, want in zip(recorded[-1], expected):
             assert torch.allclose(got, want, atol=1e-5), step
     assert all(b.norm() == pytest.approx(1.0, abs=1e-5) for b in algorithm.bases)
@@ -58,15 +58,15 @@ def test_base_is_refreshed_from_the_noisy_reconstructed_gradient():
     algorithm, task, _ = build_algorithm("dpdr", "algo.decomposition_steps=3", sigma=0.5, batch=16.0)
     recorded = record_updates(algorithm, apply=True)
     batch = task.batch(list(range(16)))
-    algorithm.step([batch])  # step 0: DP-SGD initialises b from its noisy gradient
+    algorithm.train_step([batch], 0)  # step 0: DP-SGD initialises b from its noisy gradient
     for b, g in zip(algorithm.bases, recorded[0]):
         assert torch.allclose(b, g / g.norm())
-    algorithm.step([batch])  # step 1: decomposition; b <- g~ / ||g~|| per layer
+    algorithm.train_step([batch], 1)  # step 1: decomposition; b <- g~ / ||g~|| per layer
     after_step1 = [b.clone() for b in algorithm.bases]
     for b, g in zip(after_step1, recorded[1]):
         assert torch.allclose(b, g / g.norm())
-    algorithm.step([batch])  # step 2 = s-1: last decomposition; b is no longer needed
-    algorithm.step([batch])  # step 3: DP-SGD
+    algorithm.train_step([batch], 2)  # step 2 = s-1: last decomposition; b is no longer needed
+    algorithm.train_step([batch], 3)  # step 3: DP-SGD
     assert all(torch.equal(a, b) for a, b in zip(after_step1, algorithm.bases))
 
 
@@ -81,7 +81,7 @@ def _dp_accounting_epsilon(events, delta):
 def test_ledger_is_one_joint_mechanism_per_decomposition_step(sigma, ratio, steps, s):
     cfg = compose_config("algo=dpdr", f"algo.alpha_ratio={ratio}", f"algo.decomposition_steps={s}").algo
     q = 0.005
-    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, sigma, q, step), steps)
+    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_eff = (sigma**-2 + (ratio * sigma) ** -2) ** -0.5  # independent of the module's helper
     records = {round(r["noise_multiplier"], 9): r["count"] for r in ledger.as_records()}
     assert records == {round(sigma_eff, 9): s - 1, round(sigma, 9): steps - s + 1}
@@ -98,7 +98,7 @@ def test_paper_accounting_reproduces_the_digest_overrun():
     ).algo
     q = 256 / 60000
     steps = int(20 / q)
-    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, 0.59, q, step), steps)
+    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, 0.59, q, step, 1.0), steps)
     assert effective_noise_multiplier(0.59, 0.8) == pytest.approx(0.4748, abs=1e-3)
     true_epsilon = RDPAccountant().epsilon(ledger, 1e-5)
     assert 8.3 < true_epsilon < 8.65

@@ -108,7 +108,7 @@ def test_update_equals_hand_two_point_estimate(name, direction):
 
     projected = (mean_loss_at(+1) - mean_loss_at(-1)) / (2 * LAMBDA)
     assert abs(projected) > 1e-3  # the estimate is not trivially zero
-    result = algo.step([task.batch(list(range(6))), task.batch(list(range(6, 12)))])  # two physical chunks
+    result = algo.train_step([task.batch(list(range(6))), task.batch(list(range(6, 12)))], 0)  # two physical chunks
     assert result.batch_size == 12
     for p, p0, v in zip(algo.model.parameters(), reference.parameters(), z):
         torch.testing.assert_close(p.detach(), p0.detach() - 0.05 * projected * v, rtol=1e-4, atol=2e-6)
@@ -151,7 +151,7 @@ def test_parameters_read_outside_their_module_are_refused():
 
     algo, task = build(model=Leaky())
     with pytest.raises(UserError, match="missed parameters"):
-        algo.step([task.batch(list(range(4)))])
+        algo.train_step([task.batch(list(range(4)))], 0)
 
 
 def test_sensitivity_one_example_moves_the_noisy_scalar_by_at_most_c_over_b():
@@ -189,14 +189,14 @@ def test_noise_does_not_repeat_when_the_direction_seed_repeats():
     start = [p.detach().clone() for p in algo.model.parameters()]
     state = algo.seed_generator.get_state()
     torch.manual_seed(0)
-    algo.step([task.batch(list(range(12)))])
+    algo.train_step([task.batch(list(range(12)))], 0)
     first = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(algo.model.parameters(), start)])
     with torch.no_grad():
         for p, p0 in zip(algo.model.parameters(), start):
             p.copy_(p0)
     algo.seed_generator.set_state(state)  # the same direction seed again, and the same global RNG
     torch.manual_seed(0)
-    algo.step([task.batch(list(range(12)))])
+    algo.train_step([task.batch(list(range(12)))], 0)
     second = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(algo.model.parameters(), start)])
     cosine = torch.dot(first, second) / (first.norm() * second.norm())
     assert abs(abs(cosine.item()) - 1) < 1e-4  # same direction z ...

@@ -165,7 +165,7 @@ def test_projector_in_update_is_the_hooks_and_changes_exactly_every_F_steps():
 
     def recording_projector(projection, device, window=None):
         P = original_projector(projection, device, window)
-        calls.append((algo.step_count, phase["now"], projection.index, P.clone()))
+        calls.append((algo.window_step, phase["now"], projection.index, P.clone()))
         return P
 
     def recording_apply(gradients):
@@ -174,7 +174,7 @@ def test_projector_in_update_is_the_hooks_and_changes_exactly_every_F_steps():
         original_apply(gradients)
         phase["now"] = "hook"
         for p, projection in algo.projections.items():  # the update lies in the span of the hook's P
-            P = next(c[3] for c in calls if c[0] == algo.step_count and c[1] == "hook" and c[2] == projection.index)
+            P = next(c[3] for c in calls if c[0] == algo.window_step and c[1] == "hook" and c[2] == projection.index)
             delta = (p.detach() - before[p]).double()
             P = P.double()
             residual = delta - P @ torch.linalg.pinv(P) @ delta if projection.side == "left" else delta - delta @ torch.linalg.pinv(P).T @ P.T
@@ -182,8 +182,9 @@ def test_projector_in_update_is_the_hooks_and_changes_exactly_every_F_steps():
 
     algo.projector, algo.apply_update = recording_projector, recording_apply
     batches = [task.batch(range(0, 6)), task.batch(range(6, 12))]  # two physical batches per step
-    for _ in range(7):
-        algo.step(batches)
+    for step in range(7):
+        algo.window_step = step
+        algo.train_step(batches, step)
 
     per_step = {}
     for step, ph, layer, P in calls:
@@ -262,9 +263,9 @@ def test_full_rank_orthonormal_projector_reproduces_dpadam():
         proj.rank == proj.projected_dim for proj in grape.projections.values()
     )  # rank clamped to the full projected side
     batches = [task.batch(range(0, 10)), task.batch(range(10, 16))]
-    for _ in range(4):
-        grape.step(batches)
-        dpadam.step(batches)
+    for step in range(4):
+        grape.train_step(batches, step)
+        dpadam.train_step(batches, step)
     for (name, a), b in zip(model_grape.named_parameters(), model_adam.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(model_grape.blocks[0].mlp.fc1.weight, tiny_vit(seed=3).blocks[0].mlp.fc1.weight)
@@ -286,7 +287,7 @@ def test_memory_follows_table_2(name):
     task = image_task(n=batch)
     model = tiny_vit()
     algo = build(name, model, task, rank=rank)
-    algo.step([task.batch(range(batch))])
+    algo.train_step([task.batch(range(batch))], 0)
     r_sum_n, full, d = table2_counts(model, rank)
     per_sample = {"grape": batch * (r_sum_n + full), "galore_naive": batch * d, "dpadam": batch * d, "galore": 0}
     state = {"dpadam": 2 * d}.get(name, 2 * r_sum_n + 2 * full)
@@ -309,8 +310,8 @@ def test_naive_galore_uses_top_r_singular_vectors_of_the_noisy_gradient_refreshe
         seen[-1].append({p: P.clone() for p, P in algo.subspaces.projectors.items()})
 
     algo.apply_update = recording
-    for _ in range(4):
-        algo.step([task.batch(range(12))])
+    for step in range(4):
+        algo.train_step([task.batch(range(12))], step)
     weight = next(iter(algo.subspaces.projections))
     index = next(i for i, p in enumerate(algo.params) if p is weight)
     projection = algo.subspaces.projections[weight]

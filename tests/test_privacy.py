@@ -68,8 +68,8 @@ def test_update_matches_opacus_privacy_engine(name, cfg):
     reference = copy.deepcopy(ours)
 
     algo = algorithm_class(name)(ours, TensorTask(x, y), cfg, lr, privacy(0.0, clip, expected_batch))
-    for _ in range(2):  # two steps so Adam's moments matter
-        algo.step([(x[:7], y[:7]), (x[7:], y[7:])])  # two physical batches of one logical batch
+    for step in range(2):  # two steps so Adam's moments matter
+        algo.train_step([(x[:7], y[:7]), (x[7:], y[7:])], step)  # two physical batches of one logical batch
 
     optimizer_class = torch.optim.SGD if name == "dpsgd" else torch.optim.Adam
     optimizer = optimizer_class(reference.parameters(), lr=lr)
@@ -122,7 +122,7 @@ def test_noise_actually_added_has_the_stated_std():
     x, y = torch.zeros(0, 400), torch.zeros(0, dtype=torch.long)
     sigma, clip, expected_batch, lr = 1.3, 2.0, 8.0, 1.0
     algo = algorithm_class("dpsgd")(model, TensorTask(x, y), SGD_CFG, lr, privacy(sigma, clip, expected_batch))
-    result = algo.step([(x, y)])
+    result = algo.train_step([(x, y)], 0)
     assert result.batch_size == 0
     noise = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]).double()
     std = sigma * clip / expected_batch

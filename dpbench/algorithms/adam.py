@@ -18,7 +18,7 @@ class Adam(Algorithm):
             self.params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
 
-    def step(self, batches) -> StepResult:
+    def step(self, batches, step_index: int) -> StepResult:
         total = sum(self.task.batch_size(b) for b in batches)
         if total == 0:
             return StepResult(float("nan"), 0)

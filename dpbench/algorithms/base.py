@@ -8,14 +8,14 @@ the accountant, not the algorithm, turns them into epsilon. It never opens files
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
 
-from dpbench.privacy.mechanisms import GaussianMechanism, under_relation
-from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
+from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.per_sample import (
     GradSampler,
     PerSampleGradients,
@@ -28,25 +28,31 @@ from dpbench.tasks import Batch, Task
 
 
 @dataclass
-class PrivacySetup:
-    noise_multiplier: float  # sigma: noise std = sigma * clip_norm on the clipped sum
-    clip_norm: float  # C: per-example L2 bound, the sum's sensitivity (add/remove one)
-    expected_batch_size: float  # public B = q * n; the clipped noisy sum is divided by it
-    sample_rate: float  # q
-    noise: GaussianNoise  # entropy-seeded generator (dpbench.privacy.noise)
-    clipping: str = "flat"  # rule in dpbench.privacy.per_sample.CLIP_FACTORS
-    clipping_gamma: float = 0.01
-    neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
-
-
-@dataclass
 class StepResult:
     loss: float  # mean per-example training loss over the logical batch (nan when empty)
     batch_size: int  # realised logical batch size
+    mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the noisy releases that ran
+
+
+@dataclass
+class ReleasePart:
+    """One privatised quantity: a sum over the batch, the L2 sensitivity of that sum under
+    add/remove-one (enforced by clipping), and the std of the Gaussian noise added per coordinate."""
+
+    values: list[torch.Tensor]
+    sensitivity: float
+    noise_std: float
+
+
+# Observer of every noisy release (dpbench-audit): (name, parts, noisy values, mechanism).
+ReleaseObserver = Callable[[str, list[ReleasePart], list[list[torch.Tensor]], GaussianMechanism], None]
 
 
 class Algorithm(ABC):
     private: ClassVar[bool] = True
+    # keys of extra_results() computed from the private batch without noise (dropped when
+    # privacy.log_private_stats=false)
+    unnoised_results: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:
@@ -57,34 +63,72 @@ class Algorithm(ABC):
         self.lr = lr
         self.privacy = privacy
         self.per_sample_grad_bytes = 0  # largest per-sample gradient working set held in a step
+        self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
+        self.release_observer: ReleaseObserver | None = None
 
-    # --- privacy declaration -------------------------------------------------------------
+    # --- privacy: the plan ---------------------------------------------------------------------
     @classmethod
-    def planned_mechanisms(cls, cfg, noise_multiplier: float, sample_rate: float, step: int) -> list[GaussianMechanism]:
-        """Mechanisms that step `step` runs for a base noise multiplier (used to calibrate sigma)."""
+    def planned_mechanisms(
+        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, clip_norm: float
+    ) -> list[GaussianMechanism]:
+        """Mechanisms that step `step` will run for a base noise multiplier and clip norm: the one
+        planning function, used to calibrate sigma and to check every step that ran."""
         return [GaussianMechanism(noise_multiplier, sample_rate)] if cls.private else []
 
     @classmethod
     def declared_mechanisms(
-        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, neighboring: str
+        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, clip_norm: float, neighboring: str
     ) -> list[GaussianMechanism]:
-        """`planned_mechanisms` stated under the run's neighbouring relation: what the ledger
-        records, both for calibration (run.py) and for the steps that actually ran."""
-        return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step), neighboring)
+        """`planned_mechanisms` stated under the run's neighbouring relation."""
+        return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step, clip_norm), neighboring)
 
-    def mechanisms_for_step(self, step: int) -> list[GaussianMechanism]:
+    @classmethod
+    def privacy_notes(cls, cfg) -> list[str]:
+        """Facts about this configuration that change what the reported epsilon means."""
+        return []
+
+    def planned_for_step(self, step: int) -> list[GaussianMechanism]:
         if not self.private:
             return []
         p = self.privacy
-        return self.declared_mechanisms(self.cfg, p.noise_multiplier, p.sample_rate, step, p.neighboring)
+        return self.declared_mechanisms(self.cfg, p.noise_multiplier, p.sample_rate, step, p.clip_norm, p.neighboring)
+
+    # --- privacy: what ran ---------------------------------------------------------------------
+    def gaussian_release(self, name: str, *parts: ReleasePart) -> list[list[torch.Tensor]]:
+        """Add N(0, std^2) to every coordinate of each part and record the mechanism that ran.
+
+        Parts released together read the same sampled batch, so they are ONE subsampled Gaussian
+        mechanism whose noise multiplier is that of the whitened pair (joint_noise_multiplier).
+        The mechanism is derived from the noise actually drawn and the sensitivity the clipping
+        enforces, so the ledger holds what ran, not what was meant to run.
+        """
+        noise = self.privacy.noise
+        noisy = [[v + noise.sample(v.shape, part.noise_std) for v in part.values] for part in parts]
+        mechanism = GaussianMechanism(
+            joint_noise_multiplier([(part.noise_std, part.sensitivity) for part in parts]),
+            self.privacy.sample_rate,
+            self.privacy.neighboring,
+        )
+        self.step_mechanisms.append(mechanism)
+        if self.release_observer is not None:
+            self.release_observer(name, list(parts), noisy, mechanism)
+        return noisy
 
     def extra_results(self) -> dict:
         """Algorithm-specific facts for results.json (e.g. secondary noise multipliers)."""
         return {}
 
     # --- training --------------------------------------------------------------------------
+    def train_step(self, batches: list[Batch], step_index: int) -> StepResult:
+        """Run step `step_index` (the trainer's counter, the only one) and report what it released."""
+        self.step_mechanisms = []
+        result = self.step(batches, step_index)
+        result.mechanisms = self.step_mechanisms
+        self.step_mechanisms = []
+        return result
+
     @abstractmethod
-    def step(self, batches: list[Batch]) -> StepResult: ...
+    def step(self, batches: list[Batch], step_index: int) -> StepResult: ...
 
     @abstractmethod
     def optimizer_state_bytes(self) -> int: ...
@@ -153,11 +197,11 @@ class DPFirstOrderAlgorithm(Algorithm):
         return sums, (loss_total / count if count else float("nan")), count
 
     def privatize(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Add N(0, (sigma C)^2) to each summed coordinate and divide by the expected batch size."""
-        std = self.privacy.noise_multiplier * self.privacy.clip_norm
-        return [
-            (s + self.privacy.noise.sample(s.shape, std)) / self.privacy.expected_batch_size for s in sums
-        ]
+        """Add N(0, (sigma C)^2) to each summed coordinate (sensitivity C) and divide by the
+        expected batch size."""
+        p = self.privacy
+        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, p.clip_norm, p.noise_multiplier * p.clip_norm))
+        return [s / p.expected_batch_size for s in noisy]
 
     def apply_update(self, gradients: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, gradients):
@@ -165,7 +209,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, batches: list[Batch]) -> StepResult:
+    def step(self, batches: list[Batch], step_index: int) -> StepResult:
         sums, loss, count = self.clipped_gradient_sum(batches)
         self.apply_update(self.privatize(sums))
         return StepResult(loss, count)

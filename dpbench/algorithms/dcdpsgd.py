@@ -33,8 +33,11 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     was used.
 
 Physical batches: the tail set needs every noisy score of the logical batch, so with several
-physical batches the step makes two passes (scores, then clipped sums; per-sample gradients
-are recomputed in the second pass, the model being unchanged in between).
+physical batches the step makes two passes (scores, then clipped sums). Per-sample gradients
+are recomputed in the second pass and may differ from the first (dropout draws anew), so the
+second pass clips with the norms of the gradients it sums; only the tail/body assignment comes
+from the first pass. (Clipping recomputed gradients with first-pass norms let an example
+contribute 1.38x its threshold with dropout 0.5.)
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import math
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
@@ -111,6 +114,27 @@ def tail_mask(noisy_scores: torch.Tensor, tail_fraction: float) -> torch.Tensor:
     return mask
 
 
+def tail_to_body_ratio(cfg, body_clip: float) -> float:
+    """c1 / c2 from the config: the absolute `algo.tail_clip` (c1) over c2 = privacy.clip_norm,
+    or `algo.tail_clip_ratio`. c1 must exceed c2 (the tail gets the larger threshold)."""
+    if cfg.get("tail_clip") is not None:
+        ratio, given = float(cfg.tail_clip) / body_clip, f"algo.tail_clip={cfg.tail_clip} with privacy.clip_norm={body_clip}"
+    else:
+        ratio, given = float(cfg.tail_clip_ratio), f"algo.tail_clip_ratio={cfg.tail_clip_ratio}"
+    if not ratio > 1:
+        raise UserError(f"{given} gives c1 <= c2; the tail threshold c1 must exceed the body threshold c2 = privacy.clip_norm")
+    return ratio
+
+
+def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
+    """L2 sensitivity of the clipped gradient sum in units of c2, for c1 = ratio * c2."""
+    if cfg.gradient_sensitivity == "rank_coupled":
+        return 2 * ratio - 1.0  # 2 c1 - c2: the added example (c1) and one other crossing the boundary
+    if cfg.gradient_sensitivity == "tail_clip":
+        return ratio  # c1: the paper/issue model, not a proven bound
+    raise UserError(f"algo.gradient_sensitivity={cfg.gradient_sensitivity!r}: use tail_clip or rank_coupled")
+
+
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
@@ -124,7 +148,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         super().__init__(model, task, cfg, lr, privacy)
         self.sigma_tr, self.sigma_dp = split_noise_multipliers(privacy.noise_multiplier, f)
         self.body_clip = float(privacy.clip_norm)  # c2
-        self.tail_clip = self.tail_clip_of(cfg, self.body_clip)  # c1
+        self.tail_clip = tail_to_body_ratio(cfg, self.body_clip) * self.body_clip  # c1
         self.identification = self._identification_indices(cfg.score_params)
         dim = sum(self.params[i].numel() for i in self.identification)
         if dim * min(int(cfg.subspace_dim), dim) > MAX_PROJECTION_ELEMENTS:
@@ -137,10 +161,6 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.projection_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
-
-    @staticmethod
-    def tail_clip_of(cfg, body_clip: float) -> float:
-        return float(cfg.tail_clip) if cfg.get("tail_clip") is not None else float(cfg.tail_clip_ratio) * body_clip
 
     def _identification_indices(self, spec) -> list[int]:
         """Which trainable tensors feed the score: all | first | a list of name substrings."""
@@ -155,15 +175,23 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             raise UserError(f"algo.score_params={spec} matches no parameter; names are e.g. {names[:4]}")
         return chosen
 
+    unnoised_results = ("mean_tail_fraction",)
+
     @classmethod
-    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step):
+    def privacy_notes(cls, cfg) -> list[str]:
+        if cfg.gradient_sensitivity == "tail_clip":
+            return [
+                "algo.gradient_sensitivity=tail_clip accounts the gradient release at sensitivity c1, which is "
+                "not a proven bound (a tail swap moved the clipped sum by 1.44 c1 in the audit); the reported "
+                "epsilon is the paper's model, not a guarantee: use rank_coupled (the default)"
+            ]
+        return []
+
+    @classmethod
+    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
         sigma_tr, sigma_dp = split_noise_multipliers(noise_multiplier, float(cfg.score_budget_fraction))
-        gradient_multiplier = sigma_dp
-        if cfg.gradient_sensitivity == "rank_coupled":
-            tail = cls.tail_clip_of(cfg, 1.0)  # c1/c2; noise std sigma_dp*c1, sensitivity 2c1 - c2
-            gradient_multiplier = sigma_dp * tail / (2 * tail - 1.0)
-        elif cfg.gradient_sensitivity != "tail_clip":
-            raise UserError(f"algo.gradient_sensitivity={cfg.gradient_sensitivity!r}: use tail_clip or rank_coupled")
+        ratio = tail_to_body_ratio(cfg, clip_norm)  # c1/c2; gradient noise std is sigma_dp * c1
+        gradient_multiplier = sigma_dp * ratio / gradient_sensitivity_in_c2(cfg, ratio)
         return [GaussianMechanism(sigma_tr, sample_rate), GaussianMechanism(gradient_multiplier, sample_rate)]
 
     # --- one step -------------------------------------------------------------------------
@@ -178,35 +206,36 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         thresholds = torch.where(tail, self.tail_clip, self.body_clip)
         return tail, thresholds
 
-    def step(self, batches) -> StepResult:
+    def step(self, batches, step_index: int) -> StepResult:
         batches = [b for b in batches if self.task.batch_size(b) > 0]
         dim = sum(self.params[i].numel() for i in self.identification)
         basis = sub_weibull_subspace(dim, int(self.cfg.subspace_dim), float(self.cfg.theta), self.projection_generator)
         single_pass = len(batches) == 1
-        scores, norms, kept, loss_total = [], [], None, 0.0
-        for batch in batches:  # pass 1: scores and norms
+        scores, kept, loss_total = [], None, 0.0
+        for batch in batches:  # pass 1: scores
             losses, per_sample = self._per_sample(batch)
             loss_total += losses.detach().float().sum().item()
             ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
             scores.append(subspace_scores(ident, basis.to(ident.device)))  # [b]
-            norms.append(per_sample_norms(per_sample))
             kept = per_sample if single_pass else None
             del per_sample, ident
         device = self.params[0].device
-        count = sum(s.shape[0] for s in scores)
+        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=device)
+        count = scores_all.shape[0]
+        # The scores' release runs on every step (an empty batch releases an empty vector).
+        ((noisy_scores,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
         sums = [torch.zeros(p.shape, device=device, dtype=torch.float32) for p in self.params]
         if count:
-            scores_all = torch.cat(scores)
-            noisy = scores_all + self.privacy.noise.sample(scores_all.shape, self.sigma_tr)  # sensitivity 1
-            tail, thresholds = self.clip_thresholds(noisy)
+            tail, thresholds = self.clip_thresholds(noisy_scores)
             self.last_tail = tail  # [B] bool, for diagnostics and tests
             self.tail_fraction_seen.append(tail.float().mean().item())
-            factors = clip_factors(torch.cat(norms), thresholds)  # min(1, c_i/||g_i||), per example
             start = 0
             for batch in batches:  # pass 2: clipped sums with each example's threshold
                 per_sample = kept if single_pass else self._per_sample(batch)[1]
                 size = per_sample[0].shape[0]
-                for s, c in zip(sums, clipped_sum(per_sample, factors[start : start + size])):
+                # norms of the gradients being summed (recomputed ones may differ from pass 1's)
+                factors = clip_factors(per_sample_norms(per_sample), thresholds[start : start + size])
+                for s, c in zip(sums, clipped_sum(per_sample, factors)):
                     s.add_(c)
                 start += size
                 del per_sample
@@ -215,9 +244,12 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         return StepResult(loss_total / count if count else float("nan"), count)
 
     def privatize(self, sums):
-        """One N(0, (sigma_dp c1)^2) vector on the clipped sum (sensitivity c1), / B."""
-        std = self.sigma_dp * self.tail_clip
-        return [(s + self.privacy.noise.sample(s.shape, std)) / self.privacy.expected_batch_size for s in sums]
+        """One N(0, (sigma_dp c1)^2) vector on the clipped sum, / B. Its sensitivity is c1
+        (tail_clip model) or 2 c1 - c2 (rank_coupled), as `gradient_sensitivity_in_c2` states."""
+        ratio = self.tail_clip / self.body_clip
+        sensitivity = gradient_sensitivity_in_c2(self.cfg, ratio) * self.body_clip
+        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, sensitivity, self.sigma_dp * self.tail_clip))
+        return [s / self.privacy.expected_batch_size for s in noisy]
 
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)

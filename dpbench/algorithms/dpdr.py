@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
@@ -71,10 +71,9 @@ class DPDR(DPFirstOrderAlgorithm):
         super().__init__(model, task, cfg, lr, privacy)
         self.sigma_perp, self.sigma_alpha = decomposition_sigmas(cfg, privacy.noise_multiplier)
         self.bases: list[torch.Tensor] | None = None  # unit b_l per parameter tensor
-        self.step_index = 0
 
     @classmethod
-    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step):
+    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
         if not is_decomposition_step(cfg, step):
             return [GaussianMechanism(noise_multiplier, sample_rate)]
         return [GaussianMechanism(effective_noise_multiplier(*decomposition_sigmas(cfg, noise_multiplier)), sample_rate)]
@@ -107,23 +106,26 @@ class DPDR(DPFirstOrderAlgorithm):
             count += losses.shape[0]
         return perp_sums, alpha_sum, (loss_total / count if count else float("nan")), count
 
-    def step(self, batches) -> StepResult:
-        if is_decomposition_step(self.cfg, self.step_index):
+    def step(self, batches, step_index: int) -> StepResult:
+        if is_decomposition_step(self.cfg, step_index):
             perp_sums, alpha_sum, loss, count = self.decomposed_sums(batches)
-            noise, batch = self.privacy.noise, self.privacy.expected_batch_size
-            perp_std = self.sigma_perp * float(self.cfg.perp_clip)
-            alpha_noisy = (alpha_sum + noise.sample(alpha_sum.shape, self.sigma_alpha * float(self.cfg.alpha_clip))) / batch
+            perp_clip, alpha_clip = float(self.cfg.perp_clip), float(self.cfg.alpha_clip)
+            # one mechanism: both parts read the same batch (sensitivities C_perp and C_alpha)
+            noisy_perp, (noisy_alpha,) = self.gaussian_release(
+                "decomposed_gradient",
+                ReleasePart(perp_sums, perp_clip, self.sigma_perp * perp_clip),
+                ReleasePart([alpha_sum], alpha_clip, self.sigma_alpha * alpha_clip),
+            )
+            batch = self.privacy.expected_batch_size
             gradients = [
-                alpha_noisy[l] * b + (s + noise.sample(s.shape, perp_std)) / batch
-                for l, (s, b) in enumerate(zip(perp_sums, self.bases))
+                (noisy_alpha[l] * b + s) / batch for l, (s, b) in enumerate(zip(noisy_perp, self.bases))
             ]
         else:
             sums, loss, count = self.clipped_gradient_sum(batches)
             gradients = self.privatize(sums)  # sigma_g * C_g
-        if self.step_index + 1 < int(self.cfg.decomposition_steps):  # b is needed next step
+        if step_index + 1 < int(self.cfg.decomposition_steps):  # b is needed next step
             self.refresh_bases(gradients)
         self.apply_update(gradients)
-        self.step_index += 1
         return StepResult(loss, count)
 
     def extra_results(self) -> dict:

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dpbench.algorithms.base import ALGORITHMS, Algorithm, StepResult
+from dpbench.algorithms.base import ALGORITHMS, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.tasks import Batch
 
@@ -202,11 +202,13 @@ class DPZero(ZerothOrderAlgorithm):
     """Per-example scalar clipping to [-C, C], one scalar Gaussian noise per step (sensitivity C)."""
 
     def privatize(self, clipped_sum: float) -> float:
-        std = self.privacy.noise_multiplier * self.privacy.clip_norm
-        noise = float(self.privacy.noise.sample((), std))
-        return (clipped_sum + noise) / self.privacy.expected_batch_size
+        """The clipped scalar sum (sensitivity C) plus N(0, (sigma C)^2), divided by B."""
+        p = self.privacy
+        total = torch.tensor(clipped_sum, dtype=torch.float64, device=p.noise.device)
+        ((noisy,),) = self.gaussian_release("projected_gradient", ReleasePart([total], p.clip_norm, p.noise_multiplier * p.clip_norm))
+        return float(noisy) / p.expected_batch_size
 
-    def step(self, batches: list[Batch]) -> StepResult:
+    def step(self, batches: list[Batch], step_index: int) -> StepResult:
         seed = self.next_seed()
         scale = self.direction_scale(seed)
         clipped_sum, loss, count = self.estimate(batches, seed, scale, clip=self.privacy.clip_norm)

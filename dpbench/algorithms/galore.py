@@ -25,7 +25,7 @@ class GaLore(Algorithm):
         self.subspaces = SVDSubspaces(projections, int(cfg.update_interval))
         self.optimizer = ProjectedAdam(self.params, lr, **adam_config(cfg))
 
-    def step(self, batches) -> StepResult:
+    def step(self, batches, step_index: int) -> StepResult:
         total = sum(self.task.batch_size(b) for b in batches)
         if total == 0:
             return StepResult(float("nan"), 0)

@@ -79,7 +79,6 @@ class DPGrape(DPFirstOrderAlgorithm):
         seed = cfg.get("projection_seed")
         # Projectors are public randomness: a reproducible seed is fine (never used for noise).
         self.projection_seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
-        self.step_count = 0
         self.window = 0  # index of the current F-step projector window
         super().__init__(model, task, cfg, lr, privacy)
 
@@ -120,11 +119,9 @@ class DPGrape(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
         return ProjectedAdam(params, self.lr, **adam_config(self.cfg))
 
-    def step(self, batches) -> StepResult:
-        self.window = self.step_count // self.update_interval  # new seeds exactly every F steps
-        result = super().step(batches)
-        self.step_count += 1
-        return result
+    def step(self, batches, step_index: int) -> StepResult:
+        self.window = step_index // self.update_interval  # new seeds exactly every F steps
+        return super().step(batches, step_index)
 
     def apply_update(self, gradients):
         projectors = {}

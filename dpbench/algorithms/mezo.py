@@ -14,7 +14,7 @@ from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
 class MeZO(ZerothOrderAlgorithm):
     private = False
 
-    def step(self, batches) -> StepResult:
+    def step(self, batches, step_index: int) -> StepResult:
         seed = self.next_seed()
         scale = self.direction_scale(seed)
         total, loss, count = self.estimate(batches, seed, scale, clip=None)

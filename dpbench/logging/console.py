@@ -49,3 +49,38 @@ def summary_table(results: dict) -> Table:
         f"{throughput['wall_s']:.1f} s",
     )
     return table
+
+
+class ProgressCallback:
+    """The live progress bar: loss, accuracy and epsilon spent at each evaluation."""
+
+    def __init__(self) -> None:
+        self.progress: Progress | None = None
+        self.bar = None
+
+    def on_fit_start(self, trainer) -> None:
+        self.progress = training_progress()
+        self.progress.start()
+        self.bar = self.progress.add_task(
+            type(trainer.algorithm).__name__, total=trainer.config.steps, loss="—", acc="—",
+            eps="0" if trainer.privacy is not None else "∞",
+        )
+
+    def on_step(self, trainer, result) -> None:
+        self.progress.advance(self.bar)
+
+    def on_eval(self, trainer, record: dict) -> None:
+        if self.progress is None:
+            return
+        eps = record["epsilon"]
+        self.progress.update(
+            self.bar,
+            loss=_fmt(record["train_loss"], ".3f"),
+            acc=_fmt(record["test_accuracy"], ".3f"),
+            eps="∞" if eps is None else f"{eps:.2f}",
+        )
+
+    def on_fit_end(self, trainer) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

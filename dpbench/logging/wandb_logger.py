@@ -57,9 +57,38 @@ class WandbLogger:
                 "samples_per_s": results["throughput"].get("samples_per_s"),
                 "wall_s": results["throughput"]["wall_s"],
                 "status": results["status"],
+                "epsilon_is_upper_bound": privacy.get("epsilon_is_upper_bound"),
+                "notes": "\n".join(results.get("notes", [])),
             }
         )
         self.run.finish()
+
+
+class LoggerCallback:
+    """Trainer callback mirroring steps and evaluations to the logger (W&B or nothing).
+
+    Per-step training loss and realised batch size are un-noised statistics of the private
+    batch: logged only when privacy.log_private_stats is on.
+    """
+
+    def __init__(self, logger) -> None:
+        self.logger = logger
+
+    def on_fit_start(self, trainer) -> None: ...
+
+    def on_step(self, trainer, result) -> None:
+        if result.batch_size > 0 and trainer.config.log_private_stats:
+            self.logger.log_step(trainer.state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
+
+    def on_eval(self, trainer, record: dict) -> None:
+        metrics = {"test/accuracy": record["test_accuracy"], "test/loss": record["test_loss"]}
+        if record["train_loss"] is not None:
+            metrics["train/loss"] = record["train_loss"]
+        if record["epsilon"] is not None:
+            metrics["privacy/epsilon"] = record["epsilon"]
+        self.logger.log_step(record["step"], metrics)
+
+    def on_fit_end(self, trainer) -> None: ...
 
 
 def build_logger(cfg, run_dir: Path, run_name: str, config: dict):

@@ -11,6 +11,7 @@ composes the ledger into epsilon.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -26,8 +27,8 @@ class GaussianMechanism:
     def __post_init__(self) -> None:
         if self.neighboring not in NEIGHBORING_RELATIONS:
             raise ValueError(f"neighboring must be one of {NEIGHBORING_RELATIONS}, got {self.neighboring!r}")
-        if not self.noise_multiplier > 0:
-            raise ValueError(f"noise multiplier must be positive, got {self.noise_multiplier}")
+        if not self.noise_multiplier >= 0:  # 0: a noiseless release (tests only); its epsilon is infinite
+            raise ValueError(f"noise multiplier must be non-negative, got {self.noise_multiplier}")
         if not 0 < self.sample_rate <= 1:
             raise ValueError(f"sample rate must lie in (0, 1], got {self.sample_rate}")
 
@@ -48,6 +49,37 @@ class GaussianMechanism:
         the reduction is never below that exact value.
         """
         return self.noise_multiplier if self.neighboring == "add_remove" else self.noise_multiplier / 2
+
+
+def joint_noise_multiplier(parts: list[tuple[float, float]]) -> float:
+    """Noise multiplier of one Gaussian mechanism releasing several parts of one batch.
+
+    `parts` are (noise std, L2 sensitivity) pairs. Dividing each part by its noise std makes the
+    joint release a Gaussian with unit noise and sensitivity sqrt(sum (sens/std)^2), so the
+    release is a single mechanism with multiplier (sum (sens/std)^2)^-1/2 (DPDR's decomposition
+    step; a single part gives std/sens).
+    """
+    if not parts:
+        raise ValueError("a release needs at least one part")
+    for std, sensitivity in parts:
+        if not (std >= 0 and sensitivity > 0):
+            raise ValueError(f"noise std must be >= 0 and sensitivity > 0, got {std} and {sensitivity}")
+    if any(std == 0 for std, _ in parts):
+        return 0.0  # a noiseless part releases everything
+    return sum((sensitivity / std) ** 2 for std, sensitivity in parts) ** -0.5
+
+
+def same_mechanisms(ran: list[GaussianMechanism], planned: list[GaussianMechanism], rel_tol: float = 1e-9) -> bool:
+    """Whether a step ran exactly the planned mechanisms (as multisets, up to rounding)."""
+    if len(ran) != len(planned):
+        return False
+    key = lambda m: (m.neighboring, m.sample_rate, m.noise_multiplier)  # noqa: E731
+    for a, b in zip(sorted(ran, key=key), sorted(planned, key=key)):
+        if a.neighboring != b.neighboring or not math.isclose(a.sample_rate, b.sample_rate, rel_tol=rel_tol):
+            return False
+        if not math.isclose(a.noise_multiplier, b.noise_multiplier, rel_tol=rel_tol):
+            return False
+    return True
 
 
 def under_relation(mechanisms: list[GaussianMechanism], neighboring: str) -> list[GaussianMechanism]:

@@ -26,8 +26,10 @@ class ImageClassificationTask(Task):
         if loss_name == "cross_entropy":
             self.margins = None
         elif loss_name == "ldam":
-            counts = torch.bincount(self.data.train_labels, minlength=self.data.num_classes)
-            self.margins = ldam_margins(counts, float(cfg.dataset.get("ldam_max_margin", 0.5))).to(device)
+            # From the config's public class profile, never from the private labels: a margin
+            # computed from label counts makes every example's loss depend on every other label.
+            profile = public_class_profile(cfg.dataset, self.data.num_classes)
+            self.margins = ldam_margins(profile, float(cfg.dataset.get("ldam_max_margin", 0.5))).to(device)
             self.ldam_scale = float(cfg.dataset.get("ldam_scale", 30.0))
         else:
             raise UserError(f"dataset.loss={loss_name!r} is not known; use cross_entropy or ldam")
@@ -74,12 +76,28 @@ class ImageClassificationTask(Task):
         return {"accuracy": correct / n, "loss": loss / n}
 
 
-def ldam_margins(class_counts: torch.Tensor, max_margin: float = 0.5) -> torch.Tensor:
+def public_class_profile(dataset_cfg, num_classes: int) -> torch.Tensor:
+    """Relative class sizes the dataset config declares: public, data-independent.
+
+    A long-tailed dataset (`imbalance_factor` rho, as cifar10_lt / imagenette_lt build it, see
+    dpbench.data.images.long_tail_indices) gives class c the share rho^(c/(K-1)) of the largest
+    class, in class-index order; a dataset without one is balanced.
+    """
+    imbalance = dataset_cfg.get("imbalance_factor")
+    if imbalance is None or num_classes < 2:
+        return torch.ones(num_classes)
+    if not 0 < float(imbalance) <= 1:
+        raise UserError(f"dataset.imbalance_factor={imbalance} must lie in (0, 1]")
+    exponents = torch.arange(num_classes, dtype=torch.float64) / (num_classes - 1)
+    return torch.as_tensor(float(imbalance)).double().pow(exponents).float()
+
+
+def ldam_margins(class_sizes: torch.Tensor, max_margin: float = 0.5) -> torch.Tensor:
     """LDAM margins m_c proportional to n_c^(-1/4), the largest equal to max_margin.
 
-    The class counts are a statistic of the training set; like the DC-DPSGD paper (and LDAM-DRW)
-    we treat them as public. DRW re-weighting is not implemented (it starts at epoch 160 in the
-    reference code, after these papers' 40-50 epochs).
+    `class_sizes` are relative sizes from the public profile (only ratios matter). DRW
+    re-weighting is not implemented (it starts at epoch 160 in the reference code, after these
+    papers' 40-50 epochs).
     """
-    inverse = class_counts.float().clamp_min(1).pow(-0.25)
+    inverse = class_sizes.float().clamp_min(1e-12).pow(-0.25)
     return inverse * (max_margin / inverse.max())

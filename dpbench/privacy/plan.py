@@ -1,0 +1,176 @@
+"""The privacy plan of a run: calibrated noise, what each step may release, and what ran.
+
+`plan_privacy` turns the config into a `PrivacyPlan`: the accountant, the noise multiplier
+(calibrated for the planned run or given), the `PrivacySetup` handed to the algorithm, and the
+one planning function `planned(step)` that both calibration and the per-step check use. The
+trainer composes the mechanisms each step actually released into the ledger; `results()` is the
+`privacy` section of results.json, and every fact that changes what the reported epsilon means
+is written to the run's notes there, never only to the console.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dpbench.errors import UserError
+from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
+from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS, GaussianMechanism, Ledger, same_mechanisms
+from dpbench.privacy.noise import GaussianNoise
+
+
+@dataclass
+class PrivacySetup:
+    """What a private algorithm needs to privatise its releases."""
+
+    noise_multiplier: float  # sigma: noise std = sigma * clip_norm on the clipped sum
+    clip_norm: float  # C: per-example L2 bound, the sum's sensitivity (add/remove one)
+    expected_batch_size: float  # public B = q * n; the clipped noisy sum is divided by it
+    sample_rate: float  # q
+    noise: GaussianNoise  # entropy-seeded generator (dpbench.privacy.noise)
+    clipping: str = "flat"  # rule in dpbench.privacy.per_sample.CLIP_FACTORS
+    clipping_gamma: float = 0.01
+    neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
+
+
+class PlanMismatchError(RuntimeError):
+    """A step released other mechanisms than its plan: a privacy bug, never the user's input."""
+
+
+def neighboring(cfg) -> str:
+    """The neighbouring relation epsilon is stated for (configs without the key: add_remove)."""
+    return str(cfg.privacy.get("neighboring", "add_remove"))
+
+
+# Releases no noise covers, made when privacy.log_private_stats=true (research default).
+UNNOISED_RELEASES = (
+    "per-step training loss and its running mean (history/metrics train_loss, W&B train/*)",
+    "realised Poisson batch sizes (W&B train/batch_size)",
+    "algorithm statistics of the private batch (e.g. DC-DPSGD mean_tail_fraction)",
+    "halting on a non-finite training loss (status: diverged)",
+)
+
+
+@dataclass
+class PrivacyPlan:
+    accountant: Accountant
+    delta: float
+    setup: PrivacySetup
+    target_epsilon: float | None  # None when sigma was given
+    planned: Callable[[int], list[GaussianMechanism]]  # mechanisms step i may release
+    log_private_stats: bool
+    notes: list[str] = field(default_factory=list)
+
+    def check_step(self, step: int, ran: list[GaussianMechanism]) -> None:
+        """Refuse to go on when a step released anything but its plan (calibration assumed it)."""
+        expected = self.planned(step)
+        if not same_mechanisms(ran, expected):
+            raise PlanMismatchError(
+                f"step {step} released {ran} but its plan was {expected}: the reported epsilon would "
+                "not be that of the run; this is a bug in the algorithm, please report it"
+            )
+
+    def epsilon(self, ledger: Ledger) -> float:
+        return self.accountant.epsilon(ledger, self.delta)
+
+    def results(self, ledger: Ledger, steps: int, planned_steps: int) -> dict:
+        """The privacy section of results.json for the mechanisms that ran."""
+        setup = self.setup
+        epsilon = self.epsilon(ledger)
+        if self.accountant.computed_by != self.accountant.name:
+            self.note(
+                f"accountant={self.accountant.name} failed on this ledger; epsilon was computed by "
+                f"{self.accountant.computed_by} instead (privacy.accountant names it)"
+            )
+        return {
+            "private": True,
+            "epsilon": epsilon,
+            "epsilon_is_upper_bound": self.accountant.upper_bound,
+            "target_epsilon": self.target_epsilon,
+            "delta": self.delta,
+            "noise_multiplier": setup.noise_multiplier,
+            "clip_norm": setup.clip_norm,
+            "sample_rate": setup.sample_rate,
+            "expected_batch_size": setup.expected_batch_size,
+            "steps": steps,
+            "planned_steps": planned_steps,
+            "accountant": self.accountant.computed_by,
+            "requested_accountant": self.accountant.name,
+            "neighboring": setup.neighboring,
+            "log_private_stats": self.log_private_stats,
+            "ledger": ledger.as_records(),
+        }
+
+    def recorded_notes(self) -> list[str]:
+        """The notes for results.json: the warnings, and what is released without noise."""
+        if not self.log_private_stats:
+            return list(self.notes)
+        unnoised = (
+            "privacy.log_private_stats=true: results and W&B hold un-noised statistics of the private "
+            "training data that epsilon does not cover (" + "; ".join(UNNOISED_RELEASES) + ")"
+        )
+        return [*self.notes, unnoised]
+
+    def note(self, message: str) -> None:
+        if message not in self.notes:
+            self.notes.append(message)
+
+
+def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.device) -> PrivacyPlan:
+    """Calibrate (or take) sigma for the planned run and build what the algorithm needs."""
+    p = cfg.privacy
+    relation = neighboring(cfg)
+    if relation not in NEIGHBORING_RELATIONS:
+        raise UserError(f"privacy.neighboring={relation!r} is not known; use add_remove or replace_one")
+    accountant = build_accountant(cfg.accountant.name)
+    sample_rate = cfg.train.batch_size / train_size
+    clip_norm = float(p.clip_norm)
+    notes: list[str] = []
+
+    def planned_for(sigma: float) -> Callable[[int], list[GaussianMechanism]]:
+        return lambda step: algo_cls.declared_mechanisms(cfg.algo, sigma, sample_rate, step, clip_norm, relation)
+
+    if not accountant.upper_bound:
+        notes.append(
+            f"accountant={accountant.name} is an approximation, not an upper bound: the reported epsilon "
+            "may be below the true one (use pld, prv or rdp for a bound)"
+        )
+    if p.noise_multiplier is not None:
+        sigma, target = float(p.noise_multiplier), None
+    elif steps == 0:  # zero-shot evaluation: nothing is released, nothing to calibrate
+        sigma, target = math.inf, None
+    else:
+        if not accountant.upper_bound and not p.get("allow_approximate_accountant", False):
+            raise UserError(
+                f"accountant={accountant.name} can under-report epsilon, so it does not calibrate sigma; "
+                "use accountant=pld, prv or rdp, or set privacy.allow_approximate_accountant=true"
+            )
+        target = float(p.epsilon)
+        sigma = calibrate_noise_multiplier(
+            accountant, lambda s: planned_ledger(planned_for(s), steps), target, float(p.delta)
+        )
+    if p.delta >= 1 / train_size:
+        notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
+    if p.sampling != "poisson":
+        notes.append(
+            "privacy.sampling=shuffle: the accountant's guarantee assumes Poisson sampling, so the reported "
+            "epsilon is not a proven bound for this run"
+        )
+    log_private_stats = bool(p.get("log_private_stats", True))
+    setup = PrivacySetup(
+        noise_multiplier=sigma,
+        clip_norm=clip_norm,
+        expected_batch_size=sample_rate * train_size,
+        sample_rate=sample_rate,
+        noise=GaussianNoise(device, secure=bool(p.secure_rng)),
+        clipping=p.clipping,
+        clipping_gamma=float(p.clipping_gamma),
+        neighboring=relation,
+    )
+    plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned_for(sigma), log_private_stats, notes)
+    for note in algo_cls.privacy_notes(cfg.algo):
+        plan.note(note)
+    return plan

@@ -1,0 +1,193 @@
+"""Regression tests for the independent audit's findings, and the ledger of what ran."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting as dpa
+import pytest
+import torch
+from conftest import TINY, compose
+from dcdr_helpers import build_algorithm
+from torch import nn
+
+from dpbench.algorithms import dcdpsgd
+from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
+from dpbench.errors import UserError
+from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, planned_ledger
+from dpbench.privacy.per_sample import per_sample_norms
+from dpbench.privacy.plan import PlanMismatchError
+from dpbench.run import run_job
+from dpbench.tasks.image import ImageClassificationTask, ldam_margins, public_class_profile
+
+
+# --- 1. DC-DPSGD with an absolute algo.tail_clip ------------------------------------------------
+def _gradient_multiplier(*overrides, clip=0.1, sigma=1.0):
+    cfg = compose([f"privacy.clip_norm={clip}", "algo=dcdpsgd", *overrides]).algo
+    return dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, 0.01, 0, clip)[1].noise_multiplier
+
+
+def test_absolute_tail_clip_is_planned_as_its_ratio_to_the_body_clip():
+    # c2 = 0.1, c1 = 1.0: ratio 10, sigma_dp = sqrt(2), sensitivity 2c1 - c2 = 19 c2
+    expected = math.sqrt(2) * 10 / 19  # 0.744 (the bug declared 1.414)
+    assert _gradient_multiplier("algo.tail_clip=1.0") == pytest.approx(expected)
+    assert _gradient_multiplier("algo.tail_clip_ratio=10") == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("tail_clip", ["0.1", "0.05", "0.5"])
+def test_tail_clip_not_above_body_clip_is_a_user_error(tail_clip):
+    clip = 0.1 if tail_clip != "0.5" else 1.0  # c1 = c2 / 2 used to divide by zero
+    with pytest.raises(UserError, match="c1 <= c2"):
+        _gradient_multiplier(f"algo.tail_clip={tail_clip}", clip=clip)
+
+
+def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path):
+    cfg = compose(TINY + ["algo=dcdpsgd", "privacy.clip_norm=0.1", "algo.tail_clip=1.0",
+                          "privacy.noise_multiplier=1.0", "train.steps=5", "accountant=pld"])
+    results = run_job(cfg, tmp_path, show_progress=False)
+    q = results["privacy"]["sample_rate"]
+    sigma_tr = sigma_dp = math.sqrt(2)
+    events = [
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), 5)
+        for s in (sigma_tr, sigma_dp * 10 / 19)
+    ]
+    accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+    expected = accountant.compose(dpa.ComposedDpEvent(events)).get_epsilon(1e-5)
+    assert results["privacy"]["epsilon"] == pytest.approx(expected, rel=1e-3)
+    assert results["algorithm"]["tail_clip_c1"] == pytest.approx(1.0)
+
+
+# --- 2. DC-DPSGD two-pass clipping with dropout --------------------------------------------------
+def test_two_pass_dcdpsgd_clips_each_recomputed_gradient_to_its_threshold(monkeypatch):
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", clip=0.01)
+    torch.manual_seed(0)
+    algorithm.model.insert(1, nn.Dropout(0.5))  # recomputed per-sample gradients now differ
+    contributions, thresholds = [], []
+    original_clipped_sum, original_thresholds = dcdpsgd.clipped_sum, algorithm.clip_thresholds
+
+    def recording_clipped_sum(per_sample, factors):
+        contributions.append(per_sample_norms(per_sample) * factors)
+        return original_clipped_sum(per_sample, factors)
+
+    def recording_thresholds(noisy):
+        tail, limit = original_thresholds(noisy)
+        thresholds.append(limit)
+        return tail, limit
+
+    monkeypatch.setattr(dcdpsgd, "clipped_sum", recording_clipped_sum)
+    algorithm.clip_thresholds = recording_thresholds
+    images, labels = task.batch(list(range(40)))
+    chunks = [(images[i : i + 8], labels[i : i + 8]) for i in range(0, 40, 8)]  # two passes
+    for step in range(3):
+        contributions.clear()
+        algorithm.train_step(chunks, step)
+        made = torch.cat(contributions)
+        assert made.shape == (40,) and torch.all(made <= thresholds[-1] * (1 + 1e-5))
+        assert torch.any(made >= thresholds[-1] * (1 - 1e-3))  # the bound is active
+
+
+# --- 3. the gdp accountant is an approximation --------------------------------------------------
+def test_gdp_underreports_and_does_not_calibrate_without_opt_in(tmp_path):
+    from dpbench.privacy.accountants import GDPAccountant
+    from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
+
+    ledger = Ledger()
+    ledger.add(GaussianMechanism(1.1, 0.0445), 40)
+    assert GDPAccountant().epsilon(ledger, 1e-5) < 0.8 * PLDAccountant().epsilon(ledger, 1e-5)
+    assert not GDPAccountant.upper_bound and PLDAccountant.upper_bound
+    with pytest.raises(UserError, match="allow_approximate_accountant"):
+        run_job(compose(TINY + ["algo=dpsgd", "accountant=gdp"]), tmp_path, show_progress=False)
+    results = run_job(compose(TINY + ["algo=dpsgd", "accountant=gdp", "privacy.noise_multiplier=1.1"]),
+                      tmp_path / "fixed", show_progress=False)
+    assert results["privacy"]["epsilon_is_upper_bound"] is False
+    assert any("approximation, not an upper bound" in note for note in results["notes"])
+
+
+# --- 4. LDAM margins from the public profile ------------------------------------------------------
+def test_ldam_margins_come_from_the_public_profile_not_the_labels(monkeypatch):
+    cfg = compose(TINY + ["+dataset.loss=ldam", "+dataset.imbalance_factor=0.01"])
+    first = ImageClassificationTask(cfg, torch.device("cpu")).margins
+    import dpbench.tasks.image as image
+
+    original = image.load_dataset
+
+    def relabelled(dataset_cfg, seed):  # a neighbour dataset: every training label changed
+        data = original(dataset_cfg, seed)
+        data.train_labels = torch.zeros_like(data.train_labels)
+        return data
+
+    monkeypatch.setattr(image, "load_dataset", relabelled)
+    assert torch.equal(ImageClassificationTask(cfg, torch.device("cpu")).margins, first)
+    profile = public_class_profile(cfg.dataset, 4)
+    assert profile.tolist() == pytest.approx([1.0, 0.01 ** (1 / 3), 0.01 ** (2 / 3), 0.01])
+    assert first.tolist() == pytest.approx(ldam_margins(profile, 0.5).tolist())
+    assert first[-1] == pytest.approx(0.5) and first[0] == pytest.approx(0.5 * 0.01**0.25)
+
+
+# --- 5. the ledger is what ran ------------------------------------------------------------------
+def test_a_step_releasing_other_than_its_plan_stops_the_run(tmp_path, monkeypatch):
+    def halved_noise(self, sums):
+        p = self.privacy
+        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, p.clip_norm, p.noise_multiplier * p.clip_norm / 2))
+        return [s / p.expected_batch_size for s in noisy]
+
+    monkeypatch.setattr(DPFirstOrderAlgorithm, "privatize", halved_noise)
+    with pytest.raises(PlanMismatchError, match="step 0 released"):
+        run_job(compose(TINY + ["algo=dpsgd"]), tmp_path, show_progress=False)
+
+
+def test_ledger_records_the_mechanisms_each_step_released(tmp_path):
+    results = run_job(compose(TINY + ["algo=dpdr", "algo.decomposition_steps=3", "train.steps=4"]),
+                      tmp_path, show_progress=False)
+    records = results["privacy"]["ledger"]
+    sigma = results["privacy"]["noise_multiplier"]
+    sigma_eff = results["algorithm"]["sigma_eff"]
+    assert sorted((r["noise_multiplier"], r["count"]) for r in records) == pytest.approx(
+        sorted([(sigma, 2), (sigma_eff, 2)])  # steps 0 and 3 DP-SGD; 1 and 2 decomposed
+    )
+
+
+# --- 6. / 7. notes and un-noised statistics ------------------------------------------------------
+def test_prv_fallback_names_the_accountant_that_computed_epsilon(tmp_path, monkeypatch):
+    from opacus.accountants import PRVAccountant as OpacusPRV
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("discretisation failed")
+
+    monkeypatch.setattr(OpacusPRV, "get_epsilon", broken)
+    results = run_job(compose(TINY + ["algo=dpsgd", "accountant=prv", "privacy.noise_multiplier=1.0"]),
+                      tmp_path, show_progress=False)
+    assert results["privacy"]["accountant"] == "pld" and results["privacy"]["requested_accountant"] == "prv"
+    assert any("computed by pld" in note for note in results["notes"])
+    assert PRVAccountant().name == "prv"
+
+
+def test_meaning_changing_choices_are_noted_in_results(tmp_path):
+    results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.gradient_sensitivity=tail_clip", "privacy.sampling=shuffle"]),
+                      tmp_path, show_progress=False)
+    notes = " ".join(results["notes"])
+    assert "tail_clip" in notes and "not a proven bound" in notes and "sampling=shuffle" in notes
+    assert "log_private_stats=true" in notes
+
+
+def test_private_stats_can_be_switched_off(tmp_path):
+    results = run_job(compose(TINY + ["algo=dcdpsgd", "privacy.log_private_stats=false"]), tmp_path, show_progress=False)
+    assert results["metrics"]["train_loss"] is None
+    assert all(record["train_loss"] is None for record in results["history"])
+    assert "mean_tail_fraction" not in results["algorithm"]
+    assert not any("log_private_stats=true" in note for note in results["notes"])
+    assert results["privacy"]["log_private_stats"] is False
+
+
+def test_planned_ledger_and_calibration_share_one_planning_function(tmp_path):
+    results = run_job(compose(TINY + ["algo=dcdpsgd", "accountant=pld"]), tmp_path, show_progress=False)
+    cfg = compose(TINY + ["algo=dcdpsgd"])
+    p = results["privacy"]
+    planned = planned_ledger(
+        lambda step: dcdpsgd.DCDPSGD.declared_mechanisms(cfg.algo, p["noise_multiplier"], p["sample_rate"], step,
+                                                         p["clip_norm"], "add_remove"),
+        p["steps"],
+    )
+    ran = p["ledger"]
+    assert [(r["sample_rate"], r["count"]) for r in planned.as_records()] == [(r["sample_rate"], r["count"]) for r in ran]
+    assert [r["noise_multiplier"] for r in planned.as_records()] == pytest.approx([r["noise_multiplier"] for r in ran], rel=1e-12)
