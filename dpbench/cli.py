@@ -3,11 +3,15 @@
     dpbench                                   # DP-GRAPE, tiny ViT, bundled digits, eps=8
     dpbench algo=dpsgd privacy.epsilon=3      # any config value can be overridden
     dpbench -m algo=adam,dpadam seed=0,1      # a grid; finished jobs are skipped on rerun
+
+Exit status: 0 done; 1 a run failed (diverged, or some jobs of a grid failed); 2 bad input
+(dpbench's checks or Hydra's composition errors); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -18,6 +22,25 @@ from omegaconf import DictConfig
 from dpbench.errors import DivergedError, UserError
 from dpbench.paths import config_dir
 
+EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+ERROR_FILE = "error.txt"
+
+# Jobs of this process's grid that failed: (job folder, one-line reason). A grid goes on past a
+# failed job and the process exits non-zero at the end (Hydra's basic launcher runs jobs in-process).
+_failed_jobs: list[tuple[Path, str]] = []
+_own_exit: list[int] = []  # exit statuses dpbench itself chose (vs Hydra's status 1 for its errors)
+
+
+def _exit(status: int) -> None:
+    _own_exit.append(status)
+    sys.exit(status)
+
+
+def _record_failure(run_dir: Path, message: str, detail: str | None = None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_FILE).write_text(message + "\n" + (detail or ""))
+    _failed_jobs.append((run_dir, message))
+
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> None:
@@ -25,19 +48,48 @@ def _main(cfg: DictConfig) -> None:
     from dpbench.run import run_job
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    in_grid = HydraConfig.get().mode == RunMode.MULTIRUN
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun that succeeds leaves no stale error
     try:
         run_job(cfg, run_dir)
     except UserError as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
-        sys.exit(2)
+        if not in_grid:
+            _exit(EXIT_BAD_INPUT)
+        _record_failure(run_dir, f"error: {error}")
     except DivergedError as error:
         console.print(f"[bold red]diverged:[/] {error}", soft_wrap=True)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:  # a grid goes on to its next job
-            sys.exit(1)
+        if not in_grid:
+            _exit(EXIT_RUN_FAILED)
+        _record_failure(run_dir, f"diverged: {error}")
+    except Exception as error:  # noqa: BLE001 - a grid goes on past a crashed job, with its traceback kept
+        if not in_grid:
+            raise
+        console.print(f"[bold red]failed:[/] {type(error).__name__}: {error} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
+        _record_failure(run_dir, f"failed: {type(error).__name__}: {error}", traceback.format_exc())
 
 
 def main() -> None:
-    _main()
+    from dpbench.logging.console import console
+
+    if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
+        console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        _main()
+    except KeyboardInterrupt:
+        console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
+        sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as exit_:
+        # Hydra reports its own errors (unknown override, bad grammar, missing config) with exit
+        # status 1; they are bad input like dpbench's own.
+        hydra_error = exit_.code == 1 and not _own_exit
+        sys.exit(EXIT_BAD_INPUT if hydra_error else exit_.code)
+    if _failed_jobs:
+        console.print(f"[bold red]{len(_failed_jobs)} job(s) of the grid failed:[/]")
+        for run_dir, message in _failed_jobs:
+            console.print(f"  {run_dir}: {message}", soft_wrap=True)
+        sys.exit(EXIT_RUN_FAILED)
 
 
 if __name__ == "__main__":

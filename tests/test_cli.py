@@ -65,6 +65,13 @@ BAD_INPUTS = [
     (["privacy.clip_norm=-1"], "privacy.clip_norm must be positive"),
     (["train.physical_batch_size=64"], "train.physical_batch_size=64 must lie in 1..train.batch_size=32"),
     (["privacy.sampling=fixed"], "privacy.sampling='fixed' is not known"),
+    (["privacy.clipping=flatt"], "privacy.clipping='flatt' is not known; use one of automatic, flat, psac"),
+    (["privacy.neighboring=swap"], "privacy.neighboring='swap' is not known"),
+    (["privacy.epsilon=abc"], "privacy.epsilon must be a number or null, got 'abc'"),
+    (["seed=abc"], "seed must be an integer, got 'abc'"),
+    (["train.batch_size=1.5"], "train.batch_size must be an integer, got 1.5"),
+    (["train.eval_every=abc"], "train.eval_every must be an integer, got 'abc'"),
+    (["privacy.delta=true"], "privacy.delta must be a number, got True"),
     (["privacy.noise_multiplier=-2"], "privacy.noise_multiplier must be positive"),
 ]
 
@@ -132,3 +139,32 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
         algo.train_step([task.batch(indices[i : i + chunk]) for i in range(0, 20, chunk)], 0)
         updates.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = dpbench("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    (good,) = sweep.glob("*/results.json")
+    assert "privacy.epsilon=8" in str(good)
+    (error,) = sweep.glob("*/error.txt")
+    assert "privacy.epsilon must be positive" in error.read_text()
+    assert "1 job(s) of the grid failed" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_hydra_errors_and_missing_subcommands_exit_2_with_one_line(tmp_path):
+    completion = dpbench("--shell-completion", cwd=tmp_path)
+    assert completion.returncode == 2 and "Traceback" not in completion.stderr
+    grammar = dpbench("dataset.data_dir=~/data", cwd=tmp_path)
+    assert grammar.returncode == 2
+
+
+def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        run_job(tiny_cfg(), tmp_path, show_progress=False)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644

@@ -26,6 +26,9 @@ def write_results(run_dir: Path, results: dict) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESULTS_FILE
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; colleagues and Docker volume owners must read it
     with os.fdopen(fd, "w") as handle:
         json.dump(_jsonable(results), handle, indent=2, sort_keys=False)
         handle.flush()
