@@ -48,7 +48,7 @@ TASKS: Registry[type[Task]] = Registry("task")
 
 
 def build_task(cfg, device: torch.device) -> Task:
-    from dpbench.tasks import image  # noqa: F401
+    from dpbench.tasks import image, quadratic  # noqa: F401
 
     kind = cfg.dataset.get("task", "image_classification")
     if kind in ("language", "prompt_mlm", "causal_lm"):  # transformers is imported only for these
