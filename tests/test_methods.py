@@ -245,3 +245,12 @@ def test_first_order_methods_learn_digits(algo, tmp_path):
                          "train.lr=0.5", "privacy.clip_norm=1.0", "algo.difference_clip=0.5" if algo != "sgd" else "seed=0")
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results["metrics"]["test_accuracy"] > 0.5, results["metrics"]
+
+
+# --- OPT-13B (DPZero Table 11) -------------------------------------------------------------------
+def test_opt_13b_preset_names_its_checkpoint():
+    from dpbench.models.language import _source
+
+    assert _source(compose_config("model=opt", "model.size=13b", "dataset=boolq").model) == "facebook/opt-13b"
+    with pytest.raises(UserError, match="6.7b, 13b"):
+        _source(compose_config("model=opt", "model.size=30b", "dataset=boolq").model)
