@@ -254,3 +254,22 @@ def test_opt_13b_preset_names_its_checkpoint():
     assert _source(compose_config("model=opt", "model.size=13b", "dataset=boolq").model) == "facebook/opt-13b"
     with pytest.raises(UserError, match="6.7b, 13b"):
         _source(compose_config("model=opt", "model.size=30b", "dataset=boolq").model)
+
+
+# --- DPZero Figs. 1-2: error vs d --------------------------------------------------------------------
+def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
+    from dpbench.plots_synthetic import best_errors, main
+
+    finals = {}
+    for algo, d, lr in [("dpsgd", 5, 0.1), ("dpsgd", 5, 0.5), ("dpsgd", 12, 0.5), ("dpzero", 5, 0.05), ("dpzero", 12, 0.05)]:
+        cfg = compose_config(*QUADRATIC, f"algo={algo}", f"dataset.dimension={d}", "dataset.train_size=200",
+                             "dataset.test_size=200", "train.batch_size=200", "train.steps=5", "train.eval_every=5",
+                             f"train.lr={lr}")
+        results = run_job(cfg, tmp_path / f"{algo}_{d}_{lr}", show_progress=False)
+        key = (algo, d)
+        finals[key] = min(finals.get(key, math.inf), results["metrics"]["test_accuracy"])
+    best = best_errors(tmp_path, "test_accuracy")
+    assert {(algo, d): v for algo, points in best["log_d"].items() for d, v in points.items()} == finals
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "dpzero_fig1.png").stat().st_size > 10_000 and (tmp_path / "dpzero_fig2.png").is_file()
+    assert main([str(tmp_path / "dpsgd_5_0.1" / "missing")]) == 2

@@ -20,6 +20,7 @@ Closed forms in float64: F(theta) = 1/2 (theta - m)^T A (theta - m) + 1/2 mean_i
 from __future__ import annotations
 
 import torch
+from opacus.grad_sample import register_grad_sampler
 from torch import nn
 
 from dpbench.errors import UserError
@@ -48,6 +49,13 @@ class QuadraticPoint(nn.Module):
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         return self.point.unsqueeze(0) - points
+
+
+@register_grad_sampler(QuadraticPoint)
+def quadratic_point_grad_sample(layer: QuadraticPoint, activations, backprops: torch.Tensor) -> dict:
+    """Per-example gradient of theta: d(theta - x_i)/d theta = I, so it is the output gradient [B, d]
+    (Opacus would otherwise run functorch over the module, about 20x slower at n = 10^4, d = 2000)."""
+    return {layer.point: backprops} if layer.point.requires_grad else {}
 
 
 class SplitSummary:
