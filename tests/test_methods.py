@@ -130,9 +130,14 @@ def test_diff2_one_example_moves_the_difference_sum_by_at_most_c_d():
     assert 0 < moved <= 0.01 * (1 + 1e-4)
 
 
-def test_difference_algorithms_reject_a_non_positive_clip():
+def test_bad_options_fail_with_the_fix():
     with pytest.raises(UserError, match="difference_clip"):
         build_algorithm("diff", "algo.difference_clip=0")
+    with pytest.raises(UserError, match="restart_interval"):
+        build_algorithm("diff2", "algo.restart_interval=0")
+    cfg = compose_config("algo=sgd", "algo.nesterov=true")
+    with pytest.raises(UserError, match="momentum"):
+        algorithm_class("sgd")(torch.nn.Linear(2, 2), None, cfg.algo, 0.1, None)
 
 
 # --- DPGD-0th ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, StepResult, tensor_bytes
 from dpbench.errors import UserError
+from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
 
 
@@ -30,6 +31,12 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         if not self.difference_clip > 0:
             raise UserError(f"algo.difference_clip (C_d) must be positive, got {cfg.difference_clip}")
         self.step_index = 0
+
+    @classmethod
+    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step):
+        # every step releases one sum, of clipped gradients (C_g) or of clipped differences (C_d),
+        # with noise std sigma * its own bound: one subsampled Gaussian with multiplier sigma
+        return [GaussianMechanism(noise_multiplier, sample_rate)]
 
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=float(self.cfg.momentum))

@@ -13,6 +13,7 @@ theta_{t-1} and v_{t-1} are earlier outputs (post-processing). One subsampled Ga
 with multiplier sigma per step, whichever branch: the ledger is DP-SGD's.
 
 Costs: two per-sample backward passes per difference step and one copy of the parameters.
+With dropout the two passes draw different masks (the models used here have none).
 What was assumed is stated in conf/algo/diff2.yaml.
 """
 

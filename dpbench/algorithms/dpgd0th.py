@@ -24,11 +24,16 @@ import torch
 
 from dpbench.algorithms.base import ALGORITHMS, StepResult
 from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
+from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.tasks import Batch
 
 
 @ALGORITHMS.register("dpgd0th")
 class DPGDZerothOrder(ZerothOrderAlgorithm):
+    @classmethod
+    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step):
+        return [GaussianMechanism(noise_multiplier, sample_rate)]  # one d-dimensional release, sensitivity C
+
     def direction_norm(self, seed: int, scale: float) -> float:
         """||z||: sqrt(d) on the sphere, the draw's norm for gaussian directions (one extra pass)."""
         if self.direction == "sphere":

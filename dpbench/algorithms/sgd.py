@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, StepResult, torch_optimizer_state_bytes
+from dpbench.errors import UserError
 
 
 @ALGORITHMS.register("sgd")
@@ -14,6 +15,8 @@ class SGD(Algorithm):
     def __init__(self, model, task, cfg, lr, privacy=None):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if cfg.nesterov and not cfg.momentum > 0:
+            raise UserError(f"algo.nesterov=true needs a positive algo.momentum (got {cfg.momentum})")
         self.optimizer = torch.optim.SGD(
             self.params, lr=lr, momentum=float(cfg.momentum), nesterov=bool(cfg.nesterov),
             weight_decay=float(cfg.weight_decay),
