@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, StepResult
+from dpbench.algorithms.base import ALGORITHMS, StepResult, tensor_bytes
 from dpbench.algorithms.diff import GradientDifferenceAlgorithm
 from dpbench.errors import UserError
 
@@ -63,6 +63,8 @@ class DIFF2(GradientDifferenceAlgorithm):
             count += losses.shape[0]
             now = self.engine.backward_per_sample(losses)
             before = self.per_sample_at(lambda: self.task.per_sample_loss(self.model, batch), self.previous_params)
+            held = tensor_bytes(now) + tensor_bytes(before)  # both sets exist until subtracted
+            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, held)
             differences = [a.float().sub_(b.float()) for a, b in zip(now, before)]
             del now, before
             for s, c in zip(sums, self.clipped_difference(differences)):
