@@ -161,7 +161,7 @@ def fit(job: Job, run_dir: Path, logger, show_progress: bool) -> tuple[Trainer, 
     trainer = Trainer(
         job.task,
         job.algorithm,
-        build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed),
+        build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None),
         TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats),
         job.privacy,
         [LoggerCallback(logger)] + ([ProgressCallback()] if show_progress else []),

@@ -79,7 +79,8 @@ class Trainer:
         state = self.state
         metrics = self.task.evaluate(self.algorithm.model)
         accuracy = metrics["accuracy"]
-        state.best_accuracy = accuracy if state.best_accuracy is None else max(state.best_accuracy, accuracy)
+        better = max if self.task.higher_is_better else min
+        state.best_accuracy = accuracy if state.best_accuracy is None else better(state.best_accuracy, accuracy)
         record = {
             "step": state.step,
             "train_loss": state.train_loss,

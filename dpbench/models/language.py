@@ -51,7 +51,7 @@ FAMILIES = {
     ),
     "opt": LanguageFamily(
         "causal",
-        {s: f"facebook/opt-{s}" for s in ("125m", "350m", "1.3b", "2.7b", "6.7b")},
+        {s: f"facebook/opt-{s}" for s in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b")},
         dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
              word_embed_proj_dim=64, max_position_embeddings=512, dropout=0.0, attention_dropout=0.0,
              pad_token_id=1, bos_token_id=2, eos_token_id=2),

@@ -17,11 +17,13 @@ from dpbench.privacy.noise import entropy_seed
 class PoissonBatches:
     name = "poisson"
 
-    def __init__(self, num_samples: int, sample_rate: float):
+    def __init__(self, num_samples: int, sample_rate: float, seed: int | None = None):
+        """`seed=None` (every private run): selection from fresh OS entropy. A non-private run may
+        pass the experiment seed so that it is reproducible (nothing there is secret)."""
         from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
         generator = torch.Generator()
-        generator.manual_seed(entropy_seed())
+        generator.manual_seed(entropy_seed() if seed is None else seed)
         self.sample_rate = sample_rate
         self._sampler = UniformWithReplacementSampler(
             num_samples=num_samples, sample_rate=sample_rate, generator=generator
@@ -52,9 +54,9 @@ class ShuffledBatches:
                 yield order[start : start + self.batch_size]
 
 
-def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int):
-    if kind == "poisson":
-        return PoissonBatches(num_samples, batch_size / num_samples)
+def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, private: bool = True):
+    if kind == "poisson":  # private runs never draw their sample from a seed
+        return PoissonBatches(num_samples, batch_size / num_samples, None if private else seed)
     if kind == "shuffle":
         return ShuffledBatches(num_samples, batch_size, seed)
     from dpbench.errors import UserError

@@ -38,6 +38,7 @@ class Task(ABC):
     # Optional: a task whose model depends on it (a language model needs the task's tokenizer)
     # defines `build_model(model_cfg) -> nn.Module`; run.py calls it instead of build_model.
     metric_name = "accuracy"  # what evaluate()'s 'accuracy' holds (e.g. "f1" for generation)
+    higher_is_better = True  # whether a larger headline metric is better (best_test_accuracy)
 
     def model_spec(self):
         """What the model builder needs (input shape, classes)."""
@@ -48,7 +49,7 @@ TASKS: Registry[type[Task]] = Registry("task")
 
 
 def build_task(cfg, device: torch.device) -> Task:
-    from dpbench.tasks import image  # noqa: F401
+    from dpbench.tasks import image, quadratic  # noqa: F401
 
     kind = cfg.dataset.get("task", "image_classification")
     if kind in ("language", "prompt_mlm", "causal_lm"):  # transformers is imported only for these
