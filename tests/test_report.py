@@ -12,7 +12,7 @@ def fake_results(algo, batch, peak_mib, per_sample, speed, epsilon, accuracy=0.5
     return {
         "status": "completed", "algo": algo, "model": "vit",
         "privacy": {"private": algo != "adam", "epsilon": epsilon, "target_epsilon": epsilon},
-        "metrics": {"best_test_accuracy": accuracy},
+        "metrics": {"best_test_accuracy": accuracy, "test_accuracy": accuracy},
         "memory": {"peak_bytes": int(peak_mib * 2**20), "kind": "cpu_peak_rss",
                    "per_sample_grad_bytes": per_sample, "optimizer_state_bytes": 100},
         "throughput": {"samples_per_s": speed},
@@ -48,3 +48,81 @@ def test_report_on_empty_folder_fails_with_a_message(tmp_path: Path, capsys):
     assert main([str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert "no results.json" in captured.out + captured.err
+
+
+def language_results(algo, seed, accuracy, *, steps=1000, epsilon=6.0, dataset="sst2", best=None, sampling="poisson",
+                     accountant="rdp", report=None):
+    """A results.json as run.py writes it today (config stored resolved, with the report block)."""
+    private = algo != "adam"
+    config = {
+        "seed": seed, "name": "t3", "device": "auto",
+        "algo": {"name": algo, "rank": 16},
+        "model": {"name": "roberta", "size": "large"},
+        "dataset": {"name": dataset, "data_seed": seed},
+        "privacy": {"epsilon": epsilon, "clip_norm": 0.5, "clipping": "flat", "sampling": sampling},
+        "train": {"batch_size": 64, "steps": steps, "lr": 1e-4},
+        "report": report if report is not None else {"paper": "dpgrape", "table": "T3", "metric": "final", "expect": []},
+    }
+    return {
+        "status": "completed", "algo": algo, "model": "roberta", "dataset": dataset, "seed": seed,
+        "privacy": {"private": private, "epsilon": epsilon - 0.005 if private else None,
+                    "target_epsilon": epsilon if private else None, "steps": steps, "planned_steps": steps,
+                    "accountant": accountant if private else None, "sampling": sampling},
+        "metrics": {"metric": "accuracy", "test_accuracy": accuracy, "best_test_accuracy": best or accuracy + 0.01},
+        "memory": {"peak_bytes": 2**30, "start_bytes": 2**29, "kind": "cuda_max_reserved"},
+        "throughput": {"samples_per_s": 70.0}, "versions": {"device": "NVIDIA H100"},
+        "config": config,
+    }
+
+
+def test_seeds_are_averaged_with_standard_error_beside_the_paper(tmp_path: Path, capsys):
+    for seed, acc in zip((13, 21, 42), (0.92, 0.93, 0.94)):
+        write_results(tmp_path / f"grape-{seed}", language_results("grape", seed, acc))
+    write_results(tmp_path / "adam", language_results("adam", 13, 0.95))
+    assert main([str(tmp_path), "--format", "csv", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(",")[2]: line.split(",") for line in out.splitlines() if line.startswith("sst2")}
+    grape = rows["grape"]
+    assert grape[6] == "3" and grape[7] == "1000"                  # seeds, steps
+    assert grape[8] == "93.0 ± 0.6"                                  # mean ± SE = 0.01/sqrt(3)*100
+    assert grape[11] == "93.3 ± 0.4" and grape[12] == "-0.3"         # DP-GRAPE ε=6 SST-2 in Table 3, and Δ
+    assert rows["adam"][4] == rows["adam"][5] == "∞" and rows["adam"][11] == "93.1 ± 0.3"  # AdamW row
+
+
+def test_runs_of_different_lengths_are_never_averaged_and_the_key_is_named(tmp_path: Path, capsys):
+    write_results(tmp_path / "a", language_results("grape", 13, 0.90, steps=168))
+    write_results(tmp_path / "b", language_results("grape", 21, 0.80, steps=30))
+    assert main([str(tmp_path), "--format", "markdown", "--no-plots"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert out.count("| sst2 | roberta-large | grape |") == 2
+    assert "not averaged" in out and "train.steps (168 vs 30)" in out.replace("\n", " ")
+
+
+def test_best_metric_flags_latex_and_old_files(tmp_path: Path, capsys):
+    write_results(tmp_path / "a", language_results("grape", 13, 0.90, best=0.97, sampling="shuffle", accountant="gdp"))
+    old = {"algo": "dpadam", "model": "vit", "privacy": {"epsilon": 3.0}, "metrics": {"best_test_accuracy": 0.5}}
+    write_results(tmp_path / "old", old)                                  # no config, no report, no schema_version
+    assert main([str(tmp_path), "--metric", "best", "--format", "latex", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert r"\begin{tabular}" in out and "97.0" in out and "50.0" in out
+    assert "shuffle-sampled" in out and "approximate accountant" in out
+
+
+def test_check_without_expectations_or_with_a_bad_one_is_an_error(tmp_path: Path):
+    write_results(tmp_path / "a", language_results("grape", 13, 0.9))
+    assert main([str(tmp_path), "--check", "--no-plots"]) == 1          # nothing stated: nothing passes
+    report = {"paper": "dpgrape", "table": "T3", "metric": "final", "expect": ["__import__('os')"]}
+    write_results(tmp_path / "a", language_results("grape", 13, 0.9, report=report))
+    assert main([str(tmp_path), "--check", "--no-plots"]) == 2          # only names, numbers, arithmetic, comparisons
+
+
+def test_accuracy_plot_has_error_bars_and_a_non_private_line(tmp_path: Path):
+    for eps in (2.0, 6.0):
+        for seed, acc in ((13, 0.8), (21, 0.9)):
+            write_results(tmp_path / f"g{eps}{seed}", language_results("grape", seed, acc + eps / 100, epsilon=eps))
+    write_results(tmp_path / "adam", language_results("adam", 13, 0.95))
+    assert main([str(tmp_path), "--no-plots"]) == 0 and not (tmp_path / "accuracy_vs_epsilon.png").exists()
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 1000
+    assert not (tmp_path / "memory_vs_batch.png").exists()               # one batch size: no memory curve

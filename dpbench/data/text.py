@@ -12,11 +12,52 @@ Samplings are pure functions of (labels or sizes, k, seed), so a split is reprod
 
 from __future__ import annotations
 
+import os
+import socket
+from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
 from dpbench.errors import UserError
+
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@lru_cache(maxsize=1)
+def hub_offline() -> bool:
+    """Whether the model/dataset hub is out of reach: an *_OFFLINE variable is set, or one TCP
+    probe of the hub endpoint fails. Decided once per process and then enforced (`use_offline_mode`),
+    because transformers and datasets otherwise retry every request several times (~30 s) before
+    falling back to the cache or failing."""
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in _OFFLINE_VARIABLES):
+        return True
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def use_offline_mode() -> None:
+    """Make huggingface_hub, transformers and datasets read only their caches from now on."""
+    for variable in _OFFLINE_VARIABLES:
+        os.environ[variable] = "1"
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        import datasets.config
+    except ImportError:
+        return
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if hasattr(datasets.config, flag):
+            setattr(datasets.config, flag, True)
 
 
 def load_text_splits(dataset_cfg, splits: dict[str, str]) -> dict[str, list[dict]]:
@@ -41,12 +82,16 @@ def load_text_splits(dataset_cfg, splits: dict[str, str]) -> dict[str, list[dict
             result[role] = list(datasets.load_dataset("json", data_files=str(found), split="train"))
         return result
     hub = list(dataset_cfg.hub)
+    offline = hub_offline()
+    if offline:
+        use_offline_mode()
     try:
         return {role: list(datasets.load_dataset(*hub, split=split)) for role, split in splits.items()}
     except Exception as error:  # network, missing dataset, auth: all the user's to fix
+        where = "offline and not in the local cache" if offline else type(error).__name__
         raise UserError(
-            f"cannot load dataset {'/'.join(hub)} ({type(error).__name__}); offline, save it elsewhere with "
-            f"datasets' save_to_disk and set dataset.path=FOLDER"
+            f"cannot load dataset {'/'.join(hub)} ({where}); save it on a machine with access "
+            f"(datasets' save_to_disk, or <split>.jsonl files) and set dataset.path=FOLDER"
         ) from error
 
 

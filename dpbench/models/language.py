@@ -85,12 +85,20 @@ def _source(model_cfg) -> str | None:
 
 
 def _from_pretrained(loader, source: str, **kwargs):
+    """from_pretrained, reading only the local cache when the hub is out of reach (no retries)."""
+    from dpbench.data.text import hub_offline, use_offline_mode
+
+    offline = not Path(source).is_dir() and hub_offline()
+    if offline:
+        use_offline_mode()
+        kwargs["local_files_only"] = True
     try:
         return loader.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as error:
+        where = "offline and not in the local cache" if offline else type(error).__name__
         raise UserError(
-            f"cannot load {source!r} ({type(error).__name__}); offline, download it elsewhere with "
-            f"`hf download {source} --local-dir DIR` and set model.path=DIR"
+            f"cannot load {source!r} ({where}); download it on a machine with access "
+            f"(`hf download {source} --local-dir DIR`) and set model.path=DIR"
         ) from error
 
 
