@@ -1,6 +1,6 @@
 """The `dpbench` console script: compose the Hydra config, run the job, map errors to exit codes.
 
-    dpbench                                   # DP-GRAPE, tiny ViT, bundled digits, eps=8
+    dpbench                                   # DP-GRAPE, micro ViT, bundled digits, eps=8
     dpbench algo=dpsgd privacy.epsilon=3      # any config value can be overridden
     dpbench -m algo=adam,dpadam seed=0,1      # a grid; finished jobs are skipped on rerun
 

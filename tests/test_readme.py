@@ -1,0 +1,58 @@
+"""Every `dpbench` command in the README's code blocks composes (what `dpbench ... --cfg job` does)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+from conftest import REPO, compose
+
+FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
+FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
+
+
+def readme_commands() -> list[str]:
+    """`dpbench ...` and `python -m dpbench.cli ...` lines of the README's bash blocks."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                part = part.split(" #")[0].strip()
+                if re.match(r"(dpbench|python -m dpbench\.cli)(\s|$)", part):
+                    commands.append(part)
+    return commands
+
+
+def overrides_of(command: str) -> list[str]:
+    words = shlex.split(command)
+    words = words[3:] if words[0] == "python" else words[1:]
+    overrides, skip = [], False
+    multirun = any(w in FLAGS_WITHOUT_VALUE for w in words)
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        if word in FLAGS_WITH_VALUE:
+            skip = True
+            continue
+        if word.startswith("-") or word.startswith("hydra/") or word.startswith("hydra."):
+            continue
+        key, _, value = word.partition("=")
+        if multirun and "," in value and not value.startswith(("[", "'", '"')):
+            value = value.split(",")[0]  # a sweep: its first point must compose like any other
+        overrides.append(f"{key}={value}")
+    return overrides
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_commands():
+    assert len(COMMANDS) >= 20
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_composes(command):
+    compose(overrides_of(command))
