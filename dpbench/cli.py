@@ -42,16 +42,63 @@ def _record_failure(run_dir: Path, message: str, detail: str | None = None) -> N
     _failed_jobs.append((run_dir, message))
 
 
+def objective(cfg: DictConfig, results: dict | None) -> float:
+    """What the job returns to a Hydra sweeper: `optimize` names a metrics key, "-key" negates it."""
+    key = str(cfg.get("optimize") or "test_accuracy")
+    sign, key = (-1.0, key[1:]) if key.startswith("-") else (1.0, key)
+    value = ((results or {}).get("metrics") or {}).get(key)
+    return float("nan") if value is None else sign * float(value)  # a failed job: nan
+
+
+def launcher_threads() -> int | None:
+    """Intra-op threads for one job when the launcher runs several at once on this machine."""
+    import os
+
+    launcher = HydraConfig.get().launcher
+    per_task = launcher.get("cpus_per_task")  # submitit (local and SLURM)
+    if per_task:
+        return int(per_task)
+    parallel = launcher.get("n_jobs")  # joblib
+    if parallel and int(parallel) > 1:
+        return max(1, (os.cpu_count() or 1) // int(parallel))
+    return None
+
+
+def save_job_config(cfg: DictConfig, run_dir: Path) -> None:
+    """.hydra/config.yaml and overrides.yaml of a job that runs (Hydra's own copy is off, so a
+    skipped job keeps the files of the run that produced its results.json)."""
+    from omegaconf import OmegaConf
+
+    folder = run_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> float:
+    from omegaconf import open_dict
+
     from dpbench.logging.console import console
     from dpbench.run import run_job
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     in_grid = HydraConfig.get().mode == RunMode.MULTIRUN
-    (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun that succeeds leaves no stale error
+    with open_dict(cfg):
+        if cfg.get("threads") is None and (threads := launcher_threads()):
+            cfg.threads = threads
+        if in_grid and cfg.logger.name == "wandb":  # one W&B group per grid, names that differ
+            cfg.logger.group = cfg.logger.get("group") or cfg.name
+            point = HydraConfig.get().job.override_dirname
+            if cfg.logger.get("run_name") is None and point:
+                cfg.logger.run_name = f"{cfg.algo.name}-{point}"
+
+    def starting() -> None:  # only for a job that runs: a skipped one's folder is left untouched
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)
+        save_job_config(cfg, run_dir)
+
     try:
-        run_job(cfg, run_dir)
+        return objective(cfg, run_job(cfg, run_dir, on_start=starting))
     except UserError as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
         if not in_grid:
@@ -67,11 +114,17 @@ def _main(cfg: DictConfig) -> None:
             raise
         console.print(f"[bold red]failed:[/] {type(error).__name__}: {error} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
         _record_failure(run_dir, f"failed: {type(error).__name__}: {error}", traceback.format_exc())
+    return float("nan")
 
 
 def main() -> None:
     from dpbench.logging.console import console
 
+    if "--version" in sys.argv[1:]:
+        from dpbench import __version__
+
+        print(f"dpbench {__version__}")
+        return
     if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import random
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -111,16 +112,78 @@ def planned_steps(cfg: DictConfig, train_size: int) -> int:
     return max(1, round(cfg.train.epochs * train_size / cfg.train.batch_size))
 
 
+PROVENANCE_PACKAGES = ["torch", "opacus", "timm", "transformers", "peft", "hydra-core", "wandb", "dp-accounting", "numpy"]
+
+
+def git_commit() -> str | None:
+    """The commit of the source checkout dpbench runs from (None for an installed wheel)."""
+    import subprocess
+
+    root = Path(dpbench.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
+
+
 def versions(device: torch.device) -> dict:
-    import opacus
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
 
     return {
         "dpbench": dpbench.__version__,
-        "torch": torch.__version__,
-        "opacus": opacus.__version__,
+        **{name.replace("-", "_"): installed(name) for name in PROVENANCE_PACKAGES},
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "git_commit": git_commit(),
+        "command": " ".join(sys.argv),
     }
+
+
+# Config keys that do not change what a run computes: a stored run that differs only in these
+# is reused on resume.
+RESUME_IGNORED_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize")
+
+
+def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
+    keys = sorted(set(stored) | set(current))
+    out = []
+    for key in keys:
+        dotted = f"{prefix}{key}"
+        if not prefix and key in RESUME_IGNORED_KEYS:
+            continue
+        a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, dotted + ".")
+        elif a != b:
+            out.append(f"{dotted} ({a!r} -> {b!r})")
+    return out
+
+
+def reusable_results(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """The stored results of this exact job, or None (with the reason printed) to run it."""
+    if not cfg.resume or (existing := read_results(run_dir)) is None:
+        return None
+    differences = config_differences(existing.get("config") or {}, OmegaConf.to_container(cfg, resolve=True))
+    if differences:
+        console.print(
+            f"[yellow]note:[/] {run_dir} holds a run of another config ({'; '.join(differences[:4])}); running it again",
+            soft_wrap=True,
+        )
+        return None
+    console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
+    return existing
 
 
 @dataclass
@@ -222,12 +285,18 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     }
 
 
-def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
-    """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json)."""
+def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> dict:
+    """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json).
+
+    With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
+    when the job actually runs."""
     run_dir = Path(run_dir)
-    if cfg.resume and (existing := read_results(run_dir)) is not None:
-        console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
+    if (existing := reusable_results(cfg, run_dir)) is not None:
         return existing
+    if on_start is not None:
+        on_start()
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     memory = PeakMemory(resolve_device(cfg.device))
     memory.reset()
     started = time.perf_counter()
@@ -235,11 +304,15 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> dict:
     for message in job.privacy.notes if job.privacy else []:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
-    logger = build_logger(cfg.logger, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True))
+    epsilon = f"eps={cfg.privacy.epsilon}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"
+    tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
+            epsilon if job.privacy else "non-private"]
+    logger = build_logger(cfg.logger, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
     trainer, status, failure = fit(job, run_dir, logger, show_progress)
     results = record(job, trainer, status, memory, started, notes=[])
-    write_results(run_dir, results)
-    logger.finish(results)
+    results_file = write_results(run_dir, results)
+    if sync := logger.finish(results, results_file):
+        console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
     console.print(summary_table(results))
     console.print(f"[dim]results: {run_dir / 'results.json'}[/]")
     if failure is not None:

@@ -28,9 +28,10 @@ def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch)
     results = run_job(cfg, tmp_path, show_progress=False)
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     values = summary(run_file)
-    assert float(values["test_accuracy"]) == pytest.approx(results["metrics"]["test_accuracy"])
-    assert int(values["peak_memory_bytes"]) == results["memory"]["peak_bytes"]
-    assert float(values["epsilon"]) == pytest.approx(results["privacy"]["epsilon"])
+    assert float(values["test/accuracy"]) == pytest.approx(results["metrics"]["test_accuracy"])
+    assert int(values["memory/peak_bytes"]) == results["memory"]["peak_bytes"]
+    assert float(values["privacy/epsilon"]) == pytest.approx(results["privacy"]["epsilon"])
+    assert "epsilon" not in values and "test_accuracy" not in values  # one name per figure
 
 
 def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
@@ -168,3 +169,53 @@ def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_version_and_help_describe_dpbench(tmp_path):
+    from dpbench import __version__
+
+    version = dpbench("--version", cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == f"dpbench {__version__}"
+    help_text = dpbench("--help", cwd=tmp_path)
+    assert help_text.returncode == 0
+    assert "differentially private" in help_text.stdout and "algo: " in help_text.stdout
+    assert "dpbench-audit" in help_text.stdout
+
+
+def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
+    run = tmp_path / "run"
+    first = dpbench(*TINY, f"hydra.run.dir={run}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    stamps = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    assert (run / ".hydra" / "overrides.yaml").is_file()
+    again = dpbench(*TINY, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
+    assert "skipping" in again.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == stamps
+    changed = dpbench(*TINY, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert changed.returncode == 0 and "another config (train.lr" in changed.stderr
+    assert read_results(run)["config"]["train"]["lr"] == 0.05
+
+
+def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
+    from omegaconf import open_dict
+
+    from dpbench.cli import objective
+
+    cfg = tiny_cfg()
+    results = run_job(cfg, tmp_path, show_progress=False)
+    assert objective(cfg, results) == results["metrics"]["test_accuracy"]
+    with open_dict(cfg):
+        cfg.optimize = "-test_loss"
+    assert objective(cfg, results) == -results["metrics"]["test_loss"]
+    assert objective(cfg, None) != objective(cfg, None)  # nan for a failed job
+
+
+def test_python_api_runs_and_records_provenance(tmp_path):
+    from dpbench.api import run
+
+    results = run(TINY, run_dir=tmp_path, show_progress=False)
+    versions = results["versions"]
+    assert {"timm", "transformers", "peft", "hydra_core", "wandb", "dp_accounting", "numpy", "git_commit", "command"} <= set(versions)
+    assert versions["dp_accounting"] and versions["hydra_core"]
+    again = run(TINY + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
+    assert again["privacy"]["steps"] == 2  # another config: not the cached run

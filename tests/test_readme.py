@@ -40,6 +40,8 @@ def overrides_of(command: str) -> list[str]:
         if word.startswith("-") or word.startswith("hydra/") or word.startswith("hydra."):
             continue
         key, _, value = word.partition("=")
+        if multirun and re.match(r"(interval|range|choice|glob|tag)\(", value):
+            continue  # a sweeper's search space: not a value of one job
         if multirun and "," in value and not value.startswith(("[", "'", '"')):
             value = value.split(",")[0]  # a sweep: its first point must compose like any other
         overrides.append(f"{key}={value}")

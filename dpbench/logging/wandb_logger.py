@@ -14,20 +14,41 @@ class NullLogger:
     def log_step(self, step: int, metrics: dict) -> None:
         pass
 
-    def finish(self, results: dict) -> None:
-        pass
+    def finish(self, results: dict, results_file: Path | None = None) -> None:
+        return None
+
+
+# The W&B run summary: one name per figure, the same names the step logs use (no duplicates).
+SUMMARY_KEYS = {
+    "test/accuracy": ("metrics", "test_accuracy"),
+    "test/best_accuracy": ("metrics", "best_test_accuracy"),
+    "test/loss": ("metrics", "test_loss"),
+    "train/loss": ("metrics", "train_loss"),
+    "privacy/epsilon": ("privacy", "epsilon"),
+    "privacy/epsilon_is_upper_bound": ("privacy", "epsilon_is_upper_bound"),
+    "privacy/delta": ("privacy", "delta"),
+    "privacy/noise_multiplier": ("privacy", "noise_multiplier"),
+    "memory/peak_bytes": ("memory", "peak_bytes"),
+    "memory/start_bytes": ("memory", "start_bytes"),
+    "memory/per_sample_grad_bytes": ("memory", "per_sample_grad_bytes"),
+    "memory/optimizer_state_bytes": ("memory", "optimizer_state_bytes"),
+    "throughput/samples_per_s": ("throughput", "samples_per_s"),
+    "throughput/wall_s": ("throughput", "wall_s"),
+}
 
 
 class WandbLogger:
-    def __init__(self, cfg, run_dir: Path, run_name: str, config: dict):
+    def __init__(self, cfg, run_dir: Path, run_name: str, config: dict, tags: list[str]):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or cfg.mode
+        self.log_every = max(1, int(cfg.get("log_every") or 1))
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.get("entity"),
             group=cfg.get("group"),
-            name=run_name,
+            name=cfg.get("run_name") or run_name,
+            tags=tags,
             mode=mode,
             dir=str(run_dir),
             config=config,
@@ -36,32 +57,24 @@ class WandbLogger:
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        self.run.define_metric("test/accuracy", summary="max")
+        self.offline = mode == "offline"
 
     def log_step(self, step: int, metrics: dict) -> None:
         self.run.log({"step": step, **metrics})
 
-    def finish(self, results: dict) -> None:
-        privacy, metrics = results["privacy"], results["metrics"]
-        self.run.summary.update(
-            {
-                "test_accuracy": metrics.get("test_accuracy"),
-                "best_test_accuracy": metrics.get("best_test_accuracy"),
-                "train_loss": metrics.get("train_loss"),
-                "epsilon": privacy.get("epsilon"),
-                "delta": privacy.get("delta"),
-                "noise_multiplier": privacy.get("noise_multiplier"),
-                "peak_memory_bytes": results["memory"]["peak_bytes"],
-                "per_sample_grad_bytes": results["memory"]["per_sample_grad_bytes"],
-                "optimizer_state_bytes": results["memory"]["optimizer_state_bytes"],
-                "samples_per_s": results["throughput"].get("samples_per_s"),
-                "wall_s": results["throughput"]["wall_s"],
-                "status": results["status"],
-                "epsilon_is_upper_bound": privacy.get("epsilon_is_upper_bound"),
-                "notes": "\n".join(results.get("notes", [])),
-            }
-        )
+    def finish(self, results: dict, results_file: Path | None = None) -> str | None:
+        """Summary and results.json artifact; returns the `wandb sync` command of an offline run."""
+        import wandb
+
+        summary = {key: (results.get(section) or {}).get(field) for key, (section, field) in SUMMARY_KEYS.items()}
+        self.run.summary.update({**summary, "status": results["status"], "notes": "\n".join(results.get("notes", []))})
+        if results_file is not None and results_file.is_file():
+            artifact = wandb.Artifact(f"results-{self.run.id}", type="results")
+            artifact.add_file(str(results_file))
+            self.run.log_artifact(artifact)
+        run_dir = Path(self.run.dir).parent if self.offline else None
         self.run.finish()
+        return f"wandb sync {run_dir}" if run_dir is not None else None
 
 
 class LoggerCallback:
@@ -77,7 +90,8 @@ class LoggerCallback:
     def on_fit_start(self, trainer) -> None: ...
 
     def on_step(self, trainer, result) -> None:
-        if result.batch_size > 0 and trainer.config.log_private_stats:
+        every = getattr(self.logger, "log_every", 1)
+        if result.batch_size > 0 and trainer.config.log_private_stats and trainer.state.step % every == 0:
             self.logger.log_step(trainer.state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
 
     def on_eval(self, trainer, record: dict) -> None:
@@ -91,7 +105,7 @@ class LoggerCallback:
     def on_fit_end(self, trainer) -> None: ...
 
 
-def build_logger(cfg, run_dir: Path, run_name: str, config: dict):
+def build_logger(cfg, run_dir: Path, run_name: str, config: dict, tags: list[str] | None = None):
     if cfg.name == "none":
         return NullLogger()
-    return WandbLogger(cfg, run_dir, run_name, config)
+    return WandbLogger(cfg, run_dir, run_name, config, tags or [])

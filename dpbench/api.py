@@ -1,0 +1,43 @@
+"""Run dpbench from Python (a notebook, a script) with the same config and overrides as the CLI.
+
+    from dpbench.api import run
+    results = run(["algo=dpadam", "privacy.epsilon=3", "logger=none"])
+    results["metrics"]["test_accuracy"], results["privacy"]["epsilon"]
+
+`run` composes conf/ exactly as `dpbench <overrides>` does, trains, writes results.json into
+`run_dir` (default: a new folder under outputs/runs/) and returns the results dict. It reruns the
+job unless `resume=True` is passed and `run_dir` holds a run of the same config.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """The config `dpbench <overrides>` would run (without Hydra's runtime section)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dpbench.paths import config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
+        show_progress: bool = True) -> dict:
+    """Compose, run one job and return its results (see README "What a run writes")."""
+    from omegaconf import open_dict
+
+    from dpbench.run import run_job
+
+    cfg = compose(overrides)
+    with open_dict(cfg):
+        cfg.resume = resume
+    if run_dir is None:
+        run_dir = Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.algo.name}_{cfg.dataset.name}_api"
+    return run_job(cfg, Path(run_dir), show_progress=show_progress)
