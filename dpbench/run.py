@@ -238,6 +238,11 @@ def fit(job: Job, run_dir: Path, logger, show_progress: bool) -> tuple[Trainer, 
     return trainer, "completed", None
 
 
+# 2: privacy.epsilon_is_upper_bound, requested_accountant, log_private_stats; versions extended.
+# Version 1 files (no schema_version) stay readable: the report treats missing keys as unknown.
+RESULTS_SCHEMA_VERSION = 2
+
+
 def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> dict:
     """results.json: the contract reports, resumption and checks read."""
     cfg, algorithm, state = job.cfg, job.algorithm, trainer.state
@@ -257,6 +262,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     if job.privacy is not None and not job.privacy.log_private_stats:
         extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results}
     return {
+        "schema_version": RESULTS_SCHEMA_VERSION,
         "status": status,
         "algo": cfg.algo.name,
         "model": cfg.model.name,

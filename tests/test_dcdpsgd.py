@@ -7,7 +7,7 @@ import math
 import dp_accounting as dpa
 import pytest
 import torch
-from dcdr_helpers import build_algorithm, compose_config, record_updates
+from algorithm_helpers import build_algorithm, compose_config, record_updates
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import split_noise_multipliers, sub_weibull_subspace, subspace_scores, tail_mask

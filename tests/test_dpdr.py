@@ -5,7 +5,7 @@ from __future__ import annotations
 import dp_accounting as dpa
 import pytest
 import torch
-from dcdr_helpers import build_algorithm, compose_config, record_updates
+from algorithm_helpers import build_algorithm, compose_config, record_updates
 
 from dpbench.algorithms.dpdr import DPDR, clip_alpha, decompose, effective_noise_multiplier
 from dpbench.privacy.accountants import RDPAccountant, planned_ledger

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dcdr_helpers import build_algorithm, compose_config, record_updates
+from algorithm_helpers import build_algorithm, compose_config, record_updates
 from scipy import stats
 
 from dpbench.algorithms import PrivacySetup, algorithm_class
@@ -48,7 +48,7 @@ def clipped_mean(per_example: list[list[torch.Tensor]], bound: float, batch: flo
 def test_sgd_step_is_torch_sgd_on_the_mean_loss_over_physical_chunks():
     cfg = compose_config("algo=sgd", "dataset=synthetic", "algo.momentum=0.9", "algo.weight_decay=0.01")
     task = build_task(cfg, torch.device("cpu"))
-    from dcdr_helpers import tiny_model
+    from algorithm_helpers import tiny_model
 
     model, reference = tiny_model(), tiny_model()
     algorithm = algorithm_class("sgd")(model, task, cfg.algo, 0.1, None)

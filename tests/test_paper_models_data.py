@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dcdr_helpers import compose_config
+from algorithm_helpers import compose_config
 from omegaconf import OmegaConf
 
 from dpbench.data import load_dataset

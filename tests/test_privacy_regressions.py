@@ -8,7 +8,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 from conftest import TINY, compose
-from dcdr_helpers import build_algorithm
+from algorithm_helpers import build_algorithm
 from torch import nn
 
 from dpbench.algorithms import dcdpsgd

@@ -1,6 +1,6 @@
 """Training algorithms, by name (`algo=...`): one module per algorithm, registered on import.
 
-Every module in this package is imported by `build_algorithm`, so adding an algorithm is adding
+Every module in this package is imported by `algorithm_class`, so adding an algorithm is adding
 one file with a class decorated `@ALGORITHMS.register("name")` and a conf/algo/name.yaml.
 """
 

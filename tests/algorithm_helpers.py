@@ -1,4 +1,4 @@
-"""Shared helpers for the DC-DPSGD / DPDR tests: tiny composed configs and algorithm instances."""
+"""Shared test helpers: tiny composed configs, algorithm instances on a tiny model, update recorders."""
 
 from __future__ import annotations
 
