@@ -225,7 +225,8 @@ def fit(job: Job, run_dir: Path, logger, show_progress: bool) -> tuple[Trainer, 
         job.task,
         job.algorithm,
         build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None),
-        TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats),
+        TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats,
+                      int(cfg.train.get("train_eval_size") or 0)),
         job.privacy,
         [LoggerCallback(logger)] + ([ProgressCallback()] if show_progress else []),
     )
@@ -275,6 +276,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
             "best_test_accuracy": state.best_accuracy,
             "train_loss": last.get("train_loss"),
             "test_loss": last.get("test_loss"),
+            "train_accuracy": last.get("train_accuracy"),
         },
         "memory": {
             **memory.read(),

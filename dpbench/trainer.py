@@ -20,6 +20,7 @@ class TrainerConfig:
     physical_batch_size: int | None = None  # None: the logical batch in one piece
     eval_every: int = 20  # steps between evaluations; <= 0: evaluate only at the end
     log_private_stats: bool = True  # report un-noised training loss / batch sizes (see PrivacyPlan)
+    train_eval_size: int = 0  # > 0: also evaluate on this many training examples (needs log_private_stats)
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Trainer:
             "test_loss": metrics.get("loss"),
             "epsilon": self.epsilon_spent(),
         }
+        train_metrics = getattr(self.task, "train_metrics", None)
+        if self.config.train_eval_size > 0 and self.config.log_private_stats and train_metrics is not None:
+            record["train_accuracy"] = train_metrics(self.algorithm.model, self.config.train_eval_size)["accuracy"]
         state.history.append(record)
         self._window_loss, self._window_count = 0.0, 0
         for callback in self.callbacks:

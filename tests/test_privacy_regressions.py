@@ -191,3 +191,13 @@ def test_planned_ledger_and_calibration_share_one_planning_function(tmp_path):
     ran = p["ledger"]
     assert [(r["sample_rate"], r["count"]) for r in planned.as_records()] == [(r["sample_rate"], r["count"]) for r in ran]
     assert [r["noise_multiplier"] for r in planned.as_records()] == pytest.approx([r["noise_multiplier"] for r in ran], rel=1e-12)
+
+
+def test_training_accuracy_is_logged_only_with_private_stats(tmp_path):
+    logged = run_job(compose(TINY + ["algo=dpsgd", "train.train_eval_size=64"]), tmp_path / "on", show_progress=False)
+    assert all(0 <= r["train_accuracy"] <= 1 for r in logged["history"])
+    assert logged["metrics"]["train_accuracy"] == logged["history"][-1]["train_accuracy"]
+    assert any("training-set accuracy" in note for note in logged["notes"])
+    quiet = run_job(compose(TINY + ["algo=dpsgd", "train.train_eval_size=64", "privacy.log_private_stats=false"]),
+                    tmp_path / "off", show_progress=False)
+    assert all("train_accuracy" not in r for r in quiet["history"]) and quiet["metrics"]["train_accuracy"] is None

@@ -98,6 +98,8 @@ class LoggerCallback:
         metrics = {"test/accuracy": record["test_accuracy"], "test/loss": record["test_loss"]}
         if record["train_loss"] is not None:
             metrics["train/loss"] = record["train_loss"]
+        if record.get("train_accuracy") is not None:
+            metrics["train/accuracy"] = record["train_accuracy"]
         if record["epsilon"] is not None:
             metrics["privacy/epsilon"] = record["epsilon"]
         self.logger.log_step(record["step"], metrics)

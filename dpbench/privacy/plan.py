@@ -48,6 +48,7 @@ def neighboring(cfg) -> str:
 # Releases no noise covers, made when privacy.log_private_stats=true (research default).
 UNNOISED_RELEASES = (
     "per-step training loss and its running mean (history/metrics train_loss, W&B train/*)",
+    "training-set accuracy on a fixed subset (train.train_eval_size > 0)",
     "realised Poisson batch sizes (W&B train/batch_size)",
     "algorithm statistics of the private batch (e.g. DC-DPSGD mean_tail_fraction)",
     "halting on a non-finite training loss (status: diverged)",

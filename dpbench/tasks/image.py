@@ -61,19 +61,27 @@ class ImageClassificationTask(Task):
         shifted = logits - F.one_hot(labels, logits.shape[1]) * self.margins[labels][:, None]
         return F.cross_entropy(self.ldam_scale * shifted, labels, reduction="none")
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return self._accuracy_and_loss(model, self.data.test_images, self.data.test_labels)
+
+    def train_metrics(self, model: nn.Module, size: int) -> dict[str, float]:
+        """Accuracy and loss on the first `size` training examples (a fixed subset): un-noised
+        statistics of the private data, reported only with privacy.log_private_stats."""
+        return self._accuracy_and_loss(model, self.data.train_images[:size], self.data.train_labels[:size])
+
+    @torch.no_grad()
+    def _accuracy_and_loss(self, model: nn.Module, all_images, all_labels) -> dict[str, float]:
         was_training = model.training
         model.eval()
-        correct, loss, n = 0, 0.0, len(self.data.test_labels)
+        correct, loss, n = 0, 0.0, len(all_labels)
         for start in range(0, n, self.eval_batch_size):
-            images = self.data.test_images[start : start + self.eval_batch_size].to(self.device)
-            labels = self.data.test_labels[start : start + self.eval_batch_size].to(self.device)
+            images = all_images[start : start + self.eval_batch_size].to(self.device)
+            labels = all_labels[start : start + self.eval_batch_size].to(self.device)
             logits = model(images)
             loss += F.cross_entropy(logits, labels, reduction="sum").item()
             correct += (logits.argmax(dim=1) == labels).sum().item()
         model.train(was_training)
-        return {"accuracy": correct / n, "loss": loss / n}
+        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
 def public_class_profile(dataset_cfg, num_classes: int) -> torch.Tensor:
