@@ -203,6 +203,26 @@ def _instantiated_pieces(sampler, module, activations, backprops, examples: int)
     return {p: Instantiated(_sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
 
 
+def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
+    """Forward-hook helper: a layer none of whose inputs requires grad sits at the bottom of the
+    graph; its parameters are the targets of `backward_through_layers`."""
+    if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
+        entry.update(p for p in module.parameters() if p.requires_grad)
+
+
+def backward_through_layers(loss: torch.Tensor, entry_params: set, retain_graph: bool = False) -> None:
+    """Backpropagate to every layer's output (the hooks fire) without computing weight gradients.
+
+    Every trainable layer lies on a path from the loss down to a bottom layer's parameters, so
+    asking autograd for those parameters' gradients only runs every layer's backward, and skips
+    the weight gradients (and their memory) of all the others: the hooks need only the output
+    gradients. The bottom layers' `.grad` is dropped by the caller."""
+    if entry_params:
+        torch.autograd.backward(loss, inputs=list(entry_params), retain_graph=retain_graph)
+    else:
+        loss.backward(retain_graph=retain_graph)
+
+
 def _hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
     """Modules that own trainable parameters, as Opacus walks them: a module without a known
     per-sample rule is handed whole to functorch, so its children are not walked."""
@@ -248,6 +268,7 @@ class BookKeeping:
         self._open: dict[nn.Parameter, object] = {}  # pieces awaiting more calls of their parameter
         self._kept: dict[nn.Parameter, object] = {}  # book-keeping: pieces for the clipped sum
         self._norm_sq: dict[nn.Parameter, torch.Tensor] = {}
+        self._entry_params: set[nn.Parameter] = set()
         self._examples = 0
         self._held_bytes = 0
         self.working_bytes = 0  # per-example bytes held at the peak of the last backward
@@ -266,6 +287,7 @@ class BookKeeping:
         if not (self._enabled and torch.is_grad_enabled()):
             return
         self._activations.setdefault(module, []).append([t.detach() for t in inputs])
+        track_entry_params(self._entry_params, module, inputs)
         for p in module.parameters(recurse=module in self._functorch):
             if p.requires_grad:
                 self._pending[p] = self._pending.get(p, 0) + 1
@@ -314,7 +336,7 @@ class BookKeeping:
         self._examples = losses.shape[0]
         self.working_bytes = self._held_bytes = 0
         try:
-            losses.sum().backward(retain_graph=self.passes == 2)
+            backward_through_layers(losses.sum(), self._entry_params, retain_graph=self.passes == 2)
             self._drop_grads()
             for p in list(self._open):  # a call whose output did not reach the loss
                 self._close(p)
@@ -366,6 +388,7 @@ class BookKeeping:
         self._open.clear()
         self._kept.clear()
         self._norm_sq.clear()
+        self._entry_params.clear()
 
     def detach(self) -> None:
         for handle in self._handles:

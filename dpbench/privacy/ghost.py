@@ -17,7 +17,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch import nn
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.privacy.bookkeeping import FactorsFn
+from dpbench.privacy.bookkeeping import FactorsFn, backward_through_layers, track_entry_params
 
 
 def _working_bytes(module: nn.Module, inputs, examples: int) -> int:
@@ -43,20 +43,20 @@ class OpacusGhostClipping:
             model, batch_first=True, loss_reduction="sum", max_grad_norm=1.0, use_ghost_clipping=True, strict=True
         )
         self.working_bytes = 0
+        self._entry_params: set[nn.Parameter] = set()
         for _, module in self._module.named_modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
                 module.register_forward_hook(self._measure)
 
     def _measure(self, module, inputs, _output):
         if torch.is_grad_enabled() and inputs and torch.is_tensor(inputs[0]):
+            track_entry_params(self._entry_params, module, inputs)
             self.working_bytes = max(self.working_bytes, _working_bytes(module, inputs, inputs[0].shape[0]))
 
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> tuple[list[torch.Tensor], int]:
         examples = losses.shape[0]
-        try:
-            losses.sum().backward(retain_graph=True)
-        except NotImplementedError as error:  # Opacus: "Parameter tying is not supported ..."
-            raise UserError(f"algo.per_sample=ghost: {error}; use algo.per_sample=bk or materialize") from error
+        backward_through_layers(losses.sum(), self._entry_params, retain_graph=True)  # the norm pass
+        self._entry_params.clear()
         norms = self._norms(examples, losses.device)
         for p in self.params:
             p.grad = None
