@@ -192,3 +192,55 @@ def test_run_job_records_mode_and_rejects_unknown(tmp_path):
     assert 0 < results["bk"]["memory"]["per_sample_grad_bytes"]
     with pytest.raises(UserError, match="algo.per_sample"):
         run_job(compose(TINY + ["algo=grape", "algo.per_sample=vmap"]), tmp_path / "bad", show_progress=False)
+
+
+def test_algorithms_that_need_per_example_gradients_reject_ghost_and_bk():
+    from dpbench.privacy.bookkeeping import BookKeeping
+    from dpbench.privacy.ghost import OpacusGhostClipping
+
+    for engine in (BookKeeping(tiny_cnn()), OpacusGhostClipping(tiny_cnn())):
+        with pytest.raises(UserError, match="materialize"):
+            engine.backward_per_sample(torch.zeros(2))
+
+
+def test_max_batch_search_finds_the_boundary(tmp_path, monkeypatch):
+    """Doubling then bisection against a probe that fits up to 37 examples."""
+    from dpbench.benchmarks import max_batch
+
+    seen = []
+
+    def fake_probe(batch, *args):
+        seen.append(batch)
+        return {"batch_size": batch, "fits": batch <= 37}
+
+    monkeypatch.setattr(max_batch, "probe", fake_probe)
+    best, probes = max_batch.search([], 1024, 1024, 4, 1024, tmp_path, 60, report=lambda line: None)
+    assert best == 37
+    assert seen[:5] == [4, 8, 16, 32, 64] and len(seen) == len(set(seen)) <= 11
+
+
+def test_table_reads_own_and_absolute_peaks(tmp_path):
+    import json
+
+    from dpbench.benchmarks.table import collect, ratios
+
+    def write(name, algo, mode, own, sps):
+        folder = tmp_path / name
+        folder.mkdir()
+        results = {
+            "algo": algo, "config": {"algo": {"per_sample": mode}, "train": {"batch_size": 64}},
+            "memory": {"peak_bytes": (own + 400) * 2**20, "start_bytes": 400 * 2**20, "kind": "cpu_peak_rss",
+                       "per_sample_grad_bytes": 0, "optimizer_state_bytes": 0},
+            "throughput": {"samples_per_s": sps},
+        }
+        (folder / "results.json").write_text(json.dumps(results))
+
+    write("a", "dpadam", "materialize", 1000, 1.0)
+    write("b", "grape", "ghost", 250, 3.0)
+    write("c", "adam", "materialize", 200, 4.0)
+    rows = {r["method"]: r for r in collect(tmp_path)}
+    assert set(rows) == {"dpadam:materialize", "grape:ghost", "adam"}  # adam has no per-sample mode
+    assert rows["grape:ghost"]["own_mib"] == pytest.approx(250) and rows["grape:ghost"]["peak_mib"] == pytest.approx(650)
+    lines = ratios(list(rows.values()))
+    assert any("dpadam:materialize: own peak 0.25x, samples/s 3.00x" in line for line in lines)
+    assert any("grape:ghost / adam: own peak 1.25x" in line for line in lines)

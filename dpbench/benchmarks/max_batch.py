@@ -69,8 +69,10 @@ def probe(batch: int, overrides: list[str], budget_mib: float, baseline_mib: flo
             "per_sample_mib": memory["per_sample_grad_bytes"] / MIB}
 
 
-def search(overrides, budget_mib, baseline_mib, start, limit, workdir, timeout_s, report=print) -> tuple[int, list[dict]]:
-    """Double from `start` until a probe fails (or `limit`), then bisect to the exact size."""
+def search(overrides, budget_mib, baseline_mib, start, limit, workdir, timeout_s, report=print,
+           tolerance: float = 0.0) -> tuple[int, list[dict]]:
+    """Double from `start` until a probe fails (or `limit`), then bisect until the failing size is
+    within `tolerance` (relative) of the largest size that fits (0: exact)."""
     probes = []
 
     def fits(batch):
@@ -88,7 +90,7 @@ def search(overrides, budget_mib, baseline_mib, start, limit, workdir, timeout_s
             good = candidate
         else:
             bad = candidate
-    while bad is not None and bad - good > 1:
+    while bad is not None and bad - good > max(1, int(tolerance * good)):
         middle = (good + bad) // 2
         if fits(middle):
             good = middle
@@ -104,12 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start", type=int, default=8)
     parser.add_argument("--limit", type=int, default=4096)
     parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--tolerance", type=float, default=0.0, help="stop bisecting within this fraction")
     parser.add_argument("overrides", nargs="*", help="dpbench overrides (after --)")
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "disabled")
     with tempfile.TemporaryDirectory(prefix="max_batch_") as workdir:
         best, probes = search(args.overrides, args.budget_mib, args.baseline_mib, args.start, args.limit,
-                              Path(workdir), args.timeout_s)
+                              Path(workdir), args.timeout_s, tolerance=args.tolerance)
     print(json.dumps({"max_batch_size": best, "budget_mib": args.budget_mib, "overrides": args.overrides,
                       "probes": len(probes)}))
 

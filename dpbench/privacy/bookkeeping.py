@@ -39,7 +39,7 @@ from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 
-from dpbench.errors import DivergedError
+from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.per_sample import _sum_rows_per_example, clipped_sum
 
 FactorsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -389,6 +389,9 @@ class BookKeeping:
         self._kept.clear()
         self._norm_sq.clear()
         self._entry_params.clear()
+
+    def backward_per_sample(self, losses):
+        raise UserError("this algorithm needs per-example gradients; use algo.per_sample=materialize")
 
     def detach(self) -> None:
         for handle in self._handles:

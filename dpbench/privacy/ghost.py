@@ -92,5 +92,8 @@ class OpacusGhostClipping:
             return torch.zeros(examples, device=device)
         return torch.stack(norms).pow(2).sum(dim=0).sqrt()
 
+    def backward_per_sample(self, losses):
+        raise UserError("this algorithm needs per-example gradients; use algo.per_sample=materialize")
+
     def detach(self) -> None:
         self._module._close()
