@@ -11,7 +11,7 @@ probe fits when it exits cleanly and its memory stays within the budget: on a GP
 `cuda_max_allocated` (a CUDA out-of-memory error ends the probe: too big); on the CPU the run's
 own peak (peak RSS minus the resident size at the start of the run). A CPU probe whose resident
 size passes budget + --baseline-mib (interpreter and libraries) is killed, so a search never
-swaps the machine.
+swaps the machine. CPU probes run with MALLOC_MMAP_THRESHOLD_=131072 (see `probe`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def probe(batch: int, overrides: list[str], budget_mib: float, baseline_mib: flo
         f"hydra.run.dir={run_dir}",
     ]
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A fixed mmap threshold makes glibc return every large freed block to the OS at once, so the
+    # CPU peak RSS follows live tensor memory (glibc's adaptive threshold keeps freed blocks on
+    # the heap; the same run's peak then varies by hundreds of MiB).
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     killed = None
     watched = psutil.Process(process.pid)
     while process.poll() is None:
