@@ -160,7 +160,7 @@ class DPFirstOrderAlgorithm(Algorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.engine = PerSampleGradients(model, self.sampler_overrides())
+        self.engine = PerSampleGradients.for_mode(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
         self.optimizer = self.build_optimizer(self.params)
 
     def sampler_overrides(self) -> dict[nn.Module, GradSampler]:
@@ -181,13 +181,14 @@ class DPFirstOrderAlgorithm(Algorithm):
             if size == 0:
                 continue
             losses = self.task.per_sample_loss(self.model, batch)
-            per_sample = self.engine.backward_per_sample(losses)
-            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, tensor_bytes(per_sample))
-            factors = clip_factors(
-                per_sample_norms(per_sample), self.privacy.clip_norm, self.privacy.clipping, self.privacy.clipping_gamma
+            # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
+            contribution, working_bytes = self.engine.clipped_sum(
+                losses,
+                lambda norms: clip_factors(
+                    norms, self.privacy.clip_norm, self.privacy.clipping, self.privacy.clipping_gamma
+                ),
             )
-            contribution = clipped_sum(per_sample, factors)
-            del per_sample
+            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, working_bytes)
             sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
             loss_total += losses.detach().float().sum().item()
             count += size

@@ -64,6 +64,39 @@ def signed_permutation_projector(rows: int, rank: int, generator: torch.Generato
 PROJECTORS = {"gaussian": gaussian_projector, "signed_permutation": signed_permutation_projector}
 
 
+class ProjectedLinear:
+    """A projected Linear layer's per-example weight gradients, seen through the current P.
+
+    As an Opacus grad sampler (`algo.per_sample=materialize`) it returns [B, r, in] or [B, out, r]
+    straight from the layer's input x and output gradient δ; for book-keeping and ghost clipping
+    (dpbench.privacy.bookkeeping) it hands over the pair whose outer product is that gradient,
+    (x, δP) or (xP, δ), and maps a summed gradient (Σ_i f_i PᵀG_i = Pᵀ Σ_i f_i G_i)."""
+
+    def __init__(self, algorithm: "DPGrape", projection: Projection):
+        self.algorithm, self.projection = algorithm, projection
+
+    def pair(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, ..., in], δ [B, ..., out] -> (a', g') with projected G_i = Σ_t g'_tᵀ a'_t."""
+        projector = self.algorithm.projector(self.projection, delta.device).to(delta.dtype)
+        x = x.to(delta.dtype)
+        return (x, delta @ projector) if self.projection.side == "left" else (x @ projector, delta)
+
+    def __call__(self, module: nn.Linear, activations, backprops: torch.Tensor):
+        """Opacus grad-sampler signature (loss_reduction=sum); Opacus accumulates the returned
+        tensors across calls of a reused module."""
+        a, g = self.pair(activations[0], backprops)
+        grads = {module.weight: torch.einsum("b...o,b...i->boi", g, a)}  # [B, r, in] or [B, out, r]
+        if module.bias is not None and module.bias.requires_grad:
+            grads[module.bias] = torch.einsum("b...o->bo", backprops)
+        return grads
+
+    def map_gradient(self, param: nn.Parameter, gradient: torch.Tensor) -> torch.Tensor:
+        if param.dim() != 2:
+            return gradient  # the bias stays full
+        projector = self.algorithm.projector(self.projection, gradient.device)
+        return project(gradient, projector, self.projection.side)
+
+
 @ALGORITHMS.register("grape")
 class DPGrape(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
@@ -95,22 +128,7 @@ class DPGrape(DPFirstOrderAlgorithm):
 
     # --- per-sample gradients in the hook ------------------------------------------------------
     def sampler_overrides(self):
-        return {module: self._projected_linear_grad_sample for module in self.projected_modules.values()}
-
-    def _projected_linear_grad_sample(self, module: nn.Linear, activations, backprops: torch.Tensor):
-        """Opacus grad-sampler signature; x [B, ..., in], δ [B, ..., out] (loss_reduction=sum).
-        Opacus accumulates the returned tensors across calls of a reused module."""
-        projection = self.projections[module.weight]
-        projector = self.projector(projection, backprops.device).to(backprops.dtype)
-        x = activations[0].to(backprops.dtype)
-        if projection.side == "left":
-            projected = torch.einsum("b...r,b...i->bri", backprops @ projector, x)  # [B, r, in]
-        else:
-            projected = torch.einsum("b...o,b...r->bor", backprops, x @ projector)  # [B, out, r]
-        grads = {module.weight: projected}
-        if module.bias is not None and module.bias.requires_grad:
-            grads[module.bias] = torch.einsum("b...o->bo", backprops)
-        return grads
+        return {module: ProjectedLinear(self, self.projections[module.weight]) for module in self.projected_modules.values()}
 
     def noise_shapes(self):
         return [self.projections[p].projected_shape if p in self.projections else p.shape for p in self.params]

@@ -1,5 +1,11 @@
 """Per-sample gradients through Opacus's grad samplers, with a seam for per-layer transforms.
 
+Three engines compute the clipped sum Σ_i f_i g_i of a physical batch (`algo.per_sample`):
+`materialize` (this module: every per-sample gradient formed, Opacus's default), `ghost` (norms
+without per-sample gradients, then a reweighted second backward: ghost.py, Opacus) and `bk`
+(book-keeping, one backward: bookkeeping.py). `PerSampleGradients.for_mode` builds one; each
+has `clipped_sum(losses, factors_fn) -> (sums, per-example working bytes)`.
+
 `PerSampleGradients` attaches Opacus's forward/backward hooks to a model. After
 `backward_per_sample(losses)` every trainable parameter holds a tensor [B, ...] of per-example
 gradients. `sampler_overrides` maps a module *instance* to a function
@@ -15,6 +21,8 @@ from typing import Callable
 import torch
 from opacus.grad_sample import GradSampleModule
 from torch import nn
+
+from dpbench.errors import UserError
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -58,8 +66,45 @@ class PerSampleGradients:
             p.grad = None
         return per_sample
 
+    def clipped_sum(self, losses: torch.Tensor, factors_fn) -> tuple[list[torch.Tensor], int]:
+        """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms), and the bytes of the
+        per-sample gradients it formed."""
+        per_sample = self.backward_per_sample(losses)
+        working_bytes = sum(g.numel() * g.element_size() for g in per_sample)
+        factors = factors_fn(per_sample_norms(per_sample))
+        return clipped_sum(per_sample, factors), working_bytes
+
     def detach(self) -> None:
         self._module._close()
+
+    @staticmethod
+    def for_mode(mode: str, model: nn.Module, sampler_overrides: dict | None = None):
+        """The engine for `algo.per_sample=mode` (materialize | ghost | bk)."""
+        if mode not in PER_SAMPLE_ENGINES:
+            raise UserError(f"algo.per_sample={mode!r} is not known; use one of {', '.join(PER_SAMPLE_ENGINES)}")
+        return PER_SAMPLE_ENGINES[mode](model, dict(sampler_overrides or {}))
+
+
+def _ghost_engine(model: nn.Module, overrides: dict):
+    from dpbench.privacy.bookkeeping import BookKeeping
+    from dpbench.privacy.ghost import OpacusGhostClipping
+
+    # Opacus's norm samplers cannot see a per-layer transform (DP-GRAPE's projection): the
+    # hand-written hooks run the same two passes then.
+    return BookKeeping(model, overrides, passes=2) if overrides else OpacusGhostClipping(model)
+
+
+def _bk_engine(model: nn.Module, overrides: dict):
+    from dpbench.privacy.bookkeeping import BookKeeping
+
+    return BookKeeping(model, overrides, passes=1)
+
+
+PER_SAMPLE_ENGINES: dict[str, Callable] = {
+    "materialize": PerSampleGradients,
+    "ghost": _ghost_engine,
+    "bk": _bk_engine,
+}
 
 
 def _sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tensor:

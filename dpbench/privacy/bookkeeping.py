@@ -1,0 +1,400 @@
+"""Book-keeping (Bu et al., ICML 2023) and ghost clipping without per-example gradients.
+
+`algo.per_sample=bk`: one backward pass of the summed loss. Hooks keep, for each trainable layer,
+what its per-example gradient is made of, then each example's norm, the clip factors f_i and the
+clipped sum Σ_i f_i G_i in one matmul per layer:
+
+* Linear over [B, T, in] (T = all middle positions): input a_i [T, in], output gradient g_i
+  [T, out], G_i = g_iᵀ a_i. ‖G_i‖² = Σ_{t,s} (a_i a_iᵀ)_{ts} (g_i g_iᵀ)_{ts} (ghost norm, T² per
+  example) when T² < in·out, else from the instantiated G_i; the layer keeps (a, g) when
+  T·(in+out) < in·out, else G_i, whichever is smaller (fastDP's "mixed" choice). Clipped sum:
+  (f ⊙ g)ᵀ a over all B·T rows.
+* A Linear with a gradient map (DP-GRAPE): the same with (a, gP) or (aP, g), so the projected
+  per-example gradient is never formed unless that is the smaller form.
+* Embedding: token ids and g; ghost norm through equal-id pairs; clipped sum by index_add.
+* Any other layer (LayerNorm, GroupNorm, Conv2d, DP-ViT's token embedding, ...): its per-example
+  gradient instantiated by Opacus's grad sampler (functorch for layers Opacus does not know).
+  Their per-example gradients are small in the models here (norm scales, biases, small convs),
+  so the instantiated form is the cheap one and the hand-written ghost forms are not needed.
+
+`algo.per_sample=ghost` for models whose layers carry a gradient map: the same hooks in a first
+backward keep nothing but each example's squared norm (one layer's working set at a time); a
+second backward of Σ_i f_i ℓ_i gives the clipped sum as ordinary gradients, mapped afterwards
+(Σ_i f_i Pᵀ G_i = Pᵀ Σ_i f_i G_i). Opacus's ghost clipping (ghost.py) runs the plain models; its
+norm samplers cannot see DP-GRAPE's projection, hence this hand-written engine.
+
+Written by hand because Opacus 1.6 has no book-keeping. Rows that belong to one example
+(candidate scoring: R = K·B rows, example-major) are merged into the token axis, which is exact
+for these layers: the example's gradient sums over its rows and tokens alike. A parameter used by
+several layer calls (tied or reused) gets its per-example gradient instantiated and summed,
+because ghost norms of parts do not add up to the norm of their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
+from torch import nn
+
+from dpbench.errors import DivergedError, UserError
+from dpbench.privacy.per_sample import _sum_rows_per_example, clipped_sum
+
+FactorsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LinearGradientMap(Protocol):
+    """A linear map applied to a Linear layer's per-example weight gradients (DP-GRAPE's projection).
+
+    `pair(a, g)` -> (a', g') with mapped G_i = Σ_t g'_tᵀ a'_t; `map_gradient(param, grad)` maps a
+    summed gradient of the layer's parameter (identity for the bias)."""
+
+    def pair(self, activations: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def map_gradient(self, param: nn.Parameter, gradient: torch.Tensor) -> torch.Tensor: ...
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _keep_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero the examples whose clip factor is 0 (non-finite gradient), so 0 · inf cannot poison
+    the sum; materialize's clipped_sum drops them the same way."""
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+class Instantiated:
+    """Per-example gradients [B, ...] of one parameter."""
+
+    def __init__(self, grad_sample: torch.Tensor):
+        self.grad_sample = grad_sample
+
+    def nbytes(self) -> int:
+        return _bytes(self.grad_sample)
+
+    def instantiate(self) -> torch.Tensor:
+        return self.grad_sample
+
+    def compact(self):
+        return self
+
+    def norm_sq(self) -> torch.Tensor:
+        return self.grad_sample.reshape(self.grad_sample.shape[0], -1).float().pow(2).sum(dim=1)
+
+    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
+        return clipped_sum([self.grad_sample], factors)[0]
+
+
+class OuterProduct:
+    """Per-example weight gradients G_i = g_iᵀ a_i [out, in] from a [B, T, in] and g [B, T, out]."""
+
+    def __init__(self, activations: torch.Tensor, backprops: torch.Tensor):
+        self.a, self.g = activations, backprops
+
+    def nbytes(self) -> int:
+        return _bytes(self.a, self.g)
+
+    def instantiate(self) -> torch.Tensor:
+        return torch.einsum("bto,bti->boi", self.g, self.a)
+
+    def compact(self):
+        """The smaller of (a, g) and the instantiated G_i."""
+        tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+        return Instantiated(self.instantiate()) if d_in * d_out <= tokens * (d_in + d_out) else self
+
+    def norm_sq(self) -> torch.Tensor:
+        tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+        a, g = self.a.float(), self.g.float()
+        if tokens * tokens >= d_in * d_out:
+            return self.instantiate().float().flatten(1).pow(2).sum(dim=1)
+        gram_a = torch.bmm(a, a.transpose(1, 2))  # [B, T, T]
+        gram_g = torch.bmm(g, g.transpose(1, 2))
+        return (gram_a * gram_g).sum(dim=(1, 2)).clamp(min=0)
+
+    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
+        a, g = self.a.float(), self.g.float() * factors.float().view(-1, 1, 1)
+        if not bool((factors > 0).all()):
+            a, g = _keep_rows(a, factors > 0), _keep_rows(g, factors > 0)
+        return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
+
+    def merge(self, other: "OuterProduct") -> "OuterProduct":
+        """Two calls of one layer: their tokens concatenate (G_i = Σ over both calls)."""
+        return OuterProduct(torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1))
+
+
+class EmbeddingRows:
+    """Per-example gradients of an embedding table [V, d] from token ids [B, T] and g [B, T, d]."""
+
+    def __init__(self, ids: torch.Tensor, backprops: torch.Tensor, num_embeddings: int):
+        self.ids, self.g, self.num_embeddings = ids, backprops, num_embeddings
+
+    def nbytes(self) -> int:
+        return _bytes(self.ids, self.g)
+
+    def instantiate(self) -> torch.Tensor:
+        batch, _, dim = self.g.shape
+        grads = torch.zeros((batch, self.num_embeddings, dim), dtype=self.g.dtype, device=self.g.device)
+        return grads.scatter_add_(1, self.ids.unsqueeze(-1).expand(-1, -1, dim), self.g)
+
+    def compact(self):
+        tokens, dim = self.ids.shape[1], self.g.shape[2]
+        return Instantiated(self.instantiate()) if self.num_embeddings * dim <= tokens * (dim + 1) else self
+
+    def norm_sq(self) -> torch.Tensor:
+        g = self.g.float()
+        same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).float()  # [B, T, T]
+        return (same_row * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
+
+    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
+        g = self.g.float() * factors.float().view(-1, 1, 1)
+        if not bool((factors > 0).all()):
+            g = _keep_rows(g, factors > 0)
+        table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
+        return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
+
+    def merge(self, other: "EmbeddingRows") -> "EmbeddingRows":
+        return EmbeddingRows(torch.cat([self.ids, other.ids], 1), torch.cat([self.g, other.g], 1), self.num_embeddings)
+
+
+def _merge(first, second):
+    if type(first) is type(second) and hasattr(first, "merge"):
+        try:
+            return first.merge(second)
+        except RuntimeError:  # shapes that do not concatenate: fall through to instantiation
+            pass
+    return Instantiated(first.instantiate() + second.instantiate())
+
+
+def _tokens(x: torch.Tensor, examples: int) -> torch.Tensor:
+    """[R, ..., d] -> [B, T, d]: every position of an example's rows becomes a token."""
+    return x.reshape(examples, -1, x.shape[-1])
+
+
+def _linear_pieces(module: nn.Linear, activations, backprops, examples: int, gradient_map) -> dict:
+    a = _tokens(activations[0].to(backprops.dtype), examples)
+    g = _tokens(backprops, examples)
+    pieces = {}
+    if module.bias is not None and module.bias.requires_grad:
+        pieces[module.bias] = Instantiated(g.sum(dim=1))
+    if module.weight.requires_grad:
+        if gradient_map is not None:
+            a, g = gradient_map.pair(a, g)
+        pieces[module.weight] = OuterProduct(a, g)
+    return pieces
+
+
+def _embedding_pieces(module: nn.Embedding, activations, backprops, examples: int) -> dict:
+    ids = activations[0].reshape(examples, -1)
+    g = _tokens(backprops, examples)
+    if module.padding_idx is not None:  # the padding row gets no gradient
+        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    return {module.weight: EmbeddingRows(ids, g, module.num_embeddings)} if module.weight.requires_grad else {}
+
+
+def _plain_embedding(module: nn.Module) -> bool:
+    return type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+
+
+def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:
+    grads = sampler(module, activations, backprops)
+    return {p: Instantiated(_sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
+
+
+def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
+    """Forward-hook helper: a layer none of whose inputs requires grad sits at the bottom of the
+    graph; its parameters are the targets of `backward_through_layers`."""
+    if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
+        entry.update(p for p in module.parameters() if p.requires_grad)
+
+
+def backward_through_layers(loss: torch.Tensor, entry_params: set, retain_graph: bool = False) -> None:
+    """Backpropagate to every layer's output (the hooks fire) without computing weight gradients.
+
+    Every trainable layer lies on a path from the loss down to a bottom layer's parameters, so
+    asking autograd for those parameters' gradients only runs every layer's backward, and skips
+    the weight gradients (and their memory) of all the others: the hooks need only the output
+    gradients. The bottom layers' `.grad` is dropped by the caller."""
+    if entry_params:
+        torch.autograd.backward(loss, inputs=list(entry_params), retain_graph=retain_graph)
+    else:
+        loss.backward(retain_graph=retain_graph)
+
+
+def _hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
+    """Modules that own trainable parameters, as Opacus walks them: a module without a known
+    per-sample rule is handed whole to functorch, so its children are not walked."""
+    found = []
+
+    def walk(module):
+        own = any(p.requires_grad for p in module.parameters(recurse=False))
+        known = module in overrides or type(module) in (nn.Linear, nn.Embedding) or type(module) in GradSampleModule.GRAD_SAMPLERS
+        if own:
+            found.append(module)
+            if not known:
+                return
+        for child in module.children():
+            walk(child)
+
+    walk(model)
+    return found
+
+
+class BookKeeping:
+    """Clipped per-example gradient sums from layer inputs and output gradients (see module doc).
+
+    `passes=1` is book-keeping; `passes=2` is ghost clipping (norms, then a reweighted backward).
+    `overrides` maps module instances to a `LinearGradientMap` (Linear layers) or to an
+    Opacus-signature grad sampler (instantiated form)."""
+
+    def __init__(self, model: nn.Module, overrides: dict | None = None, passes: int = 1):
+        self.model = model
+        self.overrides = dict(overrides or {})
+        self.passes = passes
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.modules = _hooked_modules(model, self.overrides)
+        # Layers without a rule or an Opacus sampler go whole through functorch (all their
+        # parameters, children included), as in Opacus.
+        self._functorch = {
+            m for m in self.modules
+            if m not in self.overrides and not self._has_rule(m) and type(m) not in GradSampleModule.GRAD_SAMPLERS
+        }
+        for module in self._functorch:
+            prepare_layer(module)
+        self._activations: dict[nn.Module, list] = {}
+        self._pending: dict[nn.Parameter, int] = {}
+        self._open: dict[nn.Parameter, object] = {}  # pieces awaiting more calls of their parameter
+        self._kept: dict[nn.Parameter, object] = {}  # book-keeping: pieces for the clipped sum
+        self._norm_sq: dict[nn.Parameter, torch.Tensor] = {}
+        self._entry_params: set[nn.Parameter] = set()
+        self._examples = 0
+        self._held_bytes = 0
+        self.working_bytes = 0  # per-example bytes held at the peak of the last backward
+        self._enabled = True
+        self._handles = []
+        for module in self.modules:
+            self._handles.append(module.register_forward_hook(self._capture_activations))
+            self._handles.append(module.register_full_backward_hook(self._capture_backprops))
+
+    def _has_rule(self, module) -> bool:
+        override = self.overrides.get(module)
+        return hasattr(override, "pair") or type(module) is nn.Linear or _plain_embedding(module)
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _capture_activations(self, module, inputs, _output):
+        if not (self._enabled and torch.is_grad_enabled()):
+            return
+        self._activations.setdefault(module, []).append([t.detach() for t in inputs])
+        track_entry_params(self._entry_params, module, inputs)
+        for p in module.parameters(recurse=module in self._functorch):
+            if p.requires_grad:
+                self._pending[p] = self._pending.get(p, 0) + 1
+
+    def _capture_backprops(self, module, _grad_input, grad_output):
+        if not self._enabled:
+            return
+        activations = self._activations[module].pop()
+        backprops = grad_output[0].detach()
+        for p, piece in self._pieces(module, activations, backprops).items():
+            self._open[p] = piece if p not in self._open else _merge(self._open[p], piece)
+            self._pending[p] -= 1
+            if self._pending[p] == 0:
+                self._close(p)
+
+    def _pieces(self, module, activations, backprops) -> dict:
+        override = self.overrides.get(module)
+        if hasattr(override, "pair"):
+            return _linear_pieces(module, activations, backprops, self._examples, override)
+        if override is None and type(module) is nn.Linear:
+            return _linear_pieces(module, activations, backprops, self._examples, None)
+        if override is None and _plain_embedding(module):
+            return _embedding_pieces(module, activations, backprops, self._examples)
+        sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
+        return _instantiated_pieces(sampler, module, activations, backprops, self._examples)
+
+    def _close(self, p: nn.Parameter) -> None:
+        """All calls of p are in: its squared norms, and (book-keeping) the smaller form kept."""
+        piece = self._open.pop(p)
+        piece = piece.compact() if self.passes == 1 else piece
+        self._norm_sq[p] = piece.norm_sq()
+        transient = piece.nbytes()
+        if self.passes == 1:
+            self._kept[p] = piece
+            self._held_bytes += piece.nbytes()
+            transient = 0
+        self.working_bytes = max(self.working_bytes, self._held_bytes + transient + self._open_bytes())
+
+    def _open_bytes(self) -> int:
+        return sum(piece.nbytes() for piece in self._open.values())
+
+    # --- the engine interface -----------------------------------------------------------------
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> tuple[list[torch.Tensor], int]:
+        """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B], and the
+        per-example working bytes held at the peak."""
+        self._examples = losses.shape[0]
+        self.working_bytes = self._held_bytes = 0
+        try:
+            backward_through_layers(losses.sum(), self._entry_params, retain_graph=self.passes == 2)
+            self._drop_grads()
+            for p in list(self._open):  # a call whose output did not reach the loss
+                self._close(p)
+            norms = self._norms(losses)
+            factors = factors_fn(norms)
+            sums = self._book_kept_sums(factors) if self.passes == 1 else self._reweighted_sums(losses, norms, factors)
+        finally:
+            self._reset()
+        return sums, self.working_bytes
+
+    def _norms(self, losses: torch.Tensor) -> torch.Tensor:
+        norm_sq = torch.zeros(losses.shape[0], dtype=torch.float32, device=losses.device)
+        for value in self._norm_sq.values():
+            norm_sq = norm_sq + value.float()
+        return norm_sq.sqrt()
+
+    def _book_kept_sums(self, factors: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            self._kept[p].clipped_sum(factors) if p in self._kept else torch.zeros(p.shape, device=p.device)
+            for p in self.params
+        ]
+
+    def _reweighted_sums(self, losses, norms, factors) -> list[torch.Tensor]:
+        if not bool(torch.isfinite(norms).all()):
+            # Σ_i f_i ℓ_i would still backpropagate 0 · inf through the bad example; nothing has
+            # been released, so the step ends here (book-keeping and materialize drop the example).
+            raise DivergedError("a per-example gradient is not finite under algo.per_sample=ghost; lower train.lr")
+        self._enabled = False
+        try:
+            (factors.detach().to(losses.dtype) * losses).sum().backward()
+        finally:
+            self._enabled = True
+        sums = []
+        maps = {p: override for m, override in self.overrides.items() if hasattr(override, "map_gradient") for p in m.parameters()}
+        for p in self.params:
+            grad = p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device)
+            sums.append(maps[p].map_gradient(p, grad) if p in maps else grad)
+            p.grad = None
+        return sums
+
+    def _drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None  # the non-private batch gradient autograd also accumulated
+
+    def _reset(self) -> None:
+        self._drop_grads()
+        self._activations.clear()
+        self._pending.clear()
+        self._open.clear()
+        self._kept.clear()
+        self._norm_sq.clear()
+        self._entry_params.clear()
+
+    def backward_per_sample(self, losses):
+        raise UserError("this algorithm needs per-example gradients; use algo.per_sample=materialize")
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+

@@ -1,0 +1,246 @@
+"""algo.per_sample=ghost|bk: the same clipped sums and updates as materialising every per-example
+gradient (noise off), for DP-Adam, DP-SGD and DP-GRAPE on a tiny ViT and a CNN; candidate rows,
+tied weights, non-finite examples, the working-bytes metric, and runs through run_job."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, compose
+from test_grape import TensorTask, build, image_task, tiny_vit
+from torch import nn
+
+from dpbench.errors import DivergedError, UserError
+from dpbench.run import run_job
+
+MODES = ["ghost", "bk"]
+
+
+def tiny_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(), nn.AvgPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.Tanh(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3),
+    )
+
+
+def clipped_sums(name, mode, model, task, clip=0.05, **cfg):
+    algo = build(name, model, task, clip=clip, per_sample=mode, **cfg)
+    sums, loss, count = algo.clipped_gradient_sum([task.batch(range(0, 7)), task.batch(range(7, 12))])
+    return algo, sums, loss
+
+
+def assert_same_tensors(expected, actual, rtol=2e-5):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        assert e.shape == a.shape
+        scale = e.abs().max().item() + 1e-12
+        assert (e - a).abs().max().item() <= rtol * scale + 1e-9
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["dpadam", "grape"])
+@pytest.mark.parametrize("model_fn", [tiny_vit, tiny_cnn], ids=["vit", "cnn"])
+def test_clipped_sum_equals_materialize(mode, name, model_fn):
+    task = image_task()
+    _, expected, loss = clipped_sums(name, "materialize", model_fn(), task)
+    algo, actual, loss_mode = clipped_sums(name, mode, model_fn(), task)
+    assert_same_tensors(expected, actual)
+    assert loss_mode == pytest.approx(loss)
+    assert algo.per_sample_grad_bytes > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["dpadam", "dpsgd", "grape"])
+def test_update_equals_materialize_with_noise_off(mode, name):
+    """Three steps with clipping binding for some examples: the parameters move identically."""
+    task = image_task(weights=torch.tensor([1.0, 30.0] * 6))  # large and small gradients
+    models = {m: tiny_vit() for m in ("materialize", mode)}
+    # Adam's first steps are ~lr·sign(g): an eps above float rounding keeps coordinates whose
+    # gradient is ~0 from amplifying last-bit differences between the two summation orders.
+    extra = {"momentum": 0.0} if name == "dpsgd" else {"eps": 1e-4}
+    algos = {m: build(name, model, task, clip=0.5, per_sample=m, **extra) for m, model in models.items()}
+    for step in range(3):
+        for algo in algos.values():
+            algo.step([task.batch(range(0, 5)), task.batch(range(5, 12))])
+    expected = [p.detach() for p in models["materialize"].parameters()]
+    actual = [p.detach() for p in models[mode].parameters()]
+    assert_same_tensors(expected, actual, rtol=1e-4)
+    moved = sum((p - q).abs().sum().item() for p, q in zip(expected, tiny_vit().parameters()))
+    assert moved > 0
+
+
+def vit_few_tokens():
+    from dpbench.models.vit import DPViT
+
+    torch.manual_seed(0)  # 5 tokens, width 32: T·(in + r) < r·in for every projected layer
+    return DPViT(img_size=4, patch_size=2, in_chans=1, num_classes=3, embed_dim=32, depth=2, num_heads=2,
+                 mlp_ratio=4.0, global_pool="token")
+
+
+def test_grape_bk_keeps_the_smaller_projected_form():
+    """With few tokens book-keeping keeps (x, δP) / (xP, δ), not the projected per-example
+    gradients: same sums, fewer working bytes; ghost keeps one layer at a time."""
+    g = torch.Generator().manual_seed(3)
+    task = TensorTask(torch.randn(12, 1, 4, 4, generator=g), torch.randint(0, 3, (12,), generator=g))
+    materialize, expected, _ = clipped_sums("grape", "materialize", vit_few_tokens(), task, rank=16)
+    bk, actual, _ = clipped_sums("grape", "bk", vit_few_tokens(), task, rank=16)
+    ghost, actual_ghost, _ = clipped_sums("grape", "ghost", vit_few_tokens(), task, rank=16)
+    assert_same_tensors(expected, actual)
+    assert_same_tensors(expected, actual_ghost)
+    assert bk.per_sample_grad_bytes < 0.6 * materialize.per_sample_grad_bytes
+    assert ghost.per_sample_grad_bytes < bk.per_sample_grad_bytes
+
+
+class RowsModel(nn.Module):
+    """Token ids -> Embedding -> Linear -> LayerNorm -> score per row; optionally the output
+    Linear tied to the embedding table."""
+
+    def __init__(self, tied=False, vocab=11, dim=6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.out.weight = self.embed.weight
+
+    def forward(self, ids):  # [R, T] -> [R]
+        h = self.norm(torch.tanh(self.mix(self.embed(ids))))
+        return self.out(h).logsumexp(-1).mean(-1)
+
+
+class RowsTask(TensorTask):
+    """Candidate scoring: K rows per example, the loss a softmax over the example's K rows."""
+
+    def __init__(self, n=12, rows=3, tokens=5, vocab=11, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        super().__init__(torch.randint(0, vocab, (n, rows, tokens), generator=g), torch.randint(0, rows, (n,), generator=g))
+
+    def per_sample_loss(self, model, batch):
+        ids, labels, w = batch
+        scores = model(ids.reshape(-1, ids.shape[-1])).view(ids.shape[0], ids.shape[1])  # example-major rows
+        return w * F.cross_entropy(scores, labels, reduction="none")
+
+
+def autograd_clipped_sum(model, task, batch, clip):
+    """Reference: each example's gradient by autograd on its own, flat-clipped, summed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums = [torch.zeros_like(p) for p in params]
+    for i in range(task.batch_size(batch)):
+        one = tuple(t[i : i + 1] for t in batch)
+        grads = torch.autograd.grad(task.per_sample_loss(model, one).sum(), params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = (clip / (norm + 1e-6)).clamp(max=1.0)
+        sums = [s + factor * g for s, g in zip(sums, grads)]
+    return sums
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bk_sums_candidate_rows_per_example(tied):
+    """K rows per example, an Embedding with a padding row, optionally tied to the output layer:
+    book-keeping equals per-example autograd. (Opacus's embedding sampler, hence materialize,
+    gives the padding row a gradient that autograd does not.)"""
+    task = RowsTask()
+    algo = build("dpadam", RowsModel(tied), task, clip=0.02, per_sample="bk")
+    batches = [task.batch(range(0, 7)), task.batch(range(7, 12))]
+    actual, _, _ = algo.clipped_gradient_sum(batches)
+    reference_model = RowsModel(tied)
+    expected = [a + b for a, b in zip(*(autograd_clipped_sum(reference_model, task, b, 0.02) for b in batches))]
+    assert_same_tensors(expected, actual, rtol=1e-5)
+
+
+def test_ghost_rejects_candidate_rows_and_tied_weights():
+    with pytest.raises(UserError, match="candidate scoring"):
+        clipped_sums("dpadam", "ghost", RowsModel(), RowsTask())
+    g = torch.Generator().manual_seed(0)
+    single_rows = TensorTask(torch.randint(0, 11, (12, 5), generator=g), torch.zeros(12), loss="mse")
+    with pytest.raises(UserError, match="tied parameters"):
+        clipped_sums("dpadam", "ghost", RowsModel(tied=True), single_rows)
+
+
+def test_non_finite_example_is_dropped_by_bk_and_stops_ghost():
+    weights = torch.ones(12)
+    weights[3] = float("inf")
+    task = image_task(weights=weights)
+    _, expected, _ = clipped_sums("dpadam", "materialize", tiny_vit(), task)
+    _, actual, _ = clipped_sums("dpadam", "bk", tiny_vit(), task)
+    assert all(torch.isfinite(t).all() for t in actual)
+    assert_same_tensors(expected, actual)
+    with pytest.raises(DivergedError):
+        clipped_sums("dpadam", "ghost", tiny_vit(), task)
+
+
+def test_ghost_forms_no_per_example_gradient():
+    task = image_task()
+    materialize, _, _ = clipped_sums("dpadam", "materialize", tiny_vit(), task)
+    ghost, _, _ = clipped_sums("dpadam", "ghost", tiny_vit(), task)
+    assert ghost.per_sample_grad_bytes < 0.25 * materialize.per_sample_grad_bytes
+
+
+def test_run_job_records_mode_and_rejects_unknown(tmp_path):
+    results = {}
+    for mode in ("materialize", "bk"):
+        cfg = compose(TINY + ["algo=dpadam", f"algo.per_sample={mode}", "privacy.noise_multiplier=1.0"])
+        results[mode] = run_job(cfg, tmp_path / mode, show_progress=False)
+    assert results["bk"]["status"] == "completed"
+    assert results["bk"]["config"]["algo"]["per_sample"] == "bk"
+    assert results["bk"]["privacy"]["epsilon"] == pytest.approx(results["materialize"]["privacy"]["epsilon"])
+    assert 0 < results["bk"]["memory"]["per_sample_grad_bytes"]
+    with pytest.raises(UserError, match="algo.per_sample"):
+        run_job(compose(TINY + ["algo=grape", "algo.per_sample=vmap"]), tmp_path / "bad", show_progress=False)
+
+
+def test_algorithms_that_need_per_example_gradients_reject_ghost_and_bk():
+    from dpbench.privacy.bookkeeping import BookKeeping
+    from dpbench.privacy.ghost import OpacusGhostClipping
+
+    for engine in (BookKeeping(tiny_cnn()), OpacusGhostClipping(tiny_cnn())):
+        with pytest.raises(UserError, match="materialize"):
+            engine.backward_per_sample(torch.zeros(2))
+
+
+def test_max_batch_search_finds_the_boundary(tmp_path, monkeypatch):
+    """Doubling then bisection against a probe that fits up to 37 examples."""
+    from dpbench.benchmarks import max_batch
+
+    seen = []
+
+    def fake_probe(batch, *args):
+        seen.append(batch)
+        return {"batch_size": batch, "fits": batch <= 37}
+
+    monkeypatch.setattr(max_batch, "probe", fake_probe)
+    best, probes = max_batch.search([], 1024, 1024, 4, 1024, tmp_path, 60, report=lambda line: None)
+    assert best == 37
+    assert seen[:5] == [4, 8, 16, 32, 64] and len(seen) == len(set(seen)) <= 11
+
+
+def test_table_reads_own_and_absolute_peaks(tmp_path):
+    import json
+
+    from dpbench.benchmarks.table import collect, ratios
+
+    def write(name, algo, mode, own, sps):
+        folder = tmp_path / name
+        folder.mkdir()
+        results = {
+            "algo": algo, "config": {"algo": {"per_sample": mode}, "train": {"batch_size": 64}},
+            "memory": {"peak_bytes": (own + 400) * 2**20, "start_bytes": 400 * 2**20, "kind": "cpu_peak_rss",
+                       "per_sample_grad_bytes": 0, "optimizer_state_bytes": 0},
+            "throughput": {"samples_per_s": sps},
+        }
+        (folder / "results.json").write_text(json.dumps(results))
+
+    write("a", "dpadam", "materialize", 1000, 1.0)
+    write("b", "grape", "ghost", 250, 3.0)
+    write("c", "adam", "materialize", 200, 4.0)
+    rows = {r["method"]: r for r in collect(tmp_path)}
+    assert set(rows) == {"dpadam:materialize", "grape:ghost", "adam"}  # adam has no per-sample mode
+    assert rows["grape:ghost"]["own_mib"] == pytest.approx(250) and rows["grape:ghost"]["peak_mib"] == pytest.approx(650)
+    lines = ratios(list(rows.values()))
+    assert any("dpadam:materialize: own peak 0.25x, samples/s 3.00x" in line for line in lines)
+    assert any("grape:ghost / adam: own peak 1.25x" in line for line in lines)
