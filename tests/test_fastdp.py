@@ -64,7 +64,7 @@ def test_update_equals_materialize_with_noise_off(mode, name):
     algos = {m: build(name, model, task, clip=0.5, per_sample=m, **extra) for m, model in models.items()}
     for step in range(3):
         for algo in algos.values():
-            algo.step([task.batch(range(0, 5)), task.batch(range(5, 12))])
+            algo.train_step([task.batch(range(0, 5)), task.batch(range(5, 12))], step)
     expected = [p.detach() for p in models["materialize"].parameters()]
     actual = [p.detach() for p in models[mode].parameters()]
     assert_same_tensors(expected, actual, rtol=1e-4)
