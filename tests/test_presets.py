@@ -172,3 +172,26 @@ def test_dpdr_table_1_presets_carry_the_paper_settings(dataset):
     model = {"mnist": "tanh_cnn", "cifar10": "cnn5", "svhn": "resnet18"}[dataset]
     assert job["model"]["name"] == model
     assert lookup("dpdr", "T1", {"algo": "dpdr", "epsilon": 8, "dataset": dataset, "model": model}) is not None
+
+
+def test_dpgrape_t9_carries_table_8_and_a_local_pretrained_checkpoint():
+    _, grid = compose("experiment=dpgrape_t9")
+    assert grid["privacy.epsilon"] == [1, 2, 4, 8] and set(grid["dataset"]) == {"cifar10", "cifar100"}
+    for job in grid_jobs("dpgrape_t9", ("algo", "dataset")):
+        ident = {"algo": job["algo"]["name"], "dataset": job["dataset"]["name"], "model": "vit-base-224"}
+        assert job["privacy"]["clip_norm"] == lookup("dpgrape", "T8", ident, key="privacy.clip_norm").value
+        assert job["train"]["lr"] == lookup("dpgrape", "T8", ident, key="train.lr").value
+        assert (job["train"]["batch_size"], job["train"]["epochs"], job["privacy"]["delta"]) == (1000, 20, 2.0e-5)
+        assert job["model"]["pretrained"].startswith("vit_base_patch16_224") and job["report"]["metric"] == "best"
+
+
+def test_dpgrape_t9_without_the_checkpoint_is_one_line(tmp_path):
+    from dpbench.errors import UserError
+    from dpbench.run import setup
+
+    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        cfg = hydra_compose(config_name="config", overrides=["experiment=dpgrape_t9", "dataset=synthetic", "logger=none",
+                                                             "privacy.clip_norm=1", "train.lr=1e-3", "train.batch_size=32",
+                                                             "train.physical_batch_size=16"])
+    with pytest.raises(UserError, match="model.path"):
+        setup(cfg)
