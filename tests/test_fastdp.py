@@ -244,3 +244,15 @@ def test_table_reads_own_and_absolute_peaks(tmp_path):
     lines = ratios(list(rows.values()))
     assert any("dpadam:materialize: own peak 0.25x, samples/s 3.00x" in line for line in lines)
     assert any("grape:ghost / adam: own peak 1.25x" in line for line in lines)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_other_clipping_rules_see_the_same_norms(mode):
+    """Every mode hands the clipping rule the same per-example norms (automatic clipping here)."""
+    task = image_task()
+    sums = {}
+    for m in ("materialize", mode):
+        algo = build("dpsgd", tiny_vit(), task, clip=0.05, per_sample=m, momentum=0.0)
+        algo.privacy.clipping = "automatic"
+        sums[m], _, _ = algo.clipped_gradient_sum([task.batch(range(0, 12))])
+    assert_same_tensors(sums["materialize"], sums[mode])

@@ -10,7 +10,11 @@ it one layer at a time; this never does):
     side "right" (out >  in): R_i = G_i P  = Σ_t δ_tᵀ (x_t P)   -> [B, out, r]
 
 Everything else (embeddings, patch embedding, head, norms, biases, class/position tokens) keeps
-full per-sample gradients. The concatenation of all of them is flat-clipped to C, summed, noised
+full per-sample gradients. With `algo.per_sample=bk` or `ghost` (dpbench.privacy.bookkeeping)
+the same projected gradients are clipped without forming them: norms from (x xᵀ) and
+((δP)(δP)ᵀ) (or the smaller instantiated form), then the clipped sum in one matmul (book-keeping)
+or from a reweighted second backward, projected (ghost). Projection, clipping and noise are as
+below in every mode. The concatenation of all of them is flat-clipped to C, summed, noised
 with N(0, σ²C²) per coordinate in the projected space and divided by the expected batch size
 (V-arXiv Algorithm 1; the V-conf rendering that adds the noise after the division is wrong).
 One Gaussian mechanism per step, exactly as DP-Adam: the projectors are public randomness,
