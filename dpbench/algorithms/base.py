@@ -20,8 +20,6 @@ from dpbench.privacy.per_sample import (
     GradSampler,
     PerSampleGradients,
     clip_factors,
-    clipped_sum,
-    per_sample_norms,
 )
 from dpbench.registry import Registry
 from dpbench.tasks import Batch, Task
