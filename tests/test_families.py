@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, compose
+from test_language import assert_per_sample_grads_match
 from text_fixtures import write_dataset
 from torch import nn
 
@@ -64,7 +65,7 @@ TOY_MLP = ModelFamily(projected_modules=("body.*",), lora_targets=("body.0", "bo
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_families():
-    """Register both toys for this module only (the registries are restored afterwards)."""
+    """Register both toys for this module only (the registries' entries are restored afterwards)."""
     saved = {registry: (registry.names(), dict(registry._entries)) for registry in (MODELS, FAMILIES)}
     register_language_family("toyllama", TOY_LLAMA)
     register_model("toymlp", TOY_MLP)(build_toy_mlp)
@@ -101,6 +102,7 @@ def test_toy_language_family_builds_its_task_and_model_is_projected_and_adapted(
     assert isinstance(task, CausalLMTask)  # the record's language_task, not a table in tasks/
     model = task.build_model(cfg.model)
     assert type(model).__name__ == "LlamaForCausalLM"
+    assert_per_sample_grads_match(task, model.train())  # Opacus needs no fix for this family
     projected = select_projected_modules(model, None)
     assert sorted(projected) == sorted(f"model.layers.{i}.{n}" for i in range(2) for n in LLAMA_BLOCK)
     model = inject_lora(model, compose(["algo=dplora"]).algo)

@@ -96,10 +96,9 @@ def family_of(model: nn.Module) -> ModelFamily | None:
     if name is not None:
         return FAMILIES.get(name)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family_name in FAMILIES.names():
-        if model_type is not None and FAMILIES.get(family_name).model_type == model_type:
-            return FAMILIES.get(family_name)
-    return None
+    if model_type is None:
+        return None
+    return next((f for f in map(FAMILIES.get, FAMILIES.names()) if f.model_type == model_type), None)
 
 
 def default_projected_modules(model: nn.Module) -> tuple[str, ...]:
