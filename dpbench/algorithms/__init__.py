@@ -6,17 +6,14 @@ one file with a class decorated `@ALGORITHMS.register("name")` and a conf/algo/n
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, PrivacySetup, StepResult
+from dpbench.registry import import_submodules
 
 __all__ = ["ALGORITHMS", "Algorithm", "PrivacySetup", "StepResult", "algorithm_class", "import_all"]
 
 
 def import_all() -> None:
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
+    import_submodules(__name__)  # the discovery rule of every registry (dpbench/registry.py)
 
 
 def algorithm_class(name: str) -> type[Algorithm]:

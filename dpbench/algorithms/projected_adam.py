@@ -18,20 +18,7 @@ import torch
 from torch import nn
 
 from dpbench.errors import UserError
-
-# Linear layers inside transformer blocks (the paper projects attention Q/K/V/out and MLP
-# fc1/fc2; embeddings, patch embedding, heads, norms and biases stay full). fnmatch patterns
-# over module names; `*` also matches dots.
-DEFAULT_PROJECTED_MODULES = (
-    # timm ViT
-    "blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
-    # HF BERT / RoBERTa encoder layers (not the classification head's dense/out_proj)
-    "*layer.*.attention.self.query", "*layer.*.attention.self.key", "*layer.*.attention.self.value",
-    "*layer.*.attention.output.dense", "*layer.*.intermediate.dense", "*layer.*.output.dense",
-    # HF OPT / LLaMA-style decoder layers
-    "*layers.*.self_attn.q_proj", "*layers.*.self_attn.k_proj", "*layers.*.self_attn.v_proj",
-    "*layers.*.self_attn.out_proj", "*layers.*.fc1", "*layers.*.fc2",
-)
+from dpbench.models import default_projected_modules
 
 
 @dataclass(frozen=True)
@@ -59,8 +46,9 @@ def make_projection(index: int, name: str, shape: torch.Size, rank: int) -> Proj
 
 
 def select_projected_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:
-    """Trainable nn.Linear modules whose name matches one of the fnmatch `patterns`."""
-    patterns = list(DEFAULT_PROJECTED_MODULES if patterns is None else patterns)
+    """Trainable nn.Linear modules whose name matches one of the fnmatch `patterns` (None: the
+    model family's `projected_modules`, see dpbench/models)."""
+    patterns = list(default_projected_modules(model) if patterns is None else patterns)
     chosen = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not module.weight.requires_grad:

@@ -28,10 +28,9 @@ class ImageDataset:
         return self.train_images.shape[-1]
 
 
-DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset")
+# Every module of this package registers on the first lookup (see dpbench/registry.py).
+DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset", package=__name__)
 
 
 def load_dataset(cfg, seed: int) -> ImageDataset:
-    from dpbench.data import images  # noqa: F401  (registers the image datasets)
-
     return DATASETS.get(cfg.name)(cfg, seed)

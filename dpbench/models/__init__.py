@@ -1,4 +1,11 @@
-"""Model builders, by name (`model=...`). Each builder takes the model config and a DataSpec."""
+"""Model builders, by name (`model=...`), each registered with its family record.
+
+A builder takes the model config and a DataSpec. Beside it, `register_model` keeps one
+`ModelFamily` record (as timm keeps `default_cfgs` beside its builders): the facts algorithms and
+tasks need about the model (which layers DP-GRAPE/GaLore project, LoRA's targets, the head that
+stays trained, the language task it runs). Adding a model is one file in this package (found on
+the first lookup, see dpbench/registry.py) plus conf/model/<name>.yaml; nothing else names it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from typing import Callable
 
 from torch import nn
 
+from dpbench.errors import UserError
 from dpbench.registry import Registry
 
 
@@ -20,14 +28,95 @@ class DataSpec:
     patch_size: int = 2  # the dataset's ViT patch size (image_size / patch_size tokens per side)
 
 
-MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+def _unchanged(model: nn.Module) -> nn.Module:
+    return model
+
+
+@dataclass(frozen=True)
+class OpacusFix:
+    """A change that makes a model's modules fit Opacus's per-module grad samplers, applied after
+    the builder; `undo` restores the original modules (for save_pretrained)."""
+
+    apply: Callable[[nn.Module], nn.Module]
+    undo: Callable[[nn.Module], nn.Module] = _unchanged
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What algorithms and tasks read about a model instead of keeping their own tables."""
+
+    # fnmatch patterns (`*` also matches dots) of the Linear layers DP-GRAPE / GaLore project:
+    # those inside transformer blocks (embeddings, heads, norms and biases stay full).
+    projected_modules: tuple[str, ...] = ()
+    lora_targets: tuple[str, ...] = ()  # module names LoRA adapts unless algo.target_modules is set
+    trained_modules: tuple[str, ...] = ()  # stay trainable beside LoRA adapters (a fresh head)
+    # The task kind `dataset.task: language` runs as with this model; None: not a language model.
+    language_task: str | None = None
+    # Transformers' `config.model_type` of this family, so that a Hugging Face model built
+    # outside dpbench is recognised too; None for non-Hugging-Face models.
+    model_type: str | None = None
+    opacus_fixes: tuple[OpacusFix, ...] = ()
+
+
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model", package=__name__)
+FAMILIES: Registry[ModelFamily] = Registry("model", package=__name__)
+FAMILY_ATTRIBUTE = "dpbench_family"  # set on every model dpbench builds: its registered name
+
+
+def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
+    """Decorator: register a builder `(model_cfg, DataSpec) -> nn.Module` and its family record."""
+
+    def decorator(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        MODELS.register(name)(builder)
+        FAMILIES.register(name)(family)
+        return builder
+
+    return decorator
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
-    _import_builders()
-    return MODELS.get(model_cfg.name)(model_cfg, spec)
+    return apply_opacus_fixes(MODELS.get(model_cfg.name)(model_cfg, spec), model_cfg.name)
 
 
-def _import_builders() -> None:
-    # Importing the modules registers their builders.
-    from dpbench.models import cnn, papers_cnn, resnet, vit  # noqa: F401
+def apply_opacus_fixes(model: nn.Module, name: str) -> nn.Module:
+    """The family's Opacus fixes, then the family's name on the model (read by `family_of`)."""
+    for fix in model_family(name).opacus_fixes:
+        model = fix.apply(model)
+    setattr(model, FAMILY_ATTRIBUTE, name)  # a plain attribute: survives .to() and peft injection
+    return model
+
+
+def model_family(name: str) -> ModelFamily:
+    return FAMILIES.get(name)
+
+
+def family_of(model: nn.Module) -> ModelFamily | None:
+    """The record of a model: the one it was built with, or its Hugging Face model_type's."""
+    name = getattr(model, FAMILY_ATTRIBUTE, None)
+    if name is not None:
+        return FAMILIES.get(name)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        return None
+    return next((f for f in map(FAMILIES.get, FAMILIES.names()) if f.model_type == model_type), None)
+
+
+def default_projected_modules(model: nn.Module) -> tuple[str, ...]:
+    """The model's family patterns; a model built outside the registry gets every family's."""
+    family = family_of(model)
+    if family is not None:
+        return family.projected_modules
+    return tuple(p for name in FAMILIES.names() for p in FAMILIES.get(name).projected_modules)
+
+
+def language_families() -> list[str]:
+    return [name for name in FAMILIES.names() if FAMILIES.get(name).language_task]
+
+
+def language_family(name: str) -> ModelFamily:
+    """The record of language model `name`, or a one-line error listing the language models."""
+    family = model_family(name)
+    if family.language_task is None:
+        choices = " or ".join(f"model={n}" for n in language_families())
+        raise UserError(f"model={name} is not a language model; use {choices}")
+    return family

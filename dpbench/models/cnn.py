@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpbench.models import MODELS, DataSpec
+from dpbench.models import DataSpec, register_model
 
 
-@MODELS.register("cnn")
+@register_model("cnn")
 def build_cnn(cfg, spec: DataSpec) -> nn.Module:
     width = cfg.get("width", 32)
     groups = cfg.get("groups", 8)

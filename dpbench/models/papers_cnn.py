@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.models import MODELS, DataSpec
+from dpbench.models import DataSpec, register_model
 
 
 def _flat_size(features: nn.Module, spec: DataSpec) -> int:
@@ -25,7 +25,7 @@ def _flat_size(features: nn.Module, spec: DataSpec) -> int:
         return features(torch.zeros(1, spec.channels, spec.image_size, spec.image_size)).numel()
 
 
-@MODELS.register("tanh_cnn")
+@register_model("tanh_cnn")
 def build_tanh_cnn(cfg, spec: DataSpec) -> nn.Module:
     groups = int(cfg.get("groups", 4))
     norm = (lambda c: [nn.GroupNorm(min(groups, c), c)]) if cfg.get("group_norm", False) else (lambda c: [])
@@ -50,7 +50,7 @@ def build_tanh_cnn(cfg, spec: DataSpec) -> nn.Module:
     )
 
 
-@MODELS.register("cnn5")
+@register_model("cnn5")
 def build_cnn5(cfg, spec: DataSpec) -> nn.Module:
     groups = int(cfg.get("groups", 8))
     per_block = int(cfg.get("convs_per_block", 1))

@@ -17,7 +17,7 @@ import types
 
 from torch import nn
 
-from dpbench.models import MODELS, DataSpec
+from dpbench.models import DataSpec, register_model
 
 ACTIVATIONS = {"relu": nn.ReLU, "mish": nn.Mish, "tanh": nn.Tanh}
 
@@ -42,7 +42,7 @@ class _Residual(nn.Module):
         return x + self.body(x)
 
 
-@MODELS.register("resnet9")
+@register_model("resnet9")
 def build_resnet9(cfg, spec: DataSpec) -> nn.Module:
     width = int(cfg.get("width", 64))
     groups, affine, act = int(cfg.get("groups", 4)), bool(cfg.get("affine", False)), cfg.get("activation", "mish")
@@ -64,7 +64,7 @@ def build_resnet9(cfg, spec: DataSpec) -> nn.Module:
     )
 
 
-@MODELS.register("resnet18")
+@register_model("resnet18")
 def build_resnet18(cfg, spec: DataSpec) -> nn.Module:
     from torchvision.models import resnet18
     from torchvision.models.resnet import BasicBlock

@@ -25,7 +25,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.models import MODELS, DataSpec
+from dpbench.models import DataSpec, ModelFamily, register_model
 
 # Size presets. tiny / small / base are ViT-Ti / ViT-S / ViT-B (Dosovitskiy et al.; Touvron et
 # al.), base as in the DP-GRAPE paper. micro and mini are sized for CPU runs on small images
@@ -78,7 +78,16 @@ def move_tokens_into_submodule(vit: VisionTransformer) -> None:
     vit.pos_embed = None
 
 
-@MODELS.register("vit")
+VIT_FAMILY = ModelFamily(
+    # The Linears of the transformer blocks (the paper projects attention Q/K/V/out and MLP
+    # fc1/fc2; patch embedding, head, norms and biases stay full).
+    projected_modules=("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2"),
+    lora_targets=("qkv",),
+    trained_modules=("head",),  # a from-scratch image head must learn beside the adapters
+)
+
+
+@register_model("vit", VIT_FAMILY)
 def build_vit(cfg, spec: DataSpec) -> nn.Module:
     if cfg.get("pretrained"):
         return build_pretrained_vit(cfg, spec)

@@ -45,17 +45,15 @@ class Task(ABC):
         raise NotImplementedError
 
 
-TASKS: Registry[type[Task]] = Registry("task")
+# Every module of this package registers on the first lookup; they import transformers only when
+# a language task is built (see dpbench/registry.py).
+TASKS: Registry[type[Task]] = Registry("task", package=__name__)
 
 
 def build_task(cfg, device: torch.device) -> Task:
-    from dpbench.tasks import image, quadratic  # noqa: F401
-
     kind = cfg.dataset.get("task", "image_classification")
-    if kind in ("language", "prompt_mlm", "causal_lm"):  # transformers is imported only for these
-        from dpbench.tasks import causal_lm, prompt_mlm  # noqa: F401
+    if kind == "language":  # the model's family record says which: RoBERTa -> prompt_mlm, OPT -> causal_lm
         from dpbench.tasks.language import language_task_kind
 
-        if kind == "language":  # RoBERTa -> prompt_mlm, OPT -> causal_lm
-            kind = language_task_kind(cfg)
+        kind = language_task_kind(cfg)
     return TASKS.get(kind)(cfg, device)

@@ -1,7 +1,8 @@
 """What the two language task kinds share: data loading, few-shot splits, tokenizer, model.
 
-`dataset.task: language` picks the kind from the model: RoBERTa -> prompt_mlm (LM-BFF prompts,
-k-shot), OPT -> causal_lm (MeZO candidate scoring / generation, 1000/500/1000).
+`dataset.task: language` picks the kind from the model's family record (`language_task`):
+RoBERTa -> prompt_mlm (LM-BFF prompts, k-shot), OPT -> causal_lm (MeZO candidate scoring /
+generation, 1000/500/1000).
 The privacy unit is an example (a whole sequence, or all candidate sequences of one example).
 """
 
@@ -14,16 +15,17 @@ from torch import nn
 
 from dpbench.data.text import load_text_splits
 from dpbench.errors import UserError
+from dpbench.models import language_families, model_family
 from dpbench.models.language import load_language_model, load_tokenizer
 from dpbench.tasks import Task
 
-LANGUAGE_TASK_FOR_MODEL = {"roberta": "prompt_mlm", "opt": "causal_lm"}
-
 
 def language_task_kind(cfg) -> str:
-    kind = LANGUAGE_TASK_FOR_MODEL.get(cfg.model.name)
+    """The task kind of `dataset.task: language` for cfg.model (its family's `language_task`)."""
+    kind = model_family(cfg.model.name).language_task
     if kind is None:
-        raise UserError(f"dataset={cfg.dataset.name} is a language task; use model=roberta or model=opt")
+        choices = " or ".join(f"model={name}" for name in language_families())
+        raise UserError(f"dataset={cfg.dataset.name} is a language task; use {choices}")
     return kind
 
 
