@@ -128,6 +128,20 @@ class Algorithm(ABC):
     @abstractmethod
     def step(self, batches: list[Batch], step_index: int) -> StepResult: ...
 
+    def backward_mean_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        """Non-private gradient accumulation over the physical chunks: backpropagate the mean
+        loss of the logical batch into .grad. Returns (mean loss, realised size); nothing is
+        backpropagated for an empty batch."""
+        total = sum(self.task.batch_size(b) for b in batches)
+        loss_total = 0.0
+        for batch in batches if total else []:
+            if self.task.batch_size(batch) == 0:
+                continue
+            losses = self.task.per_sample_loss(self.model, batch)
+            (losses.sum() / total).backward()
+            loss_total += losses.detach().float().sum().item()
+        return (loss_total / total if total else float("nan")), total
+
     @abstractmethod
     def optimizer_state_bytes(self) -> int: ...
 

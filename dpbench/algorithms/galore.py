@@ -26,21 +26,14 @@ class GaLore(Algorithm):
         self.optimizer = ProjectedAdam(self.params, lr, **adam_config(cfg))
 
     def step(self, batches, step_index: int) -> StepResult:
-        total = sum(self.task.batch_size(b) for b in batches)
+        loss, total = self.backward_mean_loss(batches)
         if total == 0:
-            return StepResult(float("nan"), 0)
-        loss_total = 0.0
-        for batch in batches:  # gradient accumulation: mean loss over the logical batch
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            (losses.sum() / total).backward()
-            loss_total += losses.detach().float().sum().item()
+            return StepResult(loss, 0)
         gradients = [p.grad if p.grad is not None else p.new_zeros(p.shape) for p in self.params]
         self.subspaces.projected_step(self.optimizer, self.params, gradients)
         for p in self.params:
             p.grad = None
-        return StepResult(loss_total / total, total)
+        return StepResult(loss, total)
 
     def optimizer_state_bytes(self) -> int:
         return self.optimizer.state_bytes()

@@ -23,19 +23,11 @@ class SGD(Algorithm):
         )
 
     def step(self, batches, step_index: int) -> StepResult:
-        total = sum(self.task.batch_size(b) for b in batches)
-        if total == 0:
-            return StepResult(float("nan"), 0)
-        loss_total = 0.0
-        for batch in batches:  # gradient accumulation over physical batches: mean over the logical one
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            (losses.sum() / total).backward()
-            loss_total += losses.detach().float().sum().item()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_total / total, total)
+        loss, total = self.backward_mean_loss(batches)
+        if total:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, total)
 
     def optimizer_state_bytes(self) -> int:
         return torch_optimizer_state_bytes(self.optimizer)  # momentum buffers (none at momentum 0)
