@@ -90,7 +90,7 @@ def test_zero_score_noise_selects_the_exact_top_p(monkeypatch):
     algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=16", "algo.tail_fraction=0.2")
     algorithm.sigma_tr = 0.0
     basis = sub_weibull_subspace(sum(p.numel() for p in algorithm.params), 16, 2.0, torch.Generator().manual_seed(3))
-    monkeypatch.setattr(dcdpsgd, "sub_weibull_subspace", lambda *args: basis)
+    monkeypatch.setattr(algorithm.subspaces, "draw", lambda: basis)
     record_updates(algorithm)
     images, labels = _batch(task, 30)
     # two physical batches: the two-pass path
