@@ -217,7 +217,7 @@ def setup(cfg: DictConfig) -> Job:
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 
 
-def fit(job: Job, run_dir: Path, logger, show_progress: bool) -> tuple[Trainer, str, Exception | None]:
+def fit(job: Job, logger, show_progress: bool) -> tuple[Trainer, str, Exception | None]:
     """Train; a diverged run still returns its trainer so that what it measured is recorded."""
     cfg = job.cfg
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
@@ -316,7 +316,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
     logger = build_logger(cfg.logger, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
-    trainer, status, failure = fit(job, run_dir, logger, show_progress)
+    trainer, status, failure = fit(job, logger, show_progress)
     results = record(job, trainer, status, memory, started, notes=[])
     results_file = write_results(run_dir, results)
     if sync := logger.finish(results, results_file):
