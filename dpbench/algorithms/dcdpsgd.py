@@ -229,7 +229,6 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     def step(self, batches, step_index: int) -> StepResult:
         batches = [b for b in batches if self.task.batch_size(b) > 0]
-        dim = sum(self.params[i].numel() for i in self.identification)
         basis = self.subspaces.draw()
         single_pass = len(batches) == 1
         scores, kept, loss_total = [], None, 0.0
