@@ -155,3 +155,17 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
         assert 3.95 <= RDPAccountant().epsilon(ledger_for(sigma), 1e-5) <= 4.0
         results[mode] = sigma
     assert results["rank_coupled"] > results["tail_clip"]
+
+
+def test_k_none_scores_every_nonzero_gradient_one_and_runs_end_to_end(tmp_path):
+    from conftest import TINY, compose
+
+    from dpbench.run import run_job
+
+    grads = torch.randn(6, 40)
+    grads[2] = 0.0
+    assert subspace_scores(grads, None).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    algorithm, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=null")
+    assert algorithm.subspaces is None
+    results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.subspace_dim=null"]), tmp_path, show_progress=False)
+    assert results["status"] == "completed" and 7.5 < results["privacy"]["epsilon"] <= 8.0

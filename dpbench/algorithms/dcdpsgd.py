@@ -109,13 +109,16 @@ def orthonormalise(matrix: torch.Tensor, work: torch.Tensor | None = None) -> to
     return matrix  # two swaps: the second pass wrote into matrix
 
 
-def subspace_scores(identification_grads: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+def subspace_scores(identification_grads: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """lambda_i = ||V^T g_i/||g_i||||^2 for [B, d_id] gradients: in [0, 1] (sensitivity 1).
 
     A zero gradient scores 0. The clamp only absorbs rounding: with V^T V = I the value is
-    already at most 1, and clamping makes the bound hold whatever V is.
+    already at most 1, and clamping makes the bound hold whatever V is. `basis=None` is the
+    paper's "k = None" (no subspace identification; V = I): every non-zero gradient scores 1.
     """
     norms = identification_grads.norm(dim=1, keepdim=True)
+    if basis is None:
+        return (norms[:, 0] > 0).float()
     unit = torch.where(norms > 0, identification_grads / norms.clamp_min(1e-30), torch.zeros_like(identification_grads))
     unit = torch.nan_to_num(unit, nan=0.0, posinf=0.0, neginf=0.0)
     return (unit @ basis.to(unit.dtype)).pow(2).sum(dim=1).clamp(0.0, 1.0)
@@ -171,7 +174,8 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.tail_clip = tail_to_body_ratio(cfg, self.body_clip) * self.body_clip  # c1
         self.identification = self._identification_indices(cfg.score_params)
         dim = sum(self.params[i].numel() for i in self.identification)
-        if dim * min(int(cfg.subspace_dim), dim) > MAX_PROJECTION_ELEMENTS:
+        k = None if cfg.subspace_dim is None else int(cfg.subspace_dim)
+        if k is not None and dim * min(k, dim) > MAX_PROJECTION_ELEMENTS:
             raise UserError(
                 f"the score subspace would be {dim} x {cfg.subspace_dim} floats per step; set "
                 "algo.score_params=first (the reference code's choice) or a list of parameter names"
@@ -179,7 +183,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         # Public projection randomness: reproducible from the experiment seed (drawn from the
         # seeded global RNG once); the privacy noise never comes from it.
         self.projection_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
-        self.subspaces = SubWeibullSubspaces(dim, int(cfg.subspace_dim), float(cfg.theta), self.projection_generator)
+        self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, float(cfg.theta), self.projection_generator)
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
 
@@ -229,14 +233,14 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     def step(self, batches, step_index: int) -> StepResult:
         batches = [b for b in batches if self.task.batch_size(b) > 0]
-        basis = self.subspaces.draw()
+        basis = None if self.subspaces is None else self.subspaces.draw()
         single_pass = len(batches) == 1
         scores, kept, loss_total = [], None, 0.0
         for batch in batches:  # pass 1: scores
             losses, per_sample = self._per_sample(batch)
             loss_total += losses.detach().float().sum().item()
             ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
-            scores.append(subspace_scores(ident, basis.to(ident.device)))  # [b]
+            scores.append(subspace_scores(ident, None if basis is None else basis.to(ident.device)))  # [b]
             kept = per_sample if single_pass else None
             del per_sample, ident
         device = self.params[0].device
