@@ -160,6 +160,31 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class NonPrivateOptimizerAlgorithm(Algorithm):
+    """A torch optimizer on the mean loss of the logical batch: no clipping, no noise, nothing in
+    the ledger. Subclasses choose the optimizer (`build_optimizer`)."""
+
+    private = False
+
+    def __init__(self, model, task, cfg, lr, privacy=None):
+        super().__init__(model, task, cfg, lr, privacy)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = self.build_optimizer(self.params)
+
+    @abstractmethod
+    def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer: ...
+
+    def step(self, batches: list[Batch], step_index: int) -> StepResult:
+        loss, total = self.backward_mean_loss(batches)
+        if total:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, total)
+
+    def optimizer_state_bytes(self) -> int:
+        return torch_optimizer_state_bytes(self.optimizer)  # moments / momentum buffers
+
+
 class DPFirstOrderAlgorithm(Algorithm):
     """Per-example gradients -> clip -> sum over the logical batch -> Gaussian noise once -> / B.
 

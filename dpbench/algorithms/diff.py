@@ -52,6 +52,24 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         (noisy,) = self.gaussian_release("gradient_difference", ReleasePart(sums, self.difference_clip, std))
         return [s / self.privacy.expected_batch_size for s in noisy]
 
+    def difference_sums(self, batches):
+        """sum_i clip_{C_d}(d_i) over the logical batch, with d_i from `per_example_differences`;
+        the mean loss; the realised size."""
+        sums, loss_total, count = self.zero_sums(), 0.0, 0
+        for batch in batches:
+            if self.task.batch_size(batch) == 0:
+                continue
+            losses = self.task.per_sample_loss(self.model, batch)
+            for s, c in zip(sums, self.clipped_difference(self.per_example_differences(batch, losses))):
+                s.add_(c)
+            loss_total += losses.detach().float().sum().item()
+            count += losses.shape[0]
+        return sums, (loss_total / count if count else float("nan")), count
+
+    def per_example_differences(self, batch, losses) -> list[torch.Tensor]:
+        """[B, ...] per-example differences of one physical chunk (losses at theta_t given)."""
+        raise NotImplementedError
+
     def zero_sums(self) -> list[torch.Tensor]:
         return [torch.zeros(p.shape, device=p.device, dtype=torch.float32) for p in self.params]
 
@@ -65,21 +83,10 @@ class DIFF(GradientDifferenceAlgorithm):
         super().__init__(model, task, cfg, lr, privacy)
         self.previous: list[torch.Tensor] | None = None  # g~_{t-1} (fp32), public
 
-    def difference_sums(self, batches):
-        """sum_i clip_{C_d}(g_t(x_i) - g~_{t-1}) over the logical batch, mean loss, size."""
-        sums, loss_total, count = self.zero_sums(), 0.0, 0
-        for batch in batches:
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            per_sample = self.engine.backward_per_sample(losses)
-            differences = [g.float().sub_(previous) for g, previous in zip(per_sample, self.previous)]
-            del per_sample
-            for s, c in zip(sums, self.clipped_difference(differences)):
-                s.add_(c)
-            loss_total += losses.detach().float().sum().item()
-            count += losses.shape[0]
-        return sums, (loss_total / count if count else float("nan")), count
+    def per_example_differences(self, batch, losses):
+        """g_t(x_i) - g~_{t-1}: each example's gradient minus the previous noisy gradient."""
+        per_sample = self.engine.backward_per_sample(losses)
+        return [g.float().sub_(previous) for g, previous in zip(per_sample, self.previous)]
 
     def step(self, batches, step_index: int) -> StepResult:
         if self.previous is None:  # step 0: DP-SGD with C_g

@@ -52,24 +52,13 @@ class DIFF2(GradientDifferenceAlgorithm):
             for p, data in zip(self.params, current):
                 p.data = data
 
-    def difference_sums(self, batches):
-        """sum_i clip_{C_d}(g_i(theta_t) - g_i(theta_{t-1})) over the logical batch, mean loss, size."""
-        sums, loss_total, count = self.zero_sums(), 0.0, 0
-        for batch in batches:
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            loss_total += losses.detach().float().sum().item()
-            count += losses.shape[0]
-            now = self.engine.backward_per_sample(losses)
-            before = self.per_sample_at(lambda: self.task.per_sample_loss(self.model, batch), self.previous_params)
-            held = tensor_bytes(now) + tensor_bytes(before)  # both sets exist until subtracted
-            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, held)
-            differences = [a.float().sub_(b.float()) for a, b in zip(now, before)]
-            del now, before
-            for s, c in zip(sums, self.clipped_difference(differences)):
-                s.add_(c)
-        return sums, (loss_total / count if count else float("nan")), count
+    def per_example_differences(self, batch, losses):
+        """g_i(theta_t) - g_i(theta_{t-1}): the same example's gradient at two parameter points."""
+        now = self.engine.backward_per_sample(losses)
+        before = self.per_sample_at(lambda: self.task.per_sample_loss(self.model, batch), self.previous_params)
+        held = tensor_bytes(now) + tensor_bytes(before)  # both sets exist until subtracted
+        self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, held)
+        return [a.float().sub_(b.float()) for a, b in zip(now, before)]
 
     def step(self, batches, step_index: int) -> StepResult:
         if self.is_restart(step_index):

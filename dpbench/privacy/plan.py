@@ -18,7 +18,7 @@ import torch
 
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
-from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS, GaussianMechanism, Ledger, same_mechanisms
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms
 from dpbench.privacy.noise import GaussianNoise
 
 
@@ -123,9 +123,7 @@ class PrivacyPlan:
 def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.device) -> PrivacyPlan:
     """Calibrate (or take) sigma for the planned run and build what the algorithm needs."""
     p = cfg.privacy
-    relation = neighboring(cfg)
-    if relation not in NEIGHBORING_RELATIONS:
-        raise UserError(f"privacy.neighboring={relation!r} is not known; use add_remove or replace_one")
+    relation = neighboring(cfg)  # validated with the config (dpbench.run.validate)
     accountant = build_accountant(cfg.accountant.name)
     sample_rate = cfg.train.batch_size / train_size
     clip_norm = float(p.clip_norm)
