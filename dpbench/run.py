@@ -21,7 +21,7 @@ from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import read_results, write_results
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
-from dpbench.models import build_model
+from dpbench.precision import precision_for
 from dpbench.privacy.accountants import ACCOUNTANTS
 from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
 from dpbench.privacy.per_sample import CLIP_FACTORS
@@ -205,15 +205,18 @@ def setup(cfg: DictConfig) -> Job:
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     task = build_task(cfg, device)
-    build = getattr(task, "build_model", None)  # language tasks: the model needs the task's tokenizer
-    model = (build(cfg.model) if build else build_model(cfg.model, task.model_spec())).to(device)
+    model = task.build_model(cfg.model).to(device)
     model.train()
     algo_cls = algorithm_class(cfg.algo.name)
     if cfg.train.batch_size > task.train_size:
         raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {task.train_size} training examples; lower it")
     steps = planned_steps(cfg, task.train_size)
+    precision = precision_for(cfg.train.get("precision") or "fp32", device)
+    if precision.dtype is not None and not algo_cls.autocast_forward:
+        raise UserError(f"train.precision={precision.name} applies to first-order algorithms; algo={cfg.algo.name} runs in the model's dtype")
     privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
+    algorithm.precision = precision
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 
 

@@ -122,14 +122,13 @@ def compose(overrides: list[str]):
 
 def build(cfg):
     """The task and the model as `dpbench` builds them (same seed: same initial weights)."""
-    from dpbench.models import build_model
     from dpbench.run import resolve_device, seed_everything
     from dpbench.tasks import build_task
 
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     task = build_task(cfg, device)
-    model = task.build_model(cfg.model) if hasattr(task, "build_model") else build_model(cfg.model, task.model_spec())
+    model = task.build_model(cfg.model)
     return task, model.to(device).train(), device
 
 

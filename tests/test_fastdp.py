@@ -28,8 +28,8 @@ def tiny_cnn(seed=0):
 
 def clipped_sums(name, mode, model, task, clip=0.05, **cfg):
     algo = build(name, model, task, clip=clip, per_sample=mode, **cfg)
-    sums, loss, count = algo.clipped_gradient_sum([task.batch(range(0, 7)), task.batch(range(7, 12))])
-    return algo, sums, loss
+    sums, tally = algo.clip_and_accumulate([task.batch(range(0, 7)), task.batch(range(7, 12))])
+    return algo, sums, tally.result().loss
 
 
 def assert_same_tensors(expected, actual, rtol=2e-5):
@@ -147,7 +147,7 @@ def test_bk_sums_candidate_rows_per_example(tied):
     task = RowsTask()
     algo = build("dpadam", RowsModel(tied), task, clip=0.02, per_sample="bk")
     batches = [task.batch(range(0, 7)), task.batch(range(7, 12))]
-    actual, _, _ = algo.clipped_gradient_sum(batches)
+    actual, _ = algo.clip_and_accumulate(batches)
     reference_model = RowsModel(tied)
     expected = [a + b for a, b in zip(*(autograd_clipped_sum(reference_model, task, b, 0.02) for b in batches))]
     assert_same_tensors(expected, actual, rtol=1e-5)
@@ -254,5 +254,5 @@ def test_other_clipping_rules_see_the_same_norms(mode):
     for m in ("materialize", mode):
         algo = build("dpsgd", tiny_vit(), task, clip=0.05, per_sample=m, momentum=0.0)
         algo.privacy.clipping = "automatic"
-        sums[m], _, _ = algo.clipped_gradient_sum([task.batch(range(0, 12))])
+        sums[m], _ = algo.clip_and_accumulate([task.batch(range(0, 12))])
     assert_same_tensors(sums["materialize"], sums[mode])

@@ -218,8 +218,8 @@ def test_one_huge_sample_moves_the_privatised_projected_gradient_by_at_most_C_ov
     task = image_task(n=9, weights=weights)
     model = tiny_vit()
     algo = build("grape", model, task, clip=clip, batch=expected_batch)
-    without, _, _ = algo.clipped_gradient_sum([task.batch(range(8))])
-    with_huge, _, _ = algo.clipped_gradient_sum([task.batch(range(9))])
+    without, _ = algo.clip_and_accumulate([task.batch(range(8))])
+    with_huge, _ = algo.clip_and_accumulate([task.batch(range(9))])
     shapes = algo.noise_shapes()
     assert [s.shape for s in with_huge] == list(shapes)
     assert any(s != p.shape for s, p in zip(shapes, algo.params))  # some coordinates are projected
@@ -234,8 +234,8 @@ def test_noise_std_in_the_released_space_is_sigma_C_over_B(name):
     sigma, clip, expected_batch = 2.0, 0.5, 10.0
     task = image_task()
     algo = build(name, tiny_vit(), task, sigma=sigma, clip=clip, batch=expected_batch)
-    sums, _, count = algo.clipped_gradient_sum([task.batch([])])  # empty Poisson batch: pure noise
-    assert count == 0 and all(s.abs().sum() == 0 for s in sums)
+    sums, tally = algo.clip_and_accumulate([task.batch([])])  # empty Poisson batch: pure noise
+    assert tally.count == 0 and all(s.abs().sum() == 0 for s in sums)
     noisy = algo.privatize(sums)
     assert [n.shape for n in noisy] == list(algo.noise_shapes())
     values = torch.cat([n.flatten() for n in noisy]).double()

@@ -127,8 +127,8 @@ def test_diff2_one_example_moves_the_difference_sum_by_at_most_c_d():
     algorithm, task, _ = build_algorithm("diff2", "algo.difference_clip=0.01", "algo.restart_interval=100", sigma=0.0)
     batch = task.batch(list(range(10)))
     algorithm.train_step([batch], 0)  # restart; theta_0 is stored
-    sums_all, _, _ = algorithm.difference_sums([batch])
-    sums_less, _, _ = algorithm.difference_sums([task.batch(list(range(9)))])
+    sums_all, _ = algorithm.difference_sums([batch])
+    sums_less, _ = algorithm.difference_sums([task.batch(list(range(9)))])
     moved = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(sums_all, sums_less)))
     assert 0 < moved <= 0.01 * (1 + 1e-4)
 

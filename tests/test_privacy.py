@@ -107,8 +107,8 @@ def test_one_example_moves_the_privatised_gradient_by_at_most_c_over_b():
     clip, expected_batch = 0.5, 12.0
     model = small_model()
     algo = algorithm_class("dpsgd")(model, TensorTask(x, y), SGD_CFG, 0.1, privacy(0.0, clip, expected_batch))
-    without, _, _ = algo.clipped_gradient_sum([(x[1:], y[1:])])
-    with_outlier, _, _ = algo.clipped_gradient_sum([(torch.cat([huge_x, x[1:]]), y)])
+    without, _ = algo.clip_and_accumulate([(x[1:], y[1:])])
+    with_outlier, _ = algo.clip_and_accumulate([(torch.cat([huge_x, x[1:]]), y)])
     diff = torch.cat([(a - b).flatten() for a, b in zip(algo.privatize(with_outlier), algo.privatize(without))])
     assert diff.norm() <= clip / expected_batch * (1 + 1e-4)
     assert diff.norm() >= 0.5 * clip / expected_batch  # the outlier really was clipped, not dropped

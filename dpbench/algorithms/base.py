@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
+from dpbench.precision import FP32, Precision
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.per_sample import (
@@ -30,6 +31,20 @@ class StepResult:
     loss: float  # mean per-example training loss over the logical batch (nan when empty)
     batch_size: int  # realised logical batch size
     mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the noisy releases that ran
+
+
+class LossTally:
+    """Mean per-example training loss and realised size of one logical batch."""
+
+    def __init__(self) -> None:
+        self.loss_total, self.count = 0.0, 0
+
+    def add(self, losses: torch.Tensor) -> None:
+        self.loss_total += losses.detach().float().sum().item()
+        self.count += losses.shape[0]
+
+    def result(self) -> StepResult:
+        return StepResult(self.loss_total / self.count if self.count else float("nan"), self.count)
 
 
 @dataclass
@@ -51,6 +66,8 @@ class Algorithm(ABC):
     # keys of extra_results() computed from the private batch without noise (dropped when
     # privacy.log_private_stats=false)
     unnoised_results: ClassVar[tuple[str, ...]] = ()
+    precision: Precision = FP32  # the forward's autocast (train.precision); run.setup sets it
+    autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:
@@ -60,7 +77,6 @@ class Algorithm(ABC):
         self.cfg = cfg
         self.lr = lr
         self.privacy = privacy
-        self.per_sample_grad_bytes = 0  # largest per-sample gradient working set held in a step
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
 
@@ -128,22 +144,37 @@ class Algorithm(ABC):
     @abstractmethod
     def step(self, batches: list[Batch], step_index: int) -> StepResult: ...
 
-    def backward_mean_loss(self, batches: list[Batch]) -> tuple[float, int]:
-        """Non-private gradient accumulation over the physical chunks: backpropagate the mean
-        loss of the logical batch into .grad. Returns (mean loss, realised size); nothing is
-        backpropagated for an empty batch."""
-        total = sum(self.task.batch_size(b) for b in batches)
-        loss_total = 0.0
-        for batch in batches if total else []:
+    def chunks(self, batches: list[Batch], tally: LossTally) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """The one per-example loop: each non-empty physical chunk of the logical batch with its
+        per-example losses [b] (forward under the run's precision); `tally` counts the chunk's
+        losses once the caller has used them."""
+        for batch in batches:
             if self.task.batch_size(batch) == 0:
                 continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            (losses.sum() / total).backward()
-            loss_total += losses.detach().float().sum().item()
-        return (loss_total / total if total else float("nan")), total
+            losses = self.per_example_losses(batch)
+            yield batch, losses
+            tally.add(losses)
+
+    def per_example_losses(self, batch: Batch) -> torch.Tensor:
+        with self.precision.autocast():
+            return self.task.per_sample_loss(self.model, batch)
+
+    def backward_mean_loss(self, batches: list[Batch]) -> LossTally:
+        """Non-private gradient accumulation over the physical chunks: backpropagate the mean
+        loss of the logical batch into .grad (nothing for an empty batch)."""
+        total = sum(self.task.batch_size(b) for b in batches)
+        tally = LossTally()
+        for _, losses in self.chunks(batches, tally):
+            (losses.float().sum() / total).backward()
+        return tally
 
     @abstractmethod
     def optimizer_state_bytes(self) -> int: ...
+
+    @property
+    def per_sample_grad_bytes(self) -> int:
+        """Largest per-example working set held at once (0: none formed)."""
+        return 0
 
 
 def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -175,11 +206,11 @@ class NonPrivateOptimizerAlgorithm(Algorithm):
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer: ...
 
     def step(self, batches: list[Batch], step_index: int) -> StepResult:
-        loss, total = self.backward_mean_loss(batches)
-        if total:
+        tally = self.backward_mean_loss(batches)
+        if tally.count:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, total)
+        return tally.result()
 
     def optimizer_state_bytes(self) -> int:
         return torch_optimizer_state_bytes(self.optimizer)  # moments / momentum buffers
@@ -209,37 +240,35 @@ class DPFirstOrderAlgorithm(Algorithm):
     @abstractmethod
     def build_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer: ...
 
-    def clipped_gradient_sum(self, batches: list[Batch]) -> tuple[list[torch.Tensor], float, int]:
-        """Sum over the logical batch of clipped per-example gradients (fp32), mean loss, size."""
-        sums: list[torch.Tensor] | None = None
-        loss_total, count = 0.0, 0
-        for batch in batches:
-            size = self.task.batch_size(batch)
-            if size == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
+    # Opacus's DPOptimizer phases; a variant overrides one at a time.
+    def clip_and_accumulate(self, batches: list[Batch]) -> tuple[list[torch.Tensor], LossTally]:
+        """Sum over the logical batch of clipped per-example gradients (fp32)."""
+        p, tally, sums = self.privacy, LossTally(), None
+        factors = lambda norms: clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma)  # noqa: E731
+        for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
-            contribution, working_bytes = self.engine.clipped_sum(
-                losses,
-                lambda norms: clip_factors(
-                    norms, self.privacy.clip_norm, self.privacy.clipping, self.privacy.clipping_gamma
-                ),
-            )
-            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, working_bytes)
+            contribution = self.engine.clipped_sum(losses, factors)
             sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
-            loss_total += losses.detach().float().sum().item()
-            count += size
-        if sums is None:  # an empty Poisson batch still releases (pure) noise
-            device = self.params[0].device
-            sums = [torch.zeros(shape, device=device, dtype=torch.float32) for shape in self.noise_shapes()]
-        return sums, (loss_total / count if count else float("nan")), count
+        return (self.zero_sums() if sums is None else sums), tally  # an empty batch releases pure noise
+
+    def gradient_sensitivity(self) -> float:
+        """L2 sensitivity of the clipped sum under add/remove-one: what clipping enforces."""
+        return self.privacy.clip_norm
+
+    def gradient_noise_std(self) -> float:
+        return self.privacy.noise_multiplier * self.privacy.clip_norm
+
+    def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's noisy release of the clipped sum."""
+        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()))
+        return noisy
+
+    def scale_grad(self, noisy_sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Divide by the expected (not the realised) batch size: the realised one is private."""
+        return [s / self.privacy.expected_batch_size for s in noisy_sums]
 
     def privatize(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Add N(0, (sigma C)^2) to each summed coordinate (sensitivity C) and divide by the
-        expected batch size."""
-        p = self.privacy
-        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, p.clip_norm, p.noise_multiplier * p.clip_norm))
-        return [s / p.expected_batch_size for s in noisy]
+        return self.scale_grad(self.add_noise(sums))
 
     def apply_update(self, gradients: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, gradients):
@@ -248,9 +277,18 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, batches: list[Batch], step_index: int) -> StepResult:
-        sums, loss, count = self.clipped_gradient_sum(batches)
+        sums, tally = self.clip_and_accumulate(batches)
         self.apply_update(self.privatize(sums))
-        return StepResult(loss, count)
+        return tally.result()
+
+    def zero_sums(self) -> list[torch.Tensor]:
+        """fp32 accumulators in the shapes of the privatised sums."""
+        device = self.params[0].device
+        return [torch.zeros(shape, device=device, dtype=torch.float32) for shape in self.noise_shapes()]
+
+    @property
+    def per_sample_grad_bytes(self) -> int:
+        return self.engine.peak_bytes
 
     def optimizer_state_bytes(self) -> int:
         return torch_optimizer_state_bytes(self.optimizer)

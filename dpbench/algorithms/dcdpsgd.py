@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, ReleasePart, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
@@ -219,61 +219,57 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         gradient_multiplier = sigma_dp * ratio / gradient_sensitivity_in_c2(cfg, ratio)
         return [GaussianMechanism(sigma_tr, sample_rate), GaussianMechanism(gradient_multiplier, sample_rate)]
 
-    # --- one step -------------------------------------------------------------------------
-    def _per_sample(self, batch):
-        losses = self.task.per_sample_loss(self.model, batch)
-        per_sample = self.engine.backward_per_sample(losses)
-        self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, tensor_bytes(per_sample))
-        return losses, per_sample
-
-    def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tail = tail_mask(noisy_scores, float(self.cfg.tail_fraction))
-        thresholds = torch.where(tail, self.tail_clip, self.body_clip)
-        return tail, thresholds
-
-    def step(self, batches, step_index: int) -> StepResult:
-        batches = [b for b in batches if self.task.batch_size(b) > 0]
+    # --- one step (DPFirstOrderAlgorithm's phases, clip_and_accumulate and the noise changed) ---
+    def clip_and_accumulate(self, batches):
+        """Scores of every example (pass 1), the noisy scores' release, then the sum of each
+        example's gradient clipped at its threshold (pass 2). With several physical chunks pass 2
+        recomputes per-example gradients (dropout may differ) and clips each with its own norm;
+        only the tail/body assignment comes from pass 1."""
+        chunks = [b for b in batches if self.task.batch_size(b) > 0]
         basis = None if self.subspaces is None else self.subspaces.draw()
-        single_pass = len(batches) == 1
-        scores, kept, loss_total = [], None, 0.0
-        for batch in batches:  # pass 1: scores
-            losses, per_sample = self._per_sample(batch)
-            loss_total += losses.detach().float().sum().item()
-            ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
-            scores.append(subspace_scores(ident, None if basis is None else basis.to(ident.device)))  # [b]
-            kept = per_sample if single_pass else None
-            del per_sample, ident
-        device = self.params[0].device
-        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=device)
-        count = scores_all.shape[0]
-        # The scores' release runs on every step (an empty batch releases an empty vector).
-        ((noisy_scores,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
-        sums = [torch.zeros(p.shape, device=device, dtype=torch.float32) for p in self.params]
-        if count:
-            tail, thresholds = self.clip_thresholds(noisy_scores)
+        tally, scores, kept = LossTally(), [], None
+        for _, losses in self.chunks(chunks, tally):
+            per_sample = self.engine.backward_per_sample(losses)
+            scores.append(self.example_scores(per_sample, basis))
+            kept = per_sample if len(chunks) == 1 else None  # one chunk: reused in pass 2
+            del per_sample
+        tail, thresholds = self.clip_thresholds(self.release_scores(scores))
+        if tally.count:
             self.last_tail = tail  # [B] bool, for diagnostics and tests
             self.tail_fraction_seen.append(tail.float().mean().item())
-            start = 0
-            for batch in batches:  # pass 2: clipped sums with each example's threshold
-                per_sample = kept if single_pass else self._per_sample(batch)[1]
-                size = per_sample[0].shape[0]
-                # norms of the gradients being summed (recomputed ones may differ from pass 1's)
-                factors = clip_factors(per_sample_norms(per_sample), thresholds[start : start + size])
-                for s, c in zip(sums, clipped_sum(per_sample, factors)):
-                    s.add_(c)
-                start += size
-                del per_sample
-            kept = None
-        self.apply_update(self.privatize(sums))
-        return StepResult(loss_total / count if count else float("nan"), count)
+        sums, start = self.zero_sums(), 0
+        for batch in chunks:
+            per_sample = kept if kept is not None else self.engine.backward_per_sample(self.per_example_losses(batch))
+            size = per_sample[0].shape[0]
+            factors = clip_factors(per_sample_norms(per_sample), thresholds[start : start + size])
+            for s, c in zip(sums, clipped_sum(per_sample, factors)):
+                s.add_(c)
+            start += size
+            del per_sample
+        return sums, tally
 
-    def privatize(self, sums):
-        """One N(0, (sigma_dp c1)^2) vector on the clipped sum, / B. Its sensitivity is c1
-        (tail_clip model) or 2 c1 - c2 (rank_coupled), as `gradient_sensitivity_in_c2` states."""
-        ratio = self.tail_clip / self.body_clip
-        sensitivity = gradient_sensitivity_in_c2(self.cfg, ratio) * self.body_clip
-        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, sensitivity, self.sigma_dp * self.tail_clip))
-        return [s / self.privacy.expected_batch_size for s in noisy]
+    def example_scores(self, per_sample: list[torch.Tensor], basis: torch.Tensor | None) -> torch.Tensor:
+        ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
+        return subspace_scores(ident, None if basis is None else basis.to(ident.device))  # [b]
+
+    def release_scores(self, scores: list[torch.Tensor]) -> torch.Tensor:
+        """Scores + N(0, sigma_tr^2) (sensitivity 1). Runs on every step: an empty batch releases
+        an empty vector."""
+        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
+        ((noisy,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
+        return noisy
+
+    def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tail mask (the top-p noisy scores) and [B] per-example thresholds: c1 tail, c2 body."""
+        tail = tail_mask(noisy_scores, float(self.cfg.tail_fraction))
+        return tail, torch.where(tail, self.tail_clip, self.body_clip)
+
+    def gradient_sensitivity(self) -> float:
+        """c1 (tail_clip model) or 2 c1 - c2 (rank_coupled): see `gradient_sensitivity_in_c2`."""
+        return gradient_sensitivity_in_c2(self.cfg, self.tail_clip / self.body_clip) * self.body_clip
+
+    def gradient_noise_std(self) -> float:
+        return self.sigma_dp * self.tail_clip  # one N(0, (sigma_dp c1)^2) vector on the clipped sum
 
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)

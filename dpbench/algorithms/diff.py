@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, ReleasePart, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
@@ -42,7 +42,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
 
     def clipped_difference(self, differences: list[torch.Tensor]) -> list[torch.Tensor]:
         """sum_i clip_{C_d}(d_i) over one physical chunk; d_i flat-clipped over all tensors."""
-        self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, tensor_bytes(differences))
+        self.engine.meter(tensor_bytes(differences))
         return clipped_sum(differences, clip_factors(per_sample_norms(differences), self.difference_clip))
 
     def privatize_difference(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -52,26 +52,17 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         (noisy,) = self.gaussian_release("gradient_difference", ReleasePart(sums, self.difference_clip, std))
         return [s / self.privacy.expected_batch_size for s in noisy]
 
-    def difference_sums(self, batches):
-        """sum_i clip_{C_d}(d_i) over the logical batch, with d_i from `per_example_differences`;
-        the mean loss; the realised size."""
-        sums, loss_total, count = self.zero_sums(), 0.0, 0
-        for batch in batches:
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
+    def difference_sums(self, batches) -> tuple[list[torch.Tensor], LossTally]:
+        """sum_i clip_{C_d}(d_i) over the logical batch, with d_i from `per_example_differences`."""
+        sums, tally = self.zero_sums(), LossTally()
+        for batch, losses in self.chunks(batches, tally):
             for s, c in zip(sums, self.clipped_difference(self.per_example_differences(batch, losses))):
                 s.add_(c)
-            loss_total += losses.detach().float().sum().item()
-            count += losses.shape[0]
-        return sums, (loss_total / count if count else float("nan")), count
+        return sums, tally
 
     def per_example_differences(self, batch, losses) -> list[torch.Tensor]:
         """[B, ...] per-example differences of one physical chunk (losses at theta_t given)."""
         raise NotImplementedError
-
-    def zero_sums(self) -> list[torch.Tensor]:
-        return [torch.zeros(p.shape, device=p.device, dtype=torch.float32) for p in self.params]
 
     def extra_results(self) -> dict:
         return {"difference_clip": self.difference_clip, "sigma": self.privacy.noise_multiplier}
@@ -90,11 +81,11 @@ class DIFF(GradientDifferenceAlgorithm):
 
     def step(self, batches, step_index: int) -> StepResult:
         if self.previous is None:  # step 0: DP-SGD with C_g
-            sums, loss, count = self.clipped_gradient_sum(batches)
+            sums, tally = self.clip_and_accumulate(batches)
             gradients = self.privatize(sums)
         else:
-            sums, loss, count = self.difference_sums(batches)
+            sums, tally = self.difference_sums(batches)
             gradients = [previous + noisy for previous, noisy in zip(self.previous, self.privatize_difference(sums))]
         self.previous = [g.detach().float().clone() for g in gradients]
         self.apply_update(gradients)
-        return StepResult(loss, count)
+        return tally.result()

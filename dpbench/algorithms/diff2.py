@@ -55,17 +55,16 @@ class DIFF2(GradientDifferenceAlgorithm):
     def per_example_differences(self, batch, losses):
         """g_i(theta_t) - g_i(theta_{t-1}): the same example's gradient at two parameter points."""
         now = self.engine.backward_per_sample(losses)
-        before = self.per_sample_at(lambda: self.task.per_sample_loss(self.model, batch), self.previous_params)
-        held = tensor_bytes(now) + tensor_bytes(before)  # both sets exist until subtracted
-        self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, held)
+        before = self.per_sample_at(lambda: self.per_example_losses(batch), self.previous_params)
+        self.engine.meter(tensor_bytes(now) + tensor_bytes(before))  # both sets exist until subtracted
         return [a.float().sub_(b.float()) for a, b in zip(now, before)]
 
     def step(self, batches, step_index: int) -> StepResult:
         if self.is_restart(step_index):
-            sums, loss, count = self.clipped_gradient_sum(batches)
+            sums, tally = self.clip_and_accumulate(batches)
             estimate = self.privatize(sums)  # sensitivity C_g, multiplier sigma
         else:
-            sums, loss, count = self.difference_sums(batches)
+            sums, tally = self.difference_sums(batches)
             estimate = [v + d for v, d in zip(self.estimate, self.privatize_difference(sums))]
         self.estimate = [v.detach().float().clone() for v in estimate]
         if self.restart_interval > 1:  # theta_t is needed at the next (difference) step
@@ -75,7 +74,7 @@ class DIFF2(GradientDifferenceAlgorithm):
                 for old, p in zip(self.previous_params, self.params):
                     old.copy_(p.detach())
         self.apply_update(estimate)
-        return StepResult(loss, count)
+        return tally.result()
 
     def extra_results(self) -> dict:
         return {**super().extra_results(), "restart_interval": self.restart_interval}

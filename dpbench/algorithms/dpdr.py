@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, ReleasePart, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
@@ -87,46 +87,38 @@ class DPDR(DPFirstOrderAlgorithm):
 
     def decomposed_sums(self, batches):
         """Sums over the logical batch of clipped g_perp (list) and clipped alpha ([m])."""
-        perp_sums = [torch.zeros(p.shape, device=p.device, dtype=torch.float32) for p in self.params]
-        alpha_sum = torch.zeros(len(self.params), device=self.params[0].device)
-        loss_total, count = 0.0, 0
-        for batch in batches:
-            if self.task.batch_size(batch) == 0:
-                continue
-            losses = self.task.per_sample_loss(self.model, batch)
-            per_sample = self.engine.backward_per_sample(losses)
-            self.per_sample_grad_bytes = max(self.per_sample_grad_bytes, tensor_bytes(per_sample))
-            alpha, perps = decompose(per_sample, self.bases)
-            del per_sample
+        perp_sums, alpha_sum, tally = self.zero_sums(), torch.zeros(len(self.params), device=self.params[0].device), LossTally()
+        for _, losses in self.chunks(batches, tally):
+            alpha, perps = decompose(self.engine.backward_per_sample(losses), self.bases)
             perp_factors = clip_factors(per_sample_norms(perps), float(self.cfg.perp_clip))
             for s, c in zip(perp_sums, clipped_sum(perps, perp_factors)):
                 s.add_(c)
             alpha_sum += clip_alpha(alpha, float(self.cfg.alpha_clip)).sum(dim=0)
-            loss_total += losses.detach().float().sum().item()
-            count += losses.shape[0]
-        return perp_sums, alpha_sum, (loss_total / count if count else float("nan")), count
+        return perp_sums, alpha_sum, tally
+
+    def decomposed_gradient(self, batches) -> tuple[list[torch.Tensor], LossTally]:
+        """g~_l = (alpha~_l b_l + g~_perp_l) / B from ONE release of both parts (they read the same
+        batch; sensitivities C_perp and C_alpha)."""
+        perp_sums, alpha_sum, tally = self.decomposed_sums(batches)
+        perp_clip, alpha_clip = float(self.cfg.perp_clip), float(self.cfg.alpha_clip)
+        noisy_perp, (noisy_alpha,) = self.gaussian_release(
+            "decomposed_gradient",
+            ReleasePart(perp_sums, perp_clip, self.sigma_perp * perp_clip),
+            ReleasePart([alpha_sum], alpha_clip, self.sigma_alpha * alpha_clip),
+        )
+        batch = self.privacy.expected_batch_size
+        return [(noisy_alpha[l] * b + s) / batch for l, (s, b) in enumerate(zip(noisy_perp, self.bases))], tally
 
     def step(self, batches, step_index: int) -> StepResult:
         if is_decomposition_step(self.cfg, step_index):
-            perp_sums, alpha_sum, loss, count = self.decomposed_sums(batches)
-            perp_clip, alpha_clip = float(self.cfg.perp_clip), float(self.cfg.alpha_clip)
-            # one mechanism: both parts read the same batch (sensitivities C_perp and C_alpha)
-            noisy_perp, (noisy_alpha,) = self.gaussian_release(
-                "decomposed_gradient",
-                ReleasePart(perp_sums, perp_clip, self.sigma_perp * perp_clip),
-                ReleasePart([alpha_sum], alpha_clip, self.sigma_alpha * alpha_clip),
-            )
-            batch = self.privacy.expected_batch_size
-            gradients = [
-                (noisy_alpha[l] * b + s) / batch for l, (s, b) in enumerate(zip(noisy_perp, self.bases))
-            ]
+            gradients, tally = self.decomposed_gradient(batches)
         else:
-            sums, loss, count = self.clipped_gradient_sum(batches)
+            sums, tally = self.clip_and_accumulate(batches)
             gradients = self.privatize(sums)  # sigma_g * C_g
         if step_index + 1 < int(self.cfg.decomposition_steps):  # b is needed next step
             self.refresh_bases(gradients)
         self.apply_update(gradients)
-        return StepResult(loss, count)
+        return tally.result()
 
     def extra_results(self) -> dict:
         results = {

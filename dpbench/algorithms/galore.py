@@ -26,14 +26,14 @@ class GaLore(Algorithm):
         self.optimizer = ProjectedAdam(self.params, lr, **adam_config(cfg))
 
     def step(self, batches, step_index: int) -> StepResult:
-        loss, total = self.backward_mean_loss(batches)
-        if total == 0:
-            return StepResult(loss, 0)
+        tally = self.backward_mean_loss(batches)
+        if tally.count == 0:
+            return tally.result()
         gradients = [p.grad if p.grad is not None else p.new_zeros(p.shape) for p in self.params]
         self.subspaces.projected_step(self.optimizer, self.params, gradients)
         for p in self.params:
             p.grad = None
-        return StepResult(loss, total)
+        return tally.result()
 
     def optimizer_state_bytes(self) -> int:
         return self.optimizer.state_bytes()

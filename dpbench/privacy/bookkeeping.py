@@ -272,6 +272,7 @@ class BookKeeping:
         self._examples = 0
         self._held_bytes = 0
         self.working_bytes = 0  # per-example bytes held at the peak of the last backward
+        self.peak_bytes = 0  # ... of any backward (what the run reports)
         self._enabled = True
         self._handles = []
         for module in self.modules:
@@ -330,9 +331,9 @@ class BookKeeping:
         return sum(piece.nbytes() for piece in self._open.values())
 
     # --- the engine interface -----------------------------------------------------------------
-    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> tuple[list[torch.Tensor], int]:
-        """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B], and the
-        per-example working bytes held at the peak."""
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> list[torch.Tensor]:
+        """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B]; `peak_bytes`
+        meters the per-example working bytes held at the peak."""
         self._examples = losses.shape[0]
         self.working_bytes = self._held_bytes = 0
         try:
@@ -345,7 +346,8 @@ class BookKeeping:
             sums = self._book_kept_sums(factors) if self.passes == 1 else self._reweighted_sums(losses, norms, factors)
         finally:
             self._reset()
-        return sums, self.working_bytes
+        self.peak_bytes = max(self.peak_bytes, self.working_bytes)
+        return sums
 
     def _norms(self, losses: torch.Tensor) -> torch.Tensor:
         norm_sq = torch.zeros(losses.shape[0], dtype=torch.float32, device=losses.device)

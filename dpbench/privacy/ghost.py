@@ -42,7 +42,8 @@ class OpacusGhostClipping:
         self._module = GradSampleModuleFastGradientClipping(
             model, batch_first=True, loss_reduction="sum", max_grad_norm=1.0, use_ghost_clipping=True, strict=True
         )
-        self.working_bytes = 0
+        self.working_bytes = 0  # largest per-layer working set seen in a forward
+        self.peak_bytes = 0  # per-example bytes held at the peak of any step (what the run reports)
         self._entry_params: set[nn.Parameter] = set()
         for _, module in self._module.named_modules():
             if any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -53,7 +54,7 @@ class OpacusGhostClipping:
             track_entry_params(self._entry_params, module, inputs)
             self.working_bytes = max(self.working_bytes, _working_bytes(module, inputs, inputs[0].shape[0]))
 
-    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> tuple[list[torch.Tensor], int]:
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> list[torch.Tensor]:
         examples = losses.shape[0]
         backward_through_layers(losses.sum(), self._entry_params, retain_graph=True)  # the norm pass
         self._entry_params.clear()
@@ -79,7 +80,8 @@ class OpacusGhostClipping:
         for p in self.params:
             sums.append(p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device))
             p.grad = None
-        return sums, self.working_bytes + 4 * examples * len(self.params)
+        self.peak_bytes = max(self.peak_bytes, self.working_bytes + 4 * examples * len(self.params))
+        return sums
 
     def _norms(self, examples: int, device) -> torch.Tensor:
         """[R] norms over all parameters (R rows); a parameter unused in this pass adds 0."""

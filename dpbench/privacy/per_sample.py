@@ -4,7 +4,8 @@ Three engines compute the clipped sum Σ_i f_i g_i of a physical batch (`algo.pe
 `materialize` (this module: every per-sample gradient formed, Opacus's default), `ghost` (norms
 without per-sample gradients, then a reweighted second backward: ghost.py, Opacus) and `bk`
 (book-keeping, one backward: bookkeeping.py). `PerSampleGradients.for_mode` builds one; each
-has `clipped_sum(losses, factors_fn) -> (sums, per-example working bytes)`.
+has `clipped_sum(losses, factors_fn) -> sums` and meters its largest per-example working set in
+`peak_bytes` (results.json's per_sample_grad_bytes).
 
 `PerSampleGradients` attaches Opacus's forward/backward hooks to a model. After
 `backward_per_sample(losses)` every trainable parameter holds a tensor [B, ...] of per-example
@@ -46,6 +47,11 @@ class PerSampleGradients:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
+        self.peak_bytes = 0  # largest set of per-sample gradients formed at once
+
+    def meter(self, held_bytes: int) -> None:
+        """Record per-example bytes held at once (a caller holding two sets reports their sum)."""
+        self.peak_bytes = max(self.peak_bytes, held_bytes)
 
     def backward_per_sample(self, losses: torch.Tensor) -> list[torch.Tensor]:
         """Backpropagate per-example losses [B]; return per-sample grads aligned with `self.params`.
@@ -64,15 +70,13 @@ class PerSampleGradients:
             per_sample.append(grad_sample)
             p.grad_sample = None
             p.grad = None
+        self.meter(sum(g.numel() * g.element_size() for g in per_sample))
         return per_sample
 
-    def clipped_sum(self, losses: torch.Tensor, factors_fn) -> tuple[list[torch.Tensor], int]:
-        """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms), and the bytes of the
-        per-sample gradients it formed."""
+    def clipped_sum(self, losses: torch.Tensor, factors_fn) -> list[torch.Tensor]:
+        """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms)."""
         per_sample = self.backward_per_sample(losses)
-        working_bytes = sum(g.numel() * g.element_size() for g in per_sample)
-        factors = factors_fn(per_sample_norms(per_sample))
-        return clipped_sum(per_sample, factors), working_bytes
+        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)))
 
     def detach(self) -> None:
         self._module._close()

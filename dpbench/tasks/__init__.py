@@ -35,14 +35,19 @@ class Task(ABC):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Test metrics; must contain 'accuracy' (the headline metric)."""
 
-    # Optional: a task whose model depends on it (a language model needs the task's tokenizer)
-    # defines `build_model(model_cfg) -> nn.Module`; run.py calls it instead of build_model.
     metric_name = "accuracy"  # what evaluate()'s 'accuracy' holds (e.g. "f1" for generation)
     higher_is_better = True  # whether a larger headline metric is better (best_test_accuracy)
 
     def model_spec(self):
         """What the model builder needs (input shape, classes)."""
         raise NotImplementedError
+
+    def build_model(self, model_cfg) -> nn.Module:
+        """The model for this task: the `model` group's builder, given `model_spec()`. Tasks whose
+        model depends on them (a language model needs the task's tokenizer) override it."""
+        from dpbench.models import build_model
+
+        return build_model(model_cfg, self.model_spec())
 
 
 # Every module of this package registers on the first lookup; they import transformers only when
