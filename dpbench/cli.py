@@ -3,6 +3,7 @@
     dpbench                                   # DP-GRAPE, micro ViT, bundled digits, eps=8
     dpbench algo=dpsgd privacy.epsilon=3      # any config value can be overridden
     dpbench -m algo=adam,dpadam seed=0,1      # a grid; finished jobs are skipped on rerun
+    torchrun --nproc_per_node=4 -m dpbench.cli algo=dpadam   # data parallel (dpbench/distributed.py)
 
 Exit status: 0 done; 1 a run failed (diverged, or some jobs of a grid failed); 2 bad input
 (dpbench's checks or Hydra's composition errors); 130 interrupted (Ctrl-C).
@@ -136,7 +137,8 @@ def shared_run_dir(argv: list[str]) -> list[str]:
     started = distributed.broadcast_object(datetime.now())
     if any(arg.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for arg in argv):
         return argv
-    pattern = OmegaConf.load(Path(config_dir()) / "config.yaml").hydra.run._get_node("dir")._value()
+    primary = OmegaConf.load(Path(config_dir()) / "config.yaml")
+    pattern = OmegaConf.to_container(primary.hydra.run, resolve=False)["dir"]
     return [*argv, "hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: started.strftime(m.group(1)), pattern)]
 
 
