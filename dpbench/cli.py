@@ -3,6 +3,7 @@
     dpbench                                   # DP-GRAPE, micro ViT, bundled digits, eps=8
     dpbench algo=dpsgd privacy.epsilon=3      # any config value can be overridden
     dpbench -m algo=adam,dpadam seed=0,1      # a grid; finished jobs are skipped on rerun
+    torchrun --nproc_per_node=4 -m dpbench.cli algo=dpadam   # data parallel (dpbench/distributed.py)
 
 Exit status: 0 done; 1 a run failed (diverged, or some jobs of a grid failed); 2 bad input
 (dpbench's checks or Hydra's composition errors); 130 interrupted (Ctrl-C).
@@ -37,6 +38,11 @@ def _exit(status: int) -> None:
 
 
 def _record_failure(run_dir: Path, message: str, detail: str | None = None) -> None:
+    from dpbench import distributed
+
+    if not distributed.is_main_process():  # under torchrun, rank 0 writes error.txt
+        _failed_jobs.append((run_dir, message))
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).write_text(message + "\n" + (detail or ""))
     _failed_jobs.append((run_dir, message))
@@ -117,7 +123,27 @@ def _main(cfg: DictConfig) -> float:
     return float("nan")
 
 
+def shared_run_dir(argv: list[str]) -> list[str]:
+    """Under torchrun every rank composes its own config, so `${now:...}` in hydra.run.dir could
+    name a different folder per rank: pin it to rank 0's clock (unless the command sets the dir)."""
+    import re
+    from datetime import datetime
+
+    from omegaconf import OmegaConf
+
+    from dpbench import distributed
+
+    distributed.init_from_environment()
+    started = distributed.broadcast_object(datetime.now())
+    if any(arg.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for arg in argv):
+        return argv
+    primary = OmegaConf.load(Path(config_dir()) / "config.yaml")
+    pattern = OmegaConf.to_container(primary.hydra.run, resolve=False)["dir"]
+    return [*argv, "hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: started.strftime(m.group(1)), pattern)]
+
+
 def main() -> None:
+    from dpbench import distributed
     from dpbench.logging.console import console
 
     if "--version" in sys.argv[1:]:
@@ -128,6 +154,8 @@ def main() -> None:
     if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)
+    if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
+        sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
     try:
         _main()
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import dpbench
+from dpbench import distributed
 from dpbench.algorithms import Algorithm, algorithm_class
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
@@ -302,9 +303,12 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
     when the job actually runs."""
     run_dir = Path(run_dir)
-    if (existing := reusable_results(cfg, run_dir)) is not None:
+    distributed.init_from_environment()  # torchrun: join the ranks (a no-op otherwise)
+    main = distributed.is_main_process()  # rank 0 alone decides, writes, logs and prints
+    if (existing := distributed.broadcast_object(reusable_results(cfg, run_dir) if main else None)) is not None:
         return existing
-    if on_start is not None:
+    distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
+    if on_start is not None and main:
         on_start()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
@@ -312,16 +316,25 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     memory.reset()
     started = time.perf_counter()
     job = setup(cfg)
+    distributed.check_replicas(job.model)
     for message in job.privacy.notes if job.privacy else []:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
     epsilon = f"eps={cfg.privacy.epsilon}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
-    logger = build_logger(cfg.logger, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
-    trainer, status, failure = fit(job, logger, show_progress)
+    logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
+    logger = build_logger(logger_cfg, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
+    trainer, status, failure = fit(job, logger, show_progress and main)
     results = record(job, trainer, status, memory, started, notes=[])
+    results["throughput"]["world_size"] = distributed.world_size()  # samples_per_s is over all ranks
+    if not main:
+        distributed.barrier()  # returns once rank 0 has written results.json
+        if failure is not None:
+            raise failure
+        return results
     results_file = write_results(run_dir, results)
+    distributed.barrier()
     if sync := logger.finish(results, results_file):
         console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
     console.print(summary_table(results))

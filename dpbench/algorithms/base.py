@@ -14,6 +14,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from dpbench import distributed
 from dpbench.precision import FP32, Precision
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
@@ -68,6 +69,7 @@ class Algorithm(ABC):
     unnoised_results: ClassVar[tuple[str, ...]] = ()
     precision: Precision = FP32  # the forward's autocast (train.precision); run.setup sets it
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
+    data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:
@@ -115,9 +117,22 @@ class Algorithm(ABC):
         mechanism whose noise multiplier is that of the whitened pair (joint_noise_multiplier).
         The mechanism is derived from the noise actually drawn and the sensitivity the clipping
         enforces, so the ledger holds what ran, not what was meant to run.
+
+        Data parallel (torchrun): each part's values are first summed over the ranks, in place
+        (the global clipped sum, whose sensitivity is the stated one); rank 0 alone draws the noise
+        and broadcasts the noisy values, so one step is one release with one noise draw, exactly
+        the one-process mechanism (see dpbench/distributed.py).
         """
-        noise = self.privacy.noise
-        noisy = [[v + noise.sample(v.shape, part.noise_std) for v in part.values] for part in parts]
+        for part in parts:
+            distributed.all_reduce_sum(part.values)
+        if distributed.is_main_process():
+            noise = self.privacy.noise
+            noisy = [[v + noise.sample(v.shape, part.noise_std) for v in part.values] for part in parts]
+        else:  # receives rank 0's noisy values; the dtype is that of value + fp32 noise
+            noisy = [[torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
+                      for v in part.values] for part in parts]
+        for values in noisy:
+            distributed.broadcast(values)
         mechanism = GaussianMechanism(
             joint_noise_multiplier([(part.noise_std, part.sensitivity) for part in parts]),
             self.privacy.sample_rate,
@@ -139,6 +154,10 @@ class Algorithm(ABC):
         result = self.step(batches, step_index)
         result.mechanisms = self.step_mechanisms
         self.step_mechanisms = []
+        if distributed.is_distributed():  # report the logical batch's loss and size, not this rank's
+            local_loss = result.loss * result.batch_size if result.batch_size else 0.0
+            loss_total, size = distributed.all_reduce_scalars(local_loss, float(result.batch_size))
+            result.loss, result.batch_size = (loss_total / size if size else float("nan")), int(size)
         return result
 
     @abstractmethod

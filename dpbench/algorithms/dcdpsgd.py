@@ -160,6 +160,8 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
+    data_parallel = False  # the score release is a per-example vector, not a sum over ranks
+
     def __init__(self, model, task, cfg, lr, privacy):
         f = float(cfg.score_budget_fraction)
         if not 0 < f < 1:

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from dpbench import distributed
 from dpbench.privacy.noise import entropy_seed
 
 
@@ -54,11 +55,32 @@ class ShuffledBatches:
                 yield order[start : start + self.batch_size]
 
 
+class ShardedBatches:
+    """Data parallel: rank 0 draws each logical batch from `sampler` (over the global dataset)
+    and broadcasts its indices; rank r of K trains on indices[r::K]. The shards partition the
+    logical batch, so the clipped sums all-reduced over the ranks are the logical batch's sum.
+    Other ranks never draw: one entropy-seeded selection, as in one process."""
+
+    def __init__(self, sampler, rank: int, world_size: int):
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+        self.name = sampler.name
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = iter(self.sampler) if self.rank == 0 else None
+        while True:
+            indices = distributed.broadcast_object(next(batches) if batches is not None else None)
+            yield list(indices)[self.rank :: self.world_size]
+
+
 def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, private: bool = True):
     if kind == "poisson":  # private runs never draw their sample from a seed
-        return PoissonBatches(num_samples, batch_size / num_samples, None if private else seed)
-    if kind == "shuffle":
-        return ShuffledBatches(num_samples, batch_size, seed)
-    from dpbench.errors import UserError
+        sampler = PoissonBatches(num_samples, batch_size / num_samples, None if private else seed)
+    elif kind == "shuffle":
+        sampler = ShuffledBatches(num_samples, batch_size, seed)
+    else:
+        from dpbench.errors import UserError
 
-    raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")
+        raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")
+    if distributed.is_distributed():
+        return ShardedBatches(sampler, distributed.rank(), distributed.world_size())
+    return sampler

@@ -1,0 +1,99 @@
+"""One rank of the 2-process gloo test (tests/test_distributed.py), started by torch.multiprocessing.
+
+Rank 0 first trains every algorithm in one process (the reference: no process group yet), then
+both ranks join the group and train the same logical batches, each on its shard indices[r::K].
+Everything a rank measured is saved to <out>/rank<r>.pt for the test to compare.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from algorithm_helpers import build_algorithm
+
+from dpbench import distributed
+from dpbench.algorithms import ALGORITHMS
+from dpbench.algorithms.base import ReleasePart
+from dpbench.errors import UserError
+from dpbench.privacy.sampling import PoissonBatches, ShardedBatches
+
+# Algorithms compared with the one-process step (noise off). Overrides make every part do work on
+# the tiny model: DP-GRAPE projects both Linears, DPDR decomposes from step 1.
+ALGORITHMS_COMPARED = {
+    "dpsgd": [],
+    "dpadam": [],
+    "grape": ["algo.rank=4", "algo.projected_modules=['1','3']", "algo.update_interval=2"],
+    "dpdr": ["algo.decomposition_steps=3"],
+    "dpzero": [],
+}
+# Logical batches (indices into the synthetic train set) of the compared steps: sizes 20, 17, 23.
+LOGICAL_BATCHES = [list(range(0, 20)), list(range(30, 47)), list(range(60, 83))]
+PHYSICAL = 3  # physical chunk size on every rank (and in the reference)
+NOISE_COORDINATES = 40_000
+
+
+def chunks(indices: list[int], task) -> list:
+    return [task.batch(indices[i : i + PHYSICAL]) for i in range(0, len(indices), PHYSICAL)] or [task.batch([])]
+
+
+def train(algo: str, rank: int, world: int, sigma: float = 0.0) -> dict:
+    algorithm, task, _ = build_algorithm(algo, *ALGORITHMS_COMPARED[algo], sigma=sigma, clip=0.5, batch=20.0)
+    steps = []
+    for step, indices in enumerate(LOGICAL_BATCHES):
+        result = algorithm.train_step(chunks(indices[rank::world], task), step)
+        steps.append((result.loss, result.batch_size, [m.noise_multiplier for m in result.mechanisms]))
+    return {"params": [p.detach().clone() for p in algorithm.model.parameters()], "steps": steps}
+
+
+def noise_of_one_release(rank: int) -> dict:
+    """A release of the constant (rank + 1) per coordinate at noise std sigma C = 1.5 * 2."""
+    algorithm, _, _ = build_algorithm("dpsgd", sigma=1.5, clip=2.0)
+    values = [torch.full((NOISE_COORDINATES,), float(rank + 1))]
+    (noisy,) = algorithm.gaussian_release("gradient", ReleasePart(values, 2.0, 3.0))
+    return {"noisy": noisy[0], "mechanisms": [m.noise_multiplier for m in algorithm.step_mechanisms]}
+
+
+def sampler_shards(rank: int, world: int) -> list[list[int]]:
+    sampler = iter(ShardedBatches(PoissonBatches(200, 0.2), rank, world))
+    return [next(sampler) for _ in range(5)]
+
+
+def refusals() -> dict:
+    out = {}
+    for name in ("adam", "mezo", "dcdpsgd"):
+        try:
+            distributed.require_data_parallel(ALGORITHMS.get(name), name)
+            out[name] = None
+        except UserError as error:
+            out[name] = str(error)
+    return out
+
+
+def replica_check(rank: int) -> str | None:
+    torch.manual_seed(rank)  # deliberately different initialisation per rank
+    try:
+        distributed.check_replicas(torch.nn.Linear(3, 2))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def run(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    results: dict = {}
+    if rank == 0:  # one process, before any process group exists
+        results["reference"] = {algo: train(algo, 0, 1) for algo in ALGORITHMS_COMPARED}
+    distributed.init_from_environment()
+    assert distributed.is_distributed() and distributed.backend() == "gloo"
+    results["sharded"] = {algo: train(algo, rank, world) for algo in ALGORITHMS_COMPARED}
+    results["noisy_dpsgd"] = train("dpsgd", rank, world, sigma=1.0)  # noise on: replicas must stay equal
+    results["noise"] = noise_of_one_release(rank)
+    results["shards"] = sampler_shards(rank, world)
+    results["refusals"] = refusals()
+    results["replica_check"] = replica_check(rank)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
