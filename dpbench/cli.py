@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.paths import config_dir
+from dpbench.schema import run_app
 
 EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 ERROR_FILE = "error.txt"
@@ -129,7 +130,7 @@ def main() -> None:
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)
     try:
-        _main()
+        run_app(_main)  # schemas registered; a type or choice error: one line, exit 2
     except KeyboardInterrupt:
         console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
         sys.exit(EXIT_INTERRUPTED)
