@@ -3,8 +3,9 @@
 The YAML files stay what users read and edit (defaults and comments live there); each names its
 schema first in its defaults list (`- /algo_grape_schema@_here_`, then `- _self_`). Hydra then
 checks every value against the dataclasses below while it composes: an integer key rejects 1.5, a
-number rejects "abc", a choice rejects what it does not list, an undeclared key cannot be set. A
-key the YAML omits takes the dataclass default; code receives typed values and casts nothing.
+number rejects "abc", a choice rejects what it does not list, an undeclared key cannot be set (algorithm options:
+see `register`). A key the YAML omits takes the dataclass default; code receives typed values
+and casts nothing. A rejected value reaches the user as one line (`run_app`, `checked_composition`).
 
 Datasets and models are not typed here: their options differ per family (image sizes, hub
 names, tokenizer lengths, CNN widths) and each builder checks its own.
@@ -470,10 +471,11 @@ def _allowed(annotation: Any) -> str:
 
 def composition_error_message(error: BaseException) -> str | None:
     """One line (key, bad value, what is allowed) for a value or key the schema rejected while
-    Hydra composed; None for other errors (a missing config file, bad override grammar)."""
+    Hydra composed (the OmegaConf error is the cause of Hydra's); None for other errors (a
+    missing config file, bad override grammar)."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    cause = error if isinstance(error, (ValidationError, ConfigKeyError, ConfigAttributeError)) else error.__cause__
+    cause = error.__cause__
     schema = getattr(cause, "object_type", None)
     if not (dataclasses.is_dataclass(schema) and getattr(cause, "full_key", None)):
         return None
@@ -482,6 +484,8 @@ def composition_error_message(error: BaseException) -> str | None:
         if _is_choice(_unwrap(annotation)[0]):
             return f"{cause.full_key}={cause.value!r} is not known; use {_allowed(annotation)}"
         return f"{cause.full_key} must be {_allowed(annotation)}, got {cause.value!r}"
+    if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return None
     where = cause.full_key.rpartition(".")[0] or "the top level"
     return f"{cause.full_key} is not a known key; {where} takes: {', '.join(_declared(schema))}"
 
@@ -491,14 +495,13 @@ def checked_composition() -> Iterator[None]:
     """Around a call of Hydra's compose API: the schemas registered, and a value or key the
     schema rejects raised as a one-line UserError instead of Hydra's exception."""
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     from dpbench.errors import UserError
 
     register()
     try:
         yield
-    except (HydraException, OmegaConfBaseException) as error:
+    except HydraException as error:
         message = composition_error_message(error)
         if message is None:
             raise
@@ -506,8 +509,9 @@ def checked_composition() -> Iterator[None]:
 
 
 def run_app(app: Callable[[], Any]) -> Any:
-    """Run a `@hydra.main` app with the schemas registered; a composition error the schema caught
-    ends as one line on stderr and exit status 2 (Hydra would print several lines and exit 1)."""
+    """Run a `@hydra.main` app with the schemas registered; a composition error ends as one line
+    on stderr and exit status 2 (Hydra would print several lines and exit 1). Errors raised by
+    the job itself are the app's to report."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -517,7 +521,7 @@ def run_app(app: Callable[[], Any]) -> Any:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its errors instead of printing them
     try:
         return app()
-    except (HydraException, OmegaConfBaseException) as error:
+    except HydraException as error:
         message = composition_error_message(error)
         if message is None:  # Hydra's own wording (what it would have printed)
             cause = error.__cause__

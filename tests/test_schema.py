@@ -28,7 +28,8 @@ def schema_name(group: str, option: str) -> str:
 def test_every_option_yaml_composes_against_its_schema(group, option):
     raw = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
     name = schema_name(group, option)
-    assert raw["defaults"] == [f"/{name}@_here_", "_self_"], f"conf/{group}/{option}.yaml must name its schema first"
+    assert raw.get("defaults") == [f"/{name}@_here_", "_self_"], f"conf/{group}/{option}.yaml must name its schema first"
+    assert name in SCHEMAS, f"add a dataclass for {group}={option} to dpbench/schema.py"
     schema = SCHEMAS[name]
     composed = compose([f"{group}={option}"])[group]
     assert OmegaConf.get_type(composed) is schema
