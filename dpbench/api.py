@@ -23,8 +23,9 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from hydra import initialize_config_dir
 
     from dpbench.paths import config_dir
+    from dpbench.schema import checked_composition
 
-    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+    with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
 
 

@@ -347,7 +347,9 @@ def _main_factory():
 
 
 def main() -> None:
-    _main_factory()()
+    from dpbench.schema import run_app
+
+    run_app(_main_factory())
 
 
 if __name__ == "__main__":

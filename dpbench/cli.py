@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.paths import config_dir
+from dpbench.schema import run_app
 
 EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 ERROR_FILE = "error.txt"
@@ -157,7 +158,7 @@ def main() -> None:
     if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
         sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
     try:
-        _main()
+        run_app(_main)  # schemas registered; a type or choice error: one line, exit 2
     except KeyboardInterrupt:
         console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
         sys.exit(EXIT_INTERRUPTED)

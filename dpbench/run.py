@@ -23,51 +23,18 @@ from dpbench.logging.results import read_results, write_results
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.precision import precision_for
-from dpbench.privacy.accountants import ACCOUNTANTS
-from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
-from dpbench.privacy.per_sample import CLIP_FACTORS
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import build_sampler
+from dpbench.schema import check_keys
 from dpbench.tasks import Task, build_task
 from dpbench.trainer import Trainer, TrainerConfig
 
 
-# Keys whose type is checked before anything runs: (key, type, may be null). bool is not a number.
-TYPED_KEYS = [
-    ("seed", int, False), ("privacy.epsilon", float, True), ("privacy.delta", float, False),
-    ("privacy.noise_multiplier", float, True), ("privacy.clip_norm", float, False),
-    ("privacy.clipping_gamma", float, False), ("train.batch_size", int, False),
-    ("train.physical_batch_size", int, True), ("train.epochs", float, True), ("train.steps", int, True),
-    ("train.lr", float, False), ("train.eval_every", int, False),
-]
-# Keys with a fixed set of values, checked before any work starts (the registries check theirs).
-CHOICES = {
-    "privacy.clipping": lambda: sorted(CLIP_FACTORS),
-    "privacy.sampling": lambda: ["poisson", "shuffle"],
-    "privacy.neighboring": lambda: list(NEIGHBORING_RELATIONS),
-    "accountant.name": lambda: ACCOUNTANTS.names(),
-    "device": lambda: ["auto", "cpu", "cuda"],
-}
-
-
-def _check_types(cfg: DictConfig) -> None:
-    for key, kind, nullable in TYPED_KEYS:
-        value = OmegaConf.select(cfg, key)
-        if value is None and nullable:
-            continue
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not numeric or (kind is int and not float(value).is_integer()):
-            wanted = "an integer" if kind is int else "a number"
-            raise UserError(f"{key} must be {wanted}{' or null' if nullable else ''}, got {value!r}")
-    for key, choices in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value not in choices():
-            raise UserError(f"{key}={value!r} is not known; use one of {', '.join(choices())}")
-
-
 def validate(cfg: DictConfig) -> None:
-    """Reject bad input before anything expensive happens, with the fix in the message."""
-    _check_types(cfg)
+    """Reject bad input before anything expensive happens, with the fix in the message. Types and
+    choices were checked by Hydra against dpbench/schema.py while it composed; here: values."""
+    for note in check_keys(cfg):
+        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     p, t = cfg.privacy, cfg.train
     if p.noise_multiplier is None:
         if p.epsilon is None or not p.epsilon > 0:

@@ -9,10 +9,12 @@ from torch import nn
 from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.paths import config_dir
 from dpbench.privacy.noise import GaussianNoise
+from dpbench.schema import register
 from dpbench.tasks import build_task
 
 
 def compose_config(*overrides: str):
+    register()  # the typed schemas conf/ names (dpbench/schema.py)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(config_name="config", overrides=["logger=none", "device=cpu", *overrides])
 

@@ -12,6 +12,9 @@ from omegaconf import OmegaConf
 
 from dpbench.papers import PAPERS, load_paper, lookup, table
 from dpbench.paths import config_dir
+from dpbench.schema import register
+
+register()  # the typed schemas conf/ names (dpbench/schema.py)
 
 EXPERIMENTS = Path(config_dir()) / "experiment"
 PAPER_PRESETS = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml") if p.stem.split("_")[0] in PAPERS)

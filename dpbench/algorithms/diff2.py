@@ -30,7 +30,7 @@ from dpbench.errors import UserError
 class DIFF2(GradientDifferenceAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
-        self.restart_interval = int(cfg.restart_interval)
+        self.restart_interval = cfg.restart_interval
         if self.restart_interval < 1:
             raise UserError(f"algo.restart_interval must be >= 1, got {cfg.restart_interval} (1 = plain DP-SGD)")
         self.estimate: list[torch.Tensor] | None = None  # v_{t-1}, fp32

@@ -58,13 +58,13 @@ class ZerothOrderAlgorithm(Algorithm):
             raise UserError(f"algo={cfg.name} found no trainable parameter in the model")
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.dimension = sum(p.numel() for p in self.params)
-        self.smoothing = float(cfg.smoothing)
+        self.smoothing = cfg.smoothing
         if not self.smoothing > 0:
             raise UserError(f"algo.smoothing (lambda) must be positive, got {cfg.smoothing}")
         self.direction = str(cfg.direction)
         if self.direction not in DIRECTIONS:
             raise UserError(f"algo.direction={self.direction!r} is not known; use gaussian or sphere")
-        self.weight_decay = float(cfg.weight_decay)
+        self.weight_decay = cfg.weight_decay
         # modules that directly own trainable parameters: where the perturbation hooks go
         self.owners: list[tuple[nn.Module, list[nn.Parameter]]] = []
         for module in model.modules():

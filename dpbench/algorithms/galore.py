@@ -22,7 +22,7 @@ class GaLore(Algorithm):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
         _, projections = build_projections(model, cfg)
-        self.subspaces = SVDSubspaces(projections, int(cfg.update_interval))
+        self.subspaces = SVDSubspaces(projections, cfg.update_interval)
         self.optimizer = ProjectedAdam(self.params, lr, **adam_config(cfg))
 
     def step(self, batches, step_index: int) -> StepResult:
@@ -39,4 +39,4 @@ class GaLore(Algorithm):
         return self.optimizer.state_bytes()
 
     def extra_results(self) -> dict:
-        return self.subspaces.summary(self.params, int(self.cfg.rank))
+        return self.subspaces.summary(self.params, self.cfg.rank)

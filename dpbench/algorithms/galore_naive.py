@@ -23,7 +23,7 @@ from dpbench.algorithms.projected_adam import (
 class NaiveDPGaLore(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         _, projections = build_projections(model, cfg)
-        self.subspaces = SVDSubspaces(projections, int(cfg.update_interval))
+        self.subspaces = SVDSubspaces(projections, cfg.update_interval)
         super().__init__(model, task, cfg, lr, privacy)
 
     def build_optimizer(self, params):
@@ -36,4 +36,4 @@ class NaiveDPGaLore(DPFirstOrderAlgorithm):
         return self.optimizer.state_bytes()
 
     def extra_results(self) -> dict:
-        return self.subspaces.summary(self.params, int(self.cfg.rank))
+        return self.subspaces.summary(self.params, self.cfg.rank)

@@ -104,18 +104,18 @@ class ProjectedLinear:
 @ALGORITHMS.register("grape")
 class DPGrape(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
-        self.rank = int(cfg.rank)
-        self.update_interval = int(cfg.update_interval)
-        if cfg.get("projector", "gaussian") not in PROJECTORS:
+        self.rank = cfg.rank
+        self.update_interval = cfg.update_interval
+        if cfg.projector not in PROJECTORS:
             raise UserError(f"algo.projector={cfg.projector!r} is not known; use {' or '.join(PROJECTORS)}")
-        self.make_projector = PROJECTORS[cfg.get("projector", "gaussian")]
+        self.make_projector = PROJECTORS[cfg.projector]
         modules, self.projections = build_projections(model, cfg)
         self.projected_modules = modules
         if not modules:
             console.print("[yellow]warning:[/] grape found no layer matching algo.projected_modules; it runs as DP-Adam")
-        seed = cfg.get("projection_seed")
+        seed = cfg.projection_seed
         # Projectors are public randomness: a reproducible seed is fine (never used for noise).
-        self.projection_seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+        self.projection_seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
         self.window = 0  # index of the current F-step projector window
         super().__init__(model, task, cfg, lr, privacy)
 
@@ -168,6 +168,6 @@ class DPGrape(DPFirstOrderAlgorithm):
             **projection_summary(self.projections, self.params),
             "rank": self.rank,
             "update_interval": self.update_interval,
-            "projector": self.cfg.get("projector", "gaussian"),
+            "projector": self.cfg.projector,
             "projector_bytes": 4 * largest,  # one layer's P at a time (Table 2: r·max m_ℓ)
         }

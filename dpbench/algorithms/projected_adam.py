@@ -92,8 +92,7 @@ def back_project(low: torch.Tensor, projector: torch.Tensor, side: str) -> torch
 
 
 def adam_config(cfg) -> dict:
-    betas = tuple(float(b) for b in cfg.get("betas", (0.9, 0.999)))
-    eps, weight_decay = float(cfg.get("eps", 1e-8)), float(cfg.get("weight_decay", 0.0))
+    betas, eps, weight_decay = tuple(cfg.betas), cfg.eps, cfg.weight_decay
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise UserError(f"algo.betas must be two numbers in [0, 1), got {list(betas)}")
     if eps <= 0 or weight_decay < 0:
@@ -208,10 +207,10 @@ class SVDSubspaces:
 
 def build_projections(model: nn.Module, cfg) -> tuple[dict[str, nn.Linear], dict[nn.Parameter, Projection]]:
     """The projected modules by name, and each one's weight -> Projection (algo.rank, patterns)."""
-    rank, interval = int(cfg.rank), int(cfg.update_interval)
+    rank, interval = cfg.rank, cfg.update_interval
     if rank < 1 or interval < 1:
         raise UserError(f"algo.rank and algo.update_interval must be >= 1, got {cfg.rank}, {cfg.update_interval}")
-    modules = select_projected_modules(model, cfg.get("projected_modules"))
+    modules = select_projected_modules(model, cfg.projected_modules)
     check_not_tied_outside(model, modules)
     return modules, {
         module.weight: make_projection(i, name, module.weight.shape, rank)

@@ -15,6 +15,5 @@ class SGD(NonPrivateOptimizerAlgorithm):
         if cfg.nesterov and not cfg.momentum > 0:
             raise UserError(f"algo.nesterov=true needs a positive algo.momentum (got {cfg.momentum})")
         return torch.optim.SGD(
-            params, lr=self.lr, momentum=float(cfg.momentum), nesterov=bool(cfg.nesterov),
-            weight_decay=float(cfg.weight_decay),
+            params, lr=self.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
         )

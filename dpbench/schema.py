@@ -1,0 +1,532 @@
+"""Typed schema of dpbench's config: Hydra structured configs as the schema of the YAML in conf/.
+
+The YAML files stay what users read and edit (defaults and comments live there); each names its
+schema first in its defaults list (`- /algo_grape_schema@_here_`, then `- _self_`). Hydra then
+checks every value against the dataclasses below while it composes: an integer key rejects 1.5, a
+number rejects "abc", a choice rejects what it does not list, an undeclared key cannot be set (algorithm options:
+see `register`). A key the YAML omits takes the dataclass default; code receives typed values
+and casts nothing. A rejected value reaches the user as one line (`run_app`, `checked_composition`).
+
+Datasets and models are not typed here: their options differ per family (image sizes, hub
+names, tokenizer lengths, CNN widths) and each builder checks its own.
+
+Adding an algorithm: a dataclass deriving from `AlgoOptions`, an entry in `ALGO_SCHEMAS`, and
+the defaults lines in conf/algo/<name>.yaml (tests/test_schema.py fails until all three exist).
+Adding a key anywhere in conf/config.yaml or conf/algo/*.yaml: a field here as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class Choice(str, Enum):
+    """A choice-valued key. Hydra rejects any other value at composition; a member is its plain
+    string everywhere else (==, dict lookups, f-strings, results.json), so code compares
+    `cfg.privacy.clipping == "flat"` and never sees the enum."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# Members are named as users type them; tests/test_schema.py keeps these in step with the
+# registries they mirror (the clipping rules, accountants, per-sample engines, ...).
+class Clipping(Choice):
+    automatic = "automatic"
+    flat = "flat"
+    psac = "psac"
+
+
+class Sampling(Choice):
+    poisson = "poisson"
+    shuffle = "shuffle"
+
+
+class Neighboring(Choice):
+    add_remove = "add_remove"
+    replace_one = "replace_one"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class AccountantName(Choice):
+    gdp = "gdp"
+    pld = "pld"
+    prv = "prv"
+    rdp = "rdp"
+
+
+class PrecisionName(Choice):  # the forward's autocast dtype
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class WandbMode(Choice):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+class ReportMetric(Choice):
+    best = "best"
+    final = "final"
+
+
+class PerSample(Choice):  # how per-example gradients are formed
+    bk = "bk"
+    ghost = "ghost"
+    materialize = "materialize"
+
+
+class Direction(Choice):  # zeroth-order perturbations
+    gaussian = "gaussian"
+    sphere = "sphere"
+
+
+class Projector(Choice):  # DP-GRAPE
+    gaussian = "gaussian"
+    signed_permutation = "signed_permutation"
+
+
+class GradientSensitivity(Choice):  # DC-DPSGD
+    rank_coupled = "rank_coupled"
+    tail_clip = "tail_clip"
+
+
+def _adam_betas() -> List[float]:
+    return [0.9, 0.999]
+
+
+# ---------------------------------------------------------------------------- top level
+
+
+@dataclass
+class PrivacyOptions:
+    epsilon: Optional[float] = 8.0
+    delta: float = 1.0e-5
+    noise_multiplier: Optional[float] = None
+    clip_norm: float = 1.0
+    clipping: Clipping = Clipping.flat
+    clipping_gamma: float = 0.01
+    sampling: Sampling = Sampling.poisson
+    neighboring: Neighboring = Neighboring.add_remove
+    secure_rng: bool = False
+    log_private_stats: bool = True
+    allow_approximate_accountant: bool = False
+
+
+@dataclass
+class TrainOptions:
+    batch_size: int = 256
+    physical_batch_size: Optional[int] = None
+    epochs: Optional[float] = 30.0  # fractional epochs are allowed
+    steps: Optional[int] = None
+    lr: float = 2.0e-2
+    precision: PrecisionName = PrecisionName.fp32
+    eval_every: int = 20
+    train_eval_size: int = 0
+    checkpoint_every: Optional[int] = None
+
+
+@dataclass
+class AuditOptions:
+    batch: int = 8
+    noise_steps: int = 5
+    sensitivity_steps: int = 2
+    trials: int = 6
+    loss_scale: float = 1.0e4
+    alpha: float = 1.0e-3
+
+
+@dataclass
+class ReportOptions:
+    paper: Optional[str] = None
+    table: Optional[str] = None
+    column: Optional[str] = None
+    compare_as: Dict[str, Any] = field(default_factory=dict)
+    metric: ReportMetric = ReportMetric.final
+    expect: List[str] = field(default_factory=list)
+
+
+@dataclass
+class AccountantOptions:
+    name: AccountantName = MISSING
+
+
+@dataclass
+class LoggerOptions:
+    name: str = "none"
+
+
+@dataclass
+class WandbOptions(LoggerOptions):
+    name: str = "wandb"
+    mode: WandbMode = WandbMode.offline
+    project: str = "dpbench"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    run_name: Optional[str] = None
+    log_every: int = 10
+
+
+@dataclass
+class AlgoOptions:
+    """What every algorithm's options share; each algorithm derives its own."""
+
+    name: str = MISSING
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    seed: int = 0
+    device: Device = Device.auto
+    resume: bool = True
+    threads: Optional[int] = None
+    optimize: str = "test_accuracy"
+    report: ReportOptions = field(default_factory=ReportOptions)
+    privacy: PrivacyOptions = field(default_factory=PrivacyOptions)
+    audit: AuditOptions = field(default_factory=AuditOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    dataset: Any = MISSING  # plain YAML: see the module docstring
+    model: Any = MISSING
+    algo: AlgoOptions = MISSING
+    accountant: AccountantOptions = MISSING
+    logger: LoggerOptions = MISSING
+    paper_setting: Any = None  # lookup tables of paper presets (conf/experiment), read by interpolation
+
+
+# ---------------------------------------------------------------------------- algorithms
+
+
+@dataclass
+class AdamOptions(AlgoOptions):
+    name: str = "adam"
+    betas: List[float] = field(default_factory=_adam_betas)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DPAdamOptions(AdamOptions):
+    name: str = "dpadam"
+    per_sample: PerSample = PerSample.materialize
+
+
+@dataclass
+class SGDOptions(AlgoOptions):
+    name: str = "sgd"
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DPSGDOptions(AlgoOptions):
+    name: str = "dpsgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    per_sample: PerSample = PerSample.materialize
+
+
+@dataclass
+class ProjectedAdamOptions(AlgoOptions):
+    """GaLore, naive DP-GaLore and DP-GRAPE: Adam in rank-r subspaces refreshed every F steps."""
+
+    name: str = "galore"
+    rank: int = 16
+    update_interval: int = 20
+    betas: List[float] = field(default_factory=_adam_betas)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+    projected_modules: Optional[List[str]] = None
+
+
+@dataclass
+class GrapeOptions(ProjectedAdamOptions):
+    name: str = "grape"
+    projector: Projector = Projector.gaussian
+    per_sample: PerSample = PerSample.materialize
+    projection_seed: Optional[int] = None
+
+
+@dataclass
+class LoRAOptions(AlgoOptions):
+    name: str = "lora"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[List[str]] = None
+    train_modules: Optional[List[str]] = None
+    betas: List[float] = field(default_factory=_adam_betas)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ZerothOrderOptions(AlgoOptions):
+    """DPZero, MeZO and DPGD-0th: two-point estimates along random directions."""
+
+    name: str = "dpzero"
+    smoothing: float = 1.0e-3
+    direction: Direction = Direction.gaussian
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DCDPSGDOptions(AlgoOptions):
+    name: str = "dcdpsgd"
+    subspace_dim: Optional[int] = 200
+    theta: float = 2.0
+    tail_fraction: float = 0.1
+    tail_clip_ratio: float = 10.0
+    tail_clip: Optional[float] = None
+    score_budget_fraction: float = 0.5
+    score_params: Any = "all"  # all | first | a list of name substrings
+    gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
+    momentum: float = 0.0
+
+
+@dataclass
+class DPDROptions(AlgoOptions):
+    name: str = "dpdr"
+    decomposition_steps: int = 50
+    perp_clip: float = 1.0
+    alpha_clip: float = 1.0
+    perp_ratio: float = 1.0
+    alpha_ratio: float = 2.0
+    paper_accounting: bool = False
+    sigma_perp: Optional[float] = None
+    sigma_alpha: Optional[float] = None
+    claimed_epsilon: Optional[float] = None
+    momentum: float = 0.0
+
+
+@dataclass
+class DiffOptions(AlgoOptions):
+    name: str = "diff"
+    difference_clip: float = 0.1
+    momentum: float = 0.0
+
+
+@dataclass
+class Diff2Options(DiffOptions):
+    name: str = "diff2"
+    restart_interval: int = 20
+
+
+@dataclass
+class GaloreNaiveOptions(ProjectedAdamOptions):
+    name: str = "galore_naive"
+
+
+@dataclass
+class DPLoRAOptions(LoRAOptions):
+    name: str = "dplora"
+
+
+@dataclass
+class MeZOOptions(ZerothOrderOptions):
+    name: str = "mezo"
+
+
+@dataclass
+class DPGD0thOptions(ZerothOrderOptions):
+    name: str = "dpgd0th"
+    smoothing: float = 1.0e-4
+    direction: Direction = Direction.sphere
+
+
+# algo name -> its options; conf/algo/<name>.yaml names `algo_<name>_schema` in its defaults list
+ALGO_SCHEMAS: dict[str, type[AlgoOptions]] = {
+    "adam": AdamOptions,
+    "dpadam": DPAdamOptions,
+    "sgd": SGDOptions,
+    "dpsgd": DPSGDOptions,
+    "galore": ProjectedAdamOptions,
+    "galore_naive": GaloreNaiveOptions,
+    "grape": GrapeOptions,
+    "lora": LoRAOptions,
+    "dplora": DPLoRAOptions,
+    "dpzero": ZerothOrderOptions,
+    "mezo": MeZOOptions,
+    "dpgd0th": DPGD0thOptions,
+    "dcdpsgd": DCDPSGDOptions,
+    "dpdr": DPDROptions,
+    "diff": DiffOptions,
+    "diff2": Diff2Options,
+}
+
+# ConfigStore name -> schema. Stored outside any config group, so they are not offered as
+# options (`dpbench --help`, `algo=...`); the YAML files reach them by absolute path.
+SCHEMAS: dict[str, type] = {
+    "config_schema": Config,
+    "accountant_schema": AccountantOptions,
+    "logger_none_schema": LoggerOptions,
+    "logger_wandb_schema": WandbOptions,
+    **{f"algo_{name}_schema": schema for name, schema in ALGO_SCHEMAS.items()},
+}
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        node = OmegaConf.structured(schema)
+        if issubclass(schema, AlgoOptions):
+            # Open to keys it does not declare: paper presets set options of some algorithms of
+            # their grid for all of it (algo.rank=64 for grape and dpadam jobs alike). Its own
+            # keys are still typed; `check_keys` rejects a key no algorithm declares.
+            OmegaConf.set_struct(node, False)
+        store.store(name=name, node=node)
+
+
+# ---------------------------------------------------------------------------- keys and errors
+
+
+def _declared(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+ALGO_KEYS = {key for schema in ALGO_SCHEMAS.values() for key in _declared(schema)}
+
+
+def _undeclared(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """(dotted key, schema of its node) for every key a typed node holds but does not declare."""
+    schema = OmegaConf.get_type(node)
+    declared = _declared(schema)
+    for key in node.keys():
+        child = OmegaConf.get_type(node, key)
+        if key not in declared:
+            yield f"{prefix}{key}", schema
+        elif isinstance(child, type) and dataclasses.is_dataclass(child):
+            yield from _undeclared(node[key], f"{prefix}{key}.")
+
+
+def check_keys(cfg: DictConfig) -> list[str]:
+    """Reject a key no schema declares (`+privacy.typo=1`, `+algo.nonsense=1`: Hydra's `+` adds
+    keys even to typed nodes). Returns notes for options of other algorithms, which this one ignores."""
+    from dpbench.errors import UserError
+
+    if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)):
+        return []  # not composed from conf/ (a hand-made config in a test)
+    notes = []
+    for key, schema in _undeclared(cfg):
+        option = key.removeprefix("algo.")
+        if issubclass(schema, AlgoOptions) and option in ALGO_KEYS:
+            users = ", ".join(name for name, s in ALGO_SCHEMAS.items() if option in _declared(s))
+            notes.append(f"{key} is not an option of algo={cfg.algo.name} (it is one of {users}); ignored")
+            continue
+        where = f"algo={cfg.algo.name}" if issubclass(schema, AlgoOptions) else (key.rpartition(".")[0] or "the top level")
+        raise UserError(f"{key} is not a known key; {where} takes: {', '.join(_declared(schema))}")
+    return notes
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(the type, whether null is allowed) of a field annotation such as Optional[int]."""
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return annotation, False
+
+
+def _is_choice(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, Choice)
+
+
+KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "a mapping"}
+
+
+def _allowed(annotation: Any) -> str:
+    """What a field accepts, as an error message says it."""
+    kind, nullable = _unwrap(annotation)
+    if _is_choice(kind):
+        text = "one of " + ", ".join(kind.__members__)
+    else:
+        text = KIND_NAMES.get(typing.get_origin(kind) or kind, str(kind))
+    return text + (" or null" if nullable else "")
+
+
+def composition_error_message(error: BaseException) -> str | None:
+    """One line (key, bad value, what is allowed) for a value or key the schema rejected while
+    Hydra composed (the OmegaConf error is the cause of Hydra's); None for other errors (a
+    missing config file, bad override grammar)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = error.__cause__
+    schema = getattr(cause, "object_type", None)
+    if not (dataclasses.is_dataclass(schema) and getattr(cause, "full_key", None)):
+        return None
+    if isinstance(cause, ValidationError):
+        annotation = typing.get_type_hints(schema).get(str(cause.key), Any)
+        if _is_choice(_unwrap(annotation)[0]):
+            return f"{cause.full_key}={cause.value!r} is not known; use {_allowed(annotation)}"
+        return f"{cause.full_key} must be {_allowed(annotation)}, got {cause.value!r}"
+    if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return None
+    where = cause.full_key.rpartition(".")[0] or "the top level"
+    return f"{cause.full_key} is not a known key; {where} takes: {', '.join(_declared(schema))}"
+
+
+@contextlib.contextmanager
+def checked_composition() -> Iterator[None]:
+    """Around a call of Hydra's compose API: the schemas registered, and a value or key the
+    schema rejects raised as a one-line UserError instead of Hydra's exception."""
+    from hydra.errors import HydraException
+
+    from dpbench.errors import UserError
+
+    register()
+    try:
+        yield
+    except HydraException as error:
+        message = composition_error_message(error)
+        if message is None:
+            raise
+        raise UserError(message) from error
+
+
+def run_app(app: Callable[[], Any]) -> Any:
+    """Run a `@hydra.main` app with the schemas registered; a composition error ends as one line
+    on stderr and exit status 2 (Hydra would print several lines and exit 1). Errors raised by
+    the job itself are the app's to report."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's full stack traces
+        return app()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its errors instead of printing them
+    try:
+        return app()
+    except HydraException as error:
+        message = composition_error_message(error)
+        if message is None:  # Hydra's own wording (what it would have printed)
+            cause = error.__cause__
+            message = str(error) + (f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else "")
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
