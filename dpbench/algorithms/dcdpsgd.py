@@ -160,6 +160,7 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
+    checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
     def __init__(self, model, task, cfg, lr, privacy):
         f = float(cfg.score_budget_fraction)
         if not 0 < f < 1:

@@ -45,6 +45,8 @@ SEED_STRIDE = 1_000_003  # per-parameter seeds: seed + index * stride (mod 2^63)
 class ZerothOrderAlgorithm(Algorithm):
     """Two-point estimates along one public random direction per step; subclasses privatise them."""
 
+    checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
+
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         unique: dict[int, nn.Parameter] = {}
