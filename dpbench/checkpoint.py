@@ -126,7 +126,7 @@ def restore_rng_states(states: dict) -> None:
 def _watched_signals() -> list[signal.Signals]:
     """SIGTERM and SIGUSR1, plus submitit's preemption signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL
     says otherwise) when a handler is installed for it, i.e. when submitit runs this job."""
-    watched = [signal.SIGTERM, signal.SIGUSR1]
+    watched = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])  # none on Windows
     submitit = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
     if submitit is not None and submitit not in watched and callable(signal.getsignal(submitit)):
         watched.append(submitit)
