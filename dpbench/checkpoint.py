@@ -248,7 +248,7 @@ def unpack(saved, current, device: torch.device, parameters: dict[str, torch.nn.
 def frozen_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
     """(sum, norm) of every frozen parameter: they are rebuilt from config and seed, not stored."""
     return {
-        name: [float(p.detach().double().sum()), float(p.detach().double().norm())]
+        name: [float(torch.sum(p.detach(), dtype=torch.float64)), float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64))]
         for name, p in model.named_parameters()
         if not p.requires_grad
     }

@@ -162,10 +162,12 @@ class Algorithm(ABC):
 
         names = {id(p): n for n, p in self.model.named_parameters()}
         optimizer = getattr(self, "optimizer", None)
+        if "_frozen_fingerprint" not in vars(self):  # frozen parameters never change: computed once
+            self._frozen_fingerprint = frozen_fingerprint(self.model)
         return {
             "parameters": {n: pack(p, names) for n, p in self.model.named_parameters() if p.requires_grad},
             "buffers": {n: pack(b, names) for n, b in self.model.named_buffers()},
-            "frozen": frozen_fingerprint(self.model),
+            "frozen": self._frozen_fingerprint,
             "optimizer": pack(optimizer.state_dict(), names) if isinstance(optimizer, torch.optim.Optimizer) else None,
             "attributes": {a: pack(_attribute(self, a), names) for a in self.checkpointed_attributes()},
         }
