@@ -6,7 +6,8 @@
     torchrun --nproc_per_node=4 -m dpbench.cli algo=dpadam   # data parallel (dpbench/distributed.py)
 
 Exit status: 0 done; 1 a run failed (diverged, or some jobs of a grid failed); 2 bad input
-(dpbench's checks or Hydra's composition errors); 130 interrupted (Ctrl-C).
+(dpbench's checks or Hydra's composition errors); 75 stopped by SIGTERM/SIGUSR1 after writing a
+checkpoint (rerun the same command to resume); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from dpbench.checkpoint import EXIT_PREEMPTED, Preempted
 from dpbench.errors import DivergedError, UserError
 from dpbench.paths import config_dir
 from dpbench.schema import run_app
@@ -106,6 +108,9 @@ def _main(cfg: DictConfig) -> float:
 
     try:
         return objective(cfg, run_job(cfg, run_dir, on_start=starting))
+    except Preempted as error:  # the whole process stops (a grid too): rerunning resumes it
+        console.print(f"[bold yellow]stopped:[/] {error}", soft_wrap=True)
+        _exit(EXIT_PREEMPTED)
     except UserError as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
         if not in_grid:

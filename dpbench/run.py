@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import random
 import sys
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 import dpbench
 from dpbench import distributed
 from dpbench.algorithms import Algorithm, algorithm_class
+from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible, read_checkpoint
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import read_results, write_results
@@ -57,6 +59,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"train.steps must be >= 0, got {t.steps}")
     if not t.lr > 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
+    if t.get("checkpoint_every") is not None and t.checkpoint_every < 1:
+        raise UserError(f"train.checkpoint_every must be >= 1 or null (no periodic checkpoints), got {t.checkpoint_every}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
 
@@ -120,7 +124,7 @@ def versions(device: torch.device) -> dict:
 
 # Config keys that do not change what a run computes: a stored run that differs only in these
 # is reused on resume.
-RESUME_IGNORED_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize")
+RESUME_IGNORED_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every")
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
@@ -129,7 +133,7 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
     out = []
     for key in keys:
         dotted = f"{prefix}{key}"
-        if not prefix and key in RESUME_IGNORED_KEYS:
+        if dotted in RESUME_IGNORED_KEYS:
             continue
         a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
@@ -152,6 +156,18 @@ def reusable_results(cfg: DictConfig, run_dir: Path) -> dict | None:
         return None
     console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
     return existing
+
+
+def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
+    if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
+        return None
+    differences = config_differences(stored.get("config") or {}, OmegaConf.to_container(cfg, resolve=True))
+    if differences:
+        console.print(f"[yellow]note:[/] the checkpoint in {run_dir} is of another config "
+                      f"({'; '.join(differences[:4])}); starting from step 0", soft_wrap=True)
+        return None
+    return stored
 
 
 @dataclass
@@ -188,21 +204,35 @@ def setup(cfg: DictConfig) -> Job:
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 
 
-def fit(job: Job, logger, show_progress: bool) -> tuple[Trainer, str, Exception | None]:
-    """Train; a diverged run still returns its trainer so that what it measured is recorded."""
+def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
+        checkpoint: dict | None = None) -> tuple[Trainer, str, Exception | None]:
+    """Train; a diverged run still returns its trainer so that what it measured is recorded.
+
+    With `run_dir`, checkpoints are written there (train.checkpoint_every; SIGTERM/SIGUSR1 write
+    one and raise Preempted) and `checkpoint` (from `resumable_checkpoint`) is continued."""
     cfg = job.cfg
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
+    checkpointer = None if run_dir is None else Checkpointer(
+        run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.train.get("checkpoint_every"), StopSignals())
+    seeded_sampler = not (cfg.privacy.sampling == "poisson" and job.privacy is not None)  # private Poisson: fresh
     trainer = Trainer(
         job.task,
         job.algorithm,
         build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None),
         TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats,
-                      int(cfg.train.get("train_eval_size") or 0)),
+                      int(cfg.train.get("train_eval_size") or 0), replay_sampler=seeded_sampler),
         job.privacy,
         [LoggerCallback(logger)] + ([ProgressCallback()] if show_progress else []),
+        checkpointer,
     )
+    if checkpoint is not None:
+        try:
+            trainer.load_state_dict(checkpoint["trainer"])
+        except (CheckpointMismatch, KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise incompatible(checkpointer.path, str(error).strip("'\"")) from error
+        console.print(f"resuming from step {trainer.state.step} of {job.steps} ({checkpointer.path})", soft_wrap=True)
     try:
-        with warnings.catch_warnings():
+        with checkpointer.signals if checkpointer else contextlib.nullcontext(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
             trainer.fit()
     except DivergedError as error:
@@ -282,6 +312,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     memory = PeakMemory(resolve_device(cfg.device))
     memory.reset()
     started = time.perf_counter()
+    checkpoint = resumable_checkpoint(cfg, run_dir)  # before setup: a damaged file fails fast
     job = setup(cfg)
     distributed.check_replicas(job.model)
     for message in job.privacy.notes if job.privacy else []:
@@ -292,15 +323,17 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
     logger = build_logger(logger_cfg, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
-    trainer, status, failure = fit(job, logger, show_progress and main)
+    trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
     results = record(job, trainer, status, memory, started, notes=[])
     results["throughput"]["world_size"] = distributed.world_size()  # samples_per_s is over all ranks
+    results["resumed_from_step"] = trainer.resumed_from_step  # null: ran from step 0 in one go
     if not main:
         distributed.barrier()  # returns once rank 0 has written results.json
         if failure is not None:
             raise failure
         return results
     results_file = write_results(run_dir, results)
+    delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
     distributed.barrier()
     if sync := logger.finish(results, results_file):
         console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)

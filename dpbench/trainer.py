@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 from dpbench.algorithms import Algorithm, StepResult
+from dpbench.checkpoint import CheckpointMismatch, restore_rng_states, rng_states
 from dpbench.errors import DivergedError
 from dpbench.metering import Throughput
-from dpbench.privacy.mechanisms import Ledger
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms
 from dpbench.privacy.plan import PrivacyPlan
 from dpbench.tasks import Task
 
@@ -21,6 +22,7 @@ class TrainerConfig:
     eval_every: int = 20  # steps between evaluations; <= 0: evaluate only at the end
     log_private_stats: bool = True  # report un-noised training loss / batch sizes (see PrivacyPlan)
     train_eval_size: int = 0  # > 0: also evaluate on this many training examples (needs log_private_stats)
+    replay_sampler: bool = True  # on resume, redraw the batches already used (seeded samplers: same data order)
 
 
 @dataclass
@@ -53,11 +55,14 @@ class Trainer:
         config: TrainerConfig,
         privacy: PrivacyPlan | None = None,
         callbacks: list[Callback] | None = None,
+        checkpointer=None,  # dpbench.checkpoint.Checkpointer: writes checkpoints, stops on signals
     ):
         self.task, self.algorithm, self.sampler = task, algorithm, sampler
         self.config = config
         self.privacy = privacy
         self.callbacks = list(callbacks or [])
+        self.checkpointer = checkpointer
+        self.resumed_from_step: int | None = None
         self.state = TrainingState()
         self.throughput = Throughput(warmup_steps=min(3, config.steps // 2))
         self._window_loss, self._window_count = 0.0, 0
@@ -124,6 +129,8 @@ class Trainer:
             if self.config.steps == 0:
                 self.evaluate()
             batches = iter(self.sampler)
+            for _ in range(self.state.step if self.config.replay_sampler else 0):
+                next(batches)  # a resumed run with a seeded sampler continues its data order
             while self.state.step < self.config.steps:
                 physical = self._physical_batches(next(batches))
                 self.throughput.step_started()
@@ -132,9 +139,55 @@ class Trainer:
                 self._record(result)
                 for callback in self.callbacks:
                     callback.on_step(self, result)
-                if self._due_for_eval():
+                evaluated = self._due_for_eval()
+                if evaluated:
                     self.evaluate()
+                if self.checkpointer is not None:
+                    self.checkpointer.after_step(self, evaluated)
         finally:
             for callback in self.callbacks:
                 callback.on_fit_end(self)
         return self.state
+
+    # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything the loop needs to continue after this step, the algorithm's state included."""
+        state, throughput = self.state, self.throughput
+        return {
+            "step": state.step,
+            "ledger": state.ledger.as_records(),
+            "train_loss": state.train_loss,
+            "best_accuracy": state.best_accuracy,
+            "history": state.history,
+            "window": [self._window_loss, self._window_count],
+            "throughput": [throughput.steps, throughput.examples, throughput.measured_time],
+            "rng": rng_states(),
+            "algorithm": self.algorithm.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from `state_dict()`: the ledger goes on from the checkpoint's (never reset)."""
+        if not 0 < saved["step"] <= self.config.steps:
+            raise CheckpointMismatch(f"it stopped at step {saved['step']} of a run of {self.config.steps} steps")
+        self.algorithm.load_state_dict(saved["algorithm"])
+        state = self.state
+        state.step, state.train_loss, state.best_accuracy = saved["step"], saved["train_loss"], saved["best_accuracy"]
+        state.history = list(saved["history"])
+        state.ledger = Ledger()
+        for record in saved["ledger"]:
+            mechanism = GaussianMechanism(record["noise_multiplier"], record["sample_rate"], record["neighboring"])
+            state.ledger.add(mechanism, record["count"])
+        self._check_ledger_is_planned()
+        self._window_loss, self._window_count = saved["window"]
+        self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
+        restore_rng_states(saved["rng"])
+        self.resumed_from_step = state.step
+
+    def _check_ledger_is_planned(self) -> None:
+        """The restored ledger must be this run's plan for the steps it covers (same sigma, same q)."""
+        if self.privacy is None:
+            return
+        planned = [m for step in range(self.state.step) for m in self.privacy.planned(step)]
+        ran = [m for m, count in self.state.ledger.items() for _ in range(count)]
+        if not same_mechanisms(ran, planned):
+            raise CheckpointMismatch("its privacy ledger is not this run's plan for the steps it ran")

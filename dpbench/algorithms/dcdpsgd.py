@@ -161,6 +161,7 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
+    checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
 
     def __init__(self, model, task, cfg, lr, privacy):
         f = float(cfg.score_budget_fraction)

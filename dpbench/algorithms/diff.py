@@ -70,6 +70,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
 
 @ALGORITHMS.register("diff")
 class DIFF(GradientDifferenceAlgorithm):
+    checkpoint_attributes = ("previous",)
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.previous: list[torch.Tensor] | None = None  # g~_{t-1} (fp32), public

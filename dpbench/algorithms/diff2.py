@@ -28,6 +28,7 @@ from dpbench.errors import UserError
 
 @ALGORITHMS.register("diff2")
 class DIFF2(GradientDifferenceAlgorithm):
+    checkpoint_attributes = ("estimate", "previous_params")
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.restart_interval = cfg.restart_interval

@@ -65,6 +65,7 @@ def clip_alpha(alpha: torch.Tensor, clip: float) -> torch.Tensor:
 
 @ALGORITHMS.register("dpdr")
 class DPDR(DPFirstOrderAlgorithm):
+    checkpoint_attributes = ("bases",)
     def __init__(self, model, task, cfg, lr, privacy):
         if int(cfg.decomposition_steps) < 1:
             raise UserError(f"algo.decomposition_steps={cfg.decomposition_steps} must be >= 1 (1 = plain DP-SGD)")

@@ -46,6 +46,7 @@ class ZerothOrderAlgorithm(Algorithm):
     """Two-point estimates along one public random direction per step; subclasses privatise them."""
 
     autocast_forward = False  # losses are evaluated in the model's own dtype
+    checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)

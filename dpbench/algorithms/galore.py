@@ -16,6 +16,7 @@ from dpbench.algorithms.projected_adam import (
 
 @ALGORITHMS.register("galore")
 class GaLore(Algorithm):
+    checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
     private = False
 
     def __init__(self, model, task, cfg, lr, privacy=None):

@@ -21,6 +21,7 @@ from dpbench.algorithms.projected_adam import (
 
 @ALGORITHMS.register("galore_naive")
 class NaiveDPGaLore(DPFirstOrderAlgorithm):
+    checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
     def __init__(self, model, task, cfg, lr, privacy):
         _, projections = build_projections(model, cfg)
         self.subspaces = SVDSubspaces(projections, cfg.update_interval)

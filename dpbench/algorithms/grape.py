@@ -103,6 +103,7 @@ class ProjectedLinear:
 
 @ALGORITHMS.register("grape")
 class DPGrape(DPFirstOrderAlgorithm):
+    checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "projection_seed")  # moments; projector seeds
     def __init__(self, model, task, cfg, lr, privacy):
         self.rank = cfg.rank
         self.update_interval = cfg.update_interval

@@ -62,7 +62,7 @@ class ProgressCallback:
         self.progress = training_progress()
         self.progress.start()
         self.bar = self.progress.add_task(
-            type(trainer.algorithm).__name__, total=trainer.config.steps, loss="—", acc="—",
+            type(trainer.algorithm).__name__, total=trainer.config.steps, completed=trainer.state.step, loss="—", acc="—",
             eps="0" if trainer.privacy is not None else "∞",
         )
 

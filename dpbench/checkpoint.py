@@ -1,0 +1,270 @@
+"""Checkpoints of a run in progress, and the preemption signals that trigger them.
+
+`train.checkpoint_every=N` writes `checkpoint.pt` into the run folder every N steps and after
+every evaluation; SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit) lets
+the current step finish, writes one and stops the process with exit status 75. Rerunning the same
+command (same run folder, same config) continues from it; the file is deleted once results.json
+is written.
+
+What a checkpoint holds (torch.save of plain containers and tensors, read back with
+`weights_only=True`): the trainer's step counter, privacy ledger, history, window loss and
+throughput counters; the seeded RNG states (torch, CUDA, numpy, random); and the algorithm's
+`state_dict()` (trainable parameters and buffers, optimizer state, the attributes its class lists
+in `checkpoint_attributes`). Frozen parameters are not stored: they are rebuilt from the config
+and seed, and a fingerprint of them is checked on load. The entropy-seeded privacy noise and
+Poisson sampler are NOT restored: a resumed run draws fresh, independent randomness, which is what
+the accountant assumes of every step anyway.
+
+Why a checkpoint also follows every evaluation: an evaluation published (console, W&B) after the
+last checkpoint depends on noisy releases that a resumed run would discard and redo, so its
+epsilon would be missing from the resumed ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpbench import distributed
+from dpbench.errors import UserError
+
+CHECKPOINT_FILE = "checkpoint.pt"
+FORMAT = "dpbench-checkpoint"
+FORMAT_VERSION = 1
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, rerun the same command to resume
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM/SIGUSR1 after writing its checkpoint."""
+
+    def __init__(self, signal_name: str, step: int, path: Path):
+        super().__init__(
+            f"{signal_name} received: stopped after step {step} with a checkpoint in {path}; "
+            "rerun the same command to resume"
+        )
+        self.step, self.path = step, path
+
+
+# --- the file ---------------------------------------------------------------------------------
+def checkpoint_path(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_FILE
+
+
+def write_checkpoint(run_dir: Path, payload: dict) -> Path:
+    """Atomically (temp file + os.replace): a reader sees the previous checkpoint or the new one."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save({"format": FORMAT, "version": FORMAT_VERSION, **payload}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, checkpoint_path(run_dir))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return checkpoint_path(run_dir)
+
+
+def read_checkpoint(run_dir: Path) -> dict | None:
+    """The checkpoint in `run_dir` (None when there is none); a damaged one is a UserError."""
+    path = checkpoint_path(run_dir)
+    if not path.is_file():
+        return None
+    fix = f"delete {path} (or set resume=false) to start the run over"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, unpickling refused
+        raise UserError(f"checkpoint {path} is unreadable ({type(error).__name__}); {fix}") from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UserError(f"{path} is not a dpbench checkpoint; {fix}")
+    if payload.get("version") != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format version {payload.get('version')}, this dpbench reads "
+                        f"{FORMAT_VERSION}; {fix}")
+    return payload
+
+
+def delete_checkpoint(run_dir: Path) -> None:
+    checkpoint_path(run_dir).unlink(missing_ok=True)
+
+
+def incompatible(path: Path, what: str) -> UserError:
+    """The one-line error for a checkpoint that does not fit the run being built."""
+    return UserError(f"checkpoint {path} does not fit this run ({what}); delete it or set resume=false to start over")
+
+
+# --- seeded RNG states ---------------------------------------------------------------------------
+def rng_states() -> dict:
+    """The experiment-seeded generators (model init, dropout, augmentation, data order)."""
+    numpy_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]],
+        "random": random.getstate(),
+    }
+
+
+def restore_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    version, internal, gauss = states["random"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+# --- signals -------------------------------------------------------------------------------------
+def _watched_signals() -> list[signal.Signals]:
+    """SIGTERM and SIGUSR1, plus submitit's preemption signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL
+    says otherwise) when a handler is installed for it, i.e. when submitit runs this job."""
+    watched = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])  # none on Windows
+    submitit = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+    if submitit is not None and submitit not in watched and callable(signal.getsignal(submitit)):
+        watched.append(submitit)
+    return watched
+
+
+class StopSignals:
+    """While active, SIGTERM/SIGUSR1 (and submitit's signal) only set `received`; the trainer
+    finishes the step, checkpoints, then calls `chain()`, which hands the signal to the handler
+    that was there before (submitit's requeue) and stops the run otherwise.
+
+    A second signal of the same kind gets the previous handler at once (the default handler of
+    SIGTERM ends the process: a way to stop without waiting for the step)."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum)
+        self._restore()
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for sig in _watched_signals():
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def chain(self, step: int, path: Path) -> None:
+        """After the checkpoint: let the previous handler act (submitit requeues and exits), then stop."""
+        sig = self.received
+        previous = signal.getsignal(sig)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(sig, None)
+        raise Preempted(sig.name, step, path)
+
+
+# --- when to write -------------------------------------------------------------------------------
+class Checkpointer:
+    """Decides when the trainer writes a checkpoint and writes it (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, config: dict, every: int | None, signals: StopSignals | None = None):
+        self.run_dir, self.config, self.every = Path(run_dir), config, every
+        self.signals = signals
+
+    @property
+    def path(self) -> Path:
+        return checkpoint_path(self.run_dir)
+
+    def after_step(self, trainer, evaluated: bool) -> None:
+        """Called after each step (and its evaluation): write when due, stop when signalled."""
+        step = trainer.state.step
+        stop = self.signals is not None and self.signals.received is not None
+        if distributed.is_distributed():  # every rank stops at the same step (or none waits forever)
+            stop = distributed.all_reduce_scalars(float(stop))[0] > 0
+        if step >= trainer.config.steps:
+            return  # the run is complete: results.json follows
+        periodic = self.every is not None and (step % self.every == 0 or evaluated)
+        if stop or periodic:
+            self.save(trainer)
+        if stop:
+            self.signals.chain(step, self.path)
+
+    def save(self, trainer) -> Path:
+        """Rank 0 writes (the ranks' states are identical); the others wait until it is on disk."""
+        if distributed.is_main_process():
+            write_checkpoint(self.run_dir, {"config": self.config, "step": trainer.state.step,
+                                            "trainer": trainer.state_dict()})
+        distributed.barrier()
+        return self.path
+
+
+# --- algorithm state: attributes of any shape as plain containers ---------------------------------
+class CheckpointMismatch(ValueError):
+    """The stored state does not fit the algorithm or model being restored."""
+
+
+def pack(value, names: dict[int, str]):
+    """A checkpointable copy of `value`: tensors on the CPU, generators as their state, dicts keyed
+    by parameters keyed by parameter name (`names`: id -> name), containers recursively."""
+    if isinstance(value, torch.Generator):
+        return {"__kind__": "generator", "state": value.get_state()}
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        if value and all(isinstance(key, torch.nn.Parameter) for key in value):
+            return {"__kind__": "by_parameter", "items": {names[id(k)]: pack(v, names) for k, v in value.items()}}
+        return {key: pack(v, names) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(pack(v, names) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot checkpoint a {type(value).__name__}")
+
+
+def unpack(saved, current, device: torch.device, parameters: dict[str, torch.nn.Parameter]):
+    """The inverse of `pack`; a generator is restored into `current` in place (others share it)."""
+    kind = saved.get("__kind__") if isinstance(saved, dict) else None
+    if kind == "generator":
+        generator = current if isinstance(current, torch.Generator) else torch.Generator()
+        generator.set_state(saved["state"])
+        return generator
+    if kind == "by_parameter":
+        missing = set(saved["items"]) - set(parameters)
+        if missing:
+            raise CheckpointMismatch(f"state of unknown parameters {sorted(missing)[:3]}")
+        return {parameters[n]: unpack(v, None, parameters[n].device, parameters) for n, v in saved["items"].items()}
+    if torch.is_tensor(saved):
+        return saved.to(device)
+    if isinstance(saved, dict):
+        return {key: unpack(v, None, device, parameters) for key, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        return type(saved)(unpack(v, None, device, parameters) for v in saved)
+    return saved
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
+    """(sum, norm) of every frozen parameter: they are rebuilt from config and seed, not stored."""
+    return {
+        name: [float(torch.sum(p.detach(), dtype=torch.float64)), float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64))]
+        for name, p in model.named_parameters()
+        if not p.requires_grad
+    }
+
+
+def check_frozen(model: torch.nn.Module, stored: dict[str, list[float]]) -> None:
+    rebuilt = frozen_fingerprint(model)
+    if set(rebuilt) != set(stored):
+        raise CheckpointMismatch("the frozen parameters differ")
+    for name, values in stored.items():
+        if not np.allclose(rebuilt[name], values, rtol=1e-5, atol=1e-6):
+            raise CheckpointMismatch(f"the rebuilt frozen parameter {name} differs from the checkpointed run's")
