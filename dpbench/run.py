@@ -65,6 +65,12 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
 
 
+def resolved_config(cfg: DictConfig) -> dict:
+    """The config as plain data (choices as their strings): what results.json, checkpoints and
+    W&B store and what resume compares."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,7 +153,7 @@ def reusable_results(cfg: DictConfig, run_dir: Path) -> dict | None:
     """The stored results of this exact job, or None (with the reason printed) to run it."""
     if not cfg.resume or (existing := read_results(run_dir)) is None:
         return None
-    differences = config_differences(existing.get("config") or {}, OmegaConf.to_container(cfg, resolve=True))
+    differences = config_differences(existing.get("config") or {}, resolved_config(cfg))
     if differences:
         console.print(
             f"[yellow]note:[/] {run_dir} holds a run of another config ({'; '.join(differences[:4])}); running it again",
@@ -162,7 +168,7 @@ def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
     """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
     if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
         return None
-    differences = config_differences(stored.get("config") or {}, OmegaConf.to_container(cfg, resolve=True))
+    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
     if differences:
         console.print(f"[yellow]note:[/] the checkpoint in {run_dir} is of another config "
                       f"({'; '.join(differences[:4])}); starting from step 0", soft_wrap=True)
@@ -213,7 +219,7 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     cfg = job.cfg
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
     checkpointer = None if run_dir is None else Checkpointer(
-        run_dir, OmegaConf.to_container(cfg, resolve=True), cfg.train.get("checkpoint_every"), StopSignals())
+        run_dir, resolved_config(cfg), cfg.train.get("checkpoint_every"), StopSignals())
     seeded_sampler = not (cfg.privacy.sampling == "poisson" and job.privacy is not None)  # private Poisson: fresh
     trainer = Trainer(
         job.task,
@@ -290,7 +296,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         "history": state.history,
         "notes": notes,
         "versions": versions(job.device),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": resolved_config(cfg),
     }
 
 
@@ -322,7 +328,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
-    logger = build_logger(logger_cfg, run_dir, run_name, OmegaConf.to_container(cfg, resolve=True), tags)
+    logger = build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags)
     trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
     results = record(job, trainer, status, memory, started, notes=[])
     results["throughput"]["world_size"] = distributed.world_size()  # samples_per_s is over all ranks
