@@ -18,6 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
+from dpbench.logging.console import console
 from dpbench.logging.results import RunResults, eval_summary
 
 
@@ -54,9 +55,7 @@ class WandbLogger:
 
         mode = os.environ.get("WANDB_MODE") or cfg.mode
         self.offline = mode == "offline"
-        if self.offline and (removed := remove_unfinished_offline_runs(run_dir / "wandb")):
-            from dpbench.logging.console import console
-
+        if removed := remove_unfinished_offline_runs(run_dir / "wandb"):  # an online rerun replaces them too
             names = ", ".join(folder.name for folder in removed)
             console.print(f"[yellow]note:[/] removed the unfinished offline W&B run(s) of an earlier attempt: {names}",
                           soft_wrap=True)
