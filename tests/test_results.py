@@ -13,7 +13,7 @@ from dpbench.logging.results import SCHEMA_VERSION, RunResults, eval_summary, re
 from dpbench.report import load_rows
 from dpbench.run import run_job
 
-# results.json of schema version 2 as readers know it, in the order it is written (pinned here
+# results.json of schema version 3 as readers know it, in the order it is written (pinned here
 # so that a renamed or dropped key fails; adding one means a new schema version).
 TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy", "metrics", "memory",
        "throughput", "algorithm", "history", "notes", "versions", "config"]
@@ -23,8 +23,9 @@ PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "de
 NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")]
 METRICS = ["metric", "test_accuracy", "best_test_accuracy", "train_loss", "test_loss", "train_accuracy"]
 CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
-THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s"]
+THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s", "world_size"]
 ADDED_IN_2 = ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")
+ADDED_IN_3 = ("world_size",)
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +42,42 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 2
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 3
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT
     assert RunResults.from_json(stored).to_json() == stored
 
 
-def test_a_version_1_file_reads_like_the_same_run_written_today(runs, tmp_path):
+def older_version(results: dict, version: int) -> dict:
+    """The same run as a file of an earlier schema version held it."""
+    old = copy.deepcopy(results)
+    for key in ADDED_IN_3:
+        del old["throughput"][key]
+    old["schema_version"] = 2
+    if version == 1:
+        del old["schema_version"]
+        for key in ADDED_IN_2:
+            del old["privacy"][key]
+    return old
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_file_reads_like_the_same_run_written_today(runs, tmp_path, version):
     _, stored = runs["dpsgd"]
-    old = copy.deepcopy(stored)
-    del old["schema_version"]
-    for key in ADDED_IN_2:
-        del old["privacy"][key]
+    old = older_version(stored, version)
     for name, results in (("new", stored), ("old", old)):
         write_results(tmp_path / name, results)
     new_row, old_row = (row for row in sorted(load_rows(tmp_path), key=lambda r: r["path"]))
     assert {**old_row, "path": None} == {**new_row, "path": None}
     read = RunResults.from_json(old)
-    assert read.schema_version == 1 and read.privacy.requested_accountant is None
+    assert read.schema_version == version and read.throughput.world_size is None
+    assert (read.privacy.requested_accountant is None) == (version == 1)
     assert read.privacy.epsilon == stored["privacy"]["epsilon"]
+    written = read.to_json()  # every key of the old file is written back unchanged
+    for key, value in old.items():
+        kept = {k: written[key][k] for k in value} if key in ("privacy", "metrics", "memory", "throughput") else written[key]
+        assert kept == value, key
     sparse = RunResults.from_json({"algo": "dpadam", "privacy": {"epsilon": 3.0}})  # missing keys: None
     assert sparse.privacy.is_private and sparse.metrics.test_accuracy is None and sparse.config is None
     assert sparse.summary()["memory/peak_bytes"] is None

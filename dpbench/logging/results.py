@@ -9,6 +9,7 @@ atomically.
 Schema versions (add keys; never rename them, so that old runs stay readable):
   1  no `schema_version` key.
   2  privacy.epsilon_is_upper_bound, requested_accountant, log_private_stats; versions extended.
+  3  throughput.world_size (processes of a data-parallel run; samples_per_s counts all of them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _OMIT_IF_NONE = "omit_if_none"
 
@@ -115,9 +116,10 @@ class MemoryResults(Section):
 
 @dataclass(kw_only=True)
 class ThroughputResults(Section):
-    samples_per_s: float | None = None
+    samples_per_s: float | None = None  # over all processes of a data-parallel run
     measured_steps: int | None = None
     wall_s: float | None = None
+    world_size: int | None = None  # processes that trained (set by the run; None before version 3)
 
 
 _SECTIONS: dict[str, type[Section]] = {
