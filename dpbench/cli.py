@@ -13,11 +13,13 @@ checkpoint (rerun the same command to resume); 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -29,9 +31,9 @@ from dpbench.schema import run_app
 EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 ERROR_FILE = "error.txt"
 
-# Jobs of this process's grid that failed: (job folder, one-line reason). A grid goes on past a
-# failed job and the process exits non-zero at the end (Hydra's basic launcher runs jobs in-process).
-_failed_jobs: list[tuple[Path, str]] = []
+# Jobs of this process's grid that failed: (job folder, one-line reason), filled by GridFailures
+# when the grid ends. A grid goes on past a failed job and the process exits non-zero at the end.
+_grid_failures: list[tuple[Path, str]] = []
 _own_exit: list[int] = []  # exit statuses dpbench itself chose (vs Hydra's status 1 for its errors)
 
 
@@ -44,11 +46,44 @@ def _record_failure(run_dir: Path, message: str, detail: str | None = None) -> N
     from dpbench import distributed
 
     if not distributed.is_main_process():  # under torchrun, rank 0 writes error.txt
-        _failed_jobs.append((run_dir, message))
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).write_text(message + "\n" + (detail or ""))
-    _failed_jobs.append((run_dir, message))
+
+
+# Shared file systems stamp files with the file server's clock, which may lag this machine's.
+CLOCK_SLACK_S = 2.0
+
+
+def failed_jobs(sweep_dir: Path, since: float) -> list[tuple[Path, str]]:
+    """(job folder, first line of its error.txt) of the jobs under sweep_dir that failed since
+    `since` (a time.time()); older error.txt files belong to earlier grids."""
+    failed = []
+    for path in sorted(Path(sweep_dir).rglob(ERROR_FILE)):
+        try:
+            if path.stat().st_mtime < since - CLOCK_SLACK_S:
+                continue
+            message = path.read_text().partition("\n")[0]
+        except OSError:  # removed meanwhile (a job of the same grid restarting)
+            continue
+        failed.append((path.parent, message))
+    return failed
+
+
+class GridFailures(Callback):
+    """After a grid, the jobs that failed in it (registered in conf/config.yaml, hydra.callbacks).
+
+    Launchers such as joblib and submitit run jobs in other processes, so the failures are read
+    back from the sweep folder: the error.txt files the grid's jobs wrote."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self.started = time.time()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        _grid_failures.extend(failed_jobs(Path(config.hydra.sweep.dir), self.started))
 
 
 def objective(cfg: DictConfig, results: dict | None) -> float:
@@ -172,9 +207,12 @@ def main() -> None:
         # status 1; they are bad input like dpbench's own.
         hydra_error = exit_.code == 1 and not _own_exit
         sys.exit(EXIT_BAD_INPUT if hydra_error else exit_.code)
-    if _failed_jobs:
-        console.print(f"[bold red]{len(_failed_jobs)} job(s) of the grid failed:[/]")
-        for run_dir, message in _failed_jobs:
+    # Hydra instantiated GridFailures from `dpbench.cli`, which is not this module under `python -m`.
+    from dpbench.cli import _grid_failures as failures
+
+    if failures:
+        console.print(f"[bold red]{len(failures)} job(s) of the grid failed:[/]")
+        for run_dir, message in failures:
             console.print(f"  {run_dir}: {message}", soft_wrap=True)
         sys.exit(EXIT_RUN_FAILED)
 

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from dpbench.errors import UserError
 from dpbench.logging.console import console
-from dpbench.logging.results import RESULTS_FILE
+from dpbench.logging.results import RESULTS_FILE, RunResults
 from dpbench.papers import lookup, parse_table_ref, table as paper_table
 
 MIB = 2**20
@@ -66,45 +66,45 @@ def _hashable(value):
     return value
 
 
-def model_label(results: dict, config: dict) -> str | None:
+def model_label(results: RunResults, config: dict) -> str | None:
     """'vit-base', 'opt-1.3b', 'tanh_cnn': the model name plus its size when the config has one."""
-    name = results.get("model") or (config.get("model") or {}).get("name")
+    name = results.model or (config.get("model") or {}).get("name")
     size = (config.get("model") or {}).get("size")
     return f"{name}-{size}" if name and size else name
 
 
-def run_row(path: Path, folder: Path, results: dict) -> dict:
+def run_row(path: Path, folder: Path, results: RunResults) -> dict:
     """One flat record per results.json; every key may be missing in old files (then None)."""
-    config = results.get("config") or {}
-    memory, privacy, metrics = results.get("memory") or {}, results.get("privacy") or {}, results.get("metrics") or {}
-    private = bool(privacy.get("private", privacy.get("epsilon") is not None))
-    peak, start = memory.get("peak_bytes"), memory.get("start_bytes")
+    config = results.config or {}
+    figures, privacy = results.summary(), results.privacy
+    private = figures["privacy/private"]
+    peak, start = figures["memory/peak_bytes"], figures["memory/start_bytes"]
     return {
         "path": str(path.parent.relative_to(folder)) or ".",
-        "algo": results.get("algo") or (config.get("algo") or {}).get("name"),
-        "dataset": results.get("dataset") or (config.get("dataset") or {}).get("name"),
+        "algo": results.algo or (config.get("algo") or {}).get("name"),
+        "dataset": results.dataset or (config.get("dataset") or {}).get("name"),
         "model": model_label(results, config),
-        "seed": results.get("seed", config.get("seed")),
-        "status": results.get("status"),
+        "seed": results.seed if results.seed is not None else config.get("seed"),
+        "status": figures["status"],
         "private": private,
-        "target_epsilon": privacy.get("target_epsilon") if private else None,
-        "epsilon": privacy.get("epsilon") if private else None,
-        "steps": privacy.get("steps"),
-        "planned_steps": privacy.get("planned_steps", privacy.get("steps")),
-        "accountant": privacy.get("accountant"),
-        "sampling": privacy.get("sampling") or (config.get("privacy") or {}).get("sampling"),
+        "target_epsilon": privacy.target_epsilon if private else None,
+        "epsilon": figures["privacy/epsilon"] if private else None,
+        "steps": privacy.steps,
+        "planned_steps": privacy.planned_steps if privacy.planned_steps is not None else privacy.steps,
+        "accountant": privacy.accountant,
+        "sampling": privacy.sampling or (config.get("privacy") or {}).get("sampling"),
         "clipping": (config.get("privacy") or {}).get("clipping"),
-        "metric_name": metrics.get("metric", "accuracy"),
-        "final": metrics.get("test_accuracy"),
-        "best": metrics.get("best_test_accuracy"),
+        "metric_name": results.metrics.metric or "accuracy",
+        "final": figures["test/accuracy"],
+        "best": figures["test/best_accuracy"],
         "batch_size": (config.get("train") or {}).get("batch_size"),
         "peak_mib": peak / MIB if peak is not None else None,
         "run_mib": (peak - start) / MIB if peak is not None and start is not None else None,
-        "memory_kind": memory.get("kind"),
-        "per_sample_grad_bytes": memory.get("per_sample_grad_bytes"),
-        "optimizer_state_bytes": memory.get("optimizer_state_bytes"),
-        "samples_per_s": (results.get("throughput") or {}).get("samples_per_s"),
-        "device": (results.get("versions") or {}).get("device"),
+        "memory_kind": figures["memory/kind"],
+        "per_sample_grad_bytes": figures["memory/per_sample_grad_bytes"],
+        "optimizer_state_bytes": figures["memory/optimizer_state_bytes"],
+        "samples_per_s": figures["throughput/samples_per_s"],
+        "device": (results.versions or {}).get("device"),
         "paper_accounting": bool((config.get("algo") or {}).get("paper_accounting")),
         "report": config.get("report") or {},
         "algo_config": config.get("algo") or {},
@@ -117,8 +117,8 @@ def load_rows(folder: Path) -> list[dict]:
     rows = []
     for path in sorted(folder.rglob(RESULTS_FILE)):
         try:
-            results = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
+            results = RunResults.from_json(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError, AttributeError) as error:
             console.print(f"[yellow]warning:[/] skipping {path}: {error}")
             continue
         rows.append(run_row(path, folder, results))

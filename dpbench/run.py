@@ -21,7 +21,9 @@ from dpbench.algorithms import Algorithm, algorithm_class
 from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible, read_checkpoint
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
-from dpbench.logging.results import read_results, write_results
+from dpbench.logging.results import (
+    MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results, write_results,
+)
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.precision import precision_for
@@ -246,58 +248,41 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     return trainer, "completed", None
 
 
-# 2: privacy.epsilon_is_upper_bound, requested_accountant, log_private_stats; versions extended.
-# Version 1 files (no schema_version) stay readable: the report treats missing keys as unknown.
-RESULTS_SCHEMA_VERSION = 2
-
-
-def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> dict:
-    """results.json: the contract reports, resumption and checks read."""
+def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> RunResults:
+    """results.json (the contract reports, resumption and checks read) of what ran."""
     cfg, algorithm, state = job.cfg, job.algorithm, trainer.state
     last = state.history[-1] if state.history else {}
-    sample_rate = cfg.train.batch_size / job.task.train_size
     if job.privacy is not None:
-        privacy = job.privacy.results(state.ledger, state.step, job.steps)
+        privacy = PrivacyResults.from_json(job.privacy.results(state.ledger, state.step, job.steps))
         notes = [*notes, *job.privacy.recorded_notes()]
     else:
-        privacy = {
-            "private": False, "epsilon": None, "target_epsilon": None, "delta": None, "noise_multiplier": None,
-            "clip_norm": None, "sample_rate": sample_rate, "expected_batch_size": sample_rate * job.task.train_size,
-            "steps": state.step, "planned_steps": job.steps, "accountant": None, "neighboring": None, "ledger": [],
-        }
-    privacy["sampling"] = cfg.privacy.sampling
+        sample_rate = cfg.train.batch_size / job.task.train_size
+        privacy = PrivacyResults(private=False, sample_rate=sample_rate, expected_batch_size=sample_rate * job.task.train_size,
+                                 steps=state.step, planned_steps=job.steps, ledger=[])
+    privacy.sampling = cfg.privacy.sampling
     extra = algorithm.extra_results()
     if job.privacy is not None and not job.privacy.log_private_stats:
         extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results}
-    return {
-        "schema_version": RESULTS_SCHEMA_VERSION,
-        "status": status,
-        "algo": cfg.algo.name,
-        "model": cfg.model.name,
-        "dataset": cfg.dataset.name,
-        "seed": cfg.seed,
-        "privacy": privacy,
-        "metrics": {
-            "metric": job.task.metric_name,  # what test_accuracy holds
-            "test_accuracy": last.get("test_accuracy"),
-            "best_test_accuracy": state.best_accuracy,
-            "train_loss": last.get("train_loss"),
-            "test_loss": last.get("test_loss"),
-            "train_accuracy": last.get("train_accuracy"),
-        },
-        "memory": {
+    return RunResults(
+        status=status, algo=cfg.algo.name, model=cfg.model.name, dataset=cfg.dataset.name, seed=cfg.seed,
+        privacy=privacy,
+        metrics=MetricsResults(
+            metric=job.task.metric_name, test_accuracy=last.get("test_accuracy"), best_test_accuracy=state.best_accuracy,
+            train_loss=last.get("train_loss"), test_loss=last.get("test_loss"), train_accuracy=last.get("train_accuracy"),
+        ),
+        memory=MemoryResults.from_json({
             **memory.read(),
             "per_sample_grad_bytes": algorithm.per_sample_grad_bytes,
             "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
             "parameter_bytes": sum(p.numel() * p.element_size() for p in job.model.parameters()),
-        },
-        "throughput": {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started},
-        "algorithm": extra,
-        "history": state.history,
-        "notes": notes,
-        "versions": versions(job.device),
-        "config": resolved_config(cfg),
-    }
+        }),
+        throughput=ThroughputResults.from_json({**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}),
+        algorithm=extra,
+        history=state.history,
+        notes=notes,
+        versions=versions(job.device),
+        config=resolved_config(cfg),
+    )
 
 
 def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> dict:
@@ -329,22 +314,26 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
     logger = build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags)
-    trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
+    try:
+        trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
+    except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished
+        logger.abort(error)
+        raise
     results = record(job, trainer, status, memory, started, notes=[])
-    results["throughput"]["world_size"] = distributed.world_size()  # samples_per_s is over all ranks
-    results["resumed_from_step"] = trainer.resumed_from_step  # null: ran from step 0 in one go
+    results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
+    results.resumed_from_step = trainer.resumed_from_step
     if not main:
         distributed.barrier()  # returns once rank 0 has written results.json
         if failure is not None:
             raise failure
-        return results
+        return results.to_json()
     results_file = write_results(run_dir, results)
     delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
     distributed.barrier()
     if sync := logger.finish(results, results_file):
         console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
     console.print(summary_table(results))
-    console.print(f"[dim]results: {run_dir / 'results.json'}[/]")
+    console.print(f"[dim]results: {results_file}[/]")
     if failure is not None:
         raise failure
-    return results
+    return results.to_json()

@@ -4,7 +4,6 @@ state survives a save/load; SIGTERM checkpoints and exits 75; damaged checkpoint
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
 import subprocess

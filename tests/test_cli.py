@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO, TINY, compose
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.results import read_results
+from dpbench.logging.results import RunResults, read_results
 from dpbench.run import run_job, validate
 
 
@@ -21,17 +21,20 @@ def dpbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch):
-    from wandb_records import summary
+    from wandb_records import exit_code, summary
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
     results = run_job(cfg, tmp_path, show_progress=False)
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert exit_code(run_file) == 0  # W&B's service writes the file after finish() returns: wait for its end
     values = summary(run_file)
     assert float(values["test/accuracy"]) == pytest.approx(results["metrics"]["test_accuracy"])
     assert int(values["memory/peak_bytes"]) == results["memory"]["peak_bytes"]
     assert float(values["privacy/epsilon"]) == pytest.approx(results["privacy"]["epsilon"])
     assert "epsilon" not in values and "test_accuracy" not in values  # one name per figure
+    figures = RunResults.from_json(results).summary()  # the one summary the console and report read too
+    assert {name: json.loads(values[name]) for name in figures} == pytest.approx(figures)
 
 
 def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):

@@ -41,3 +41,16 @@ def summary(path) -> dict:
                 if item.key:
                     values[item.key] = item.value_json
     return values
+
+
+def exit_code(path, wait_s: float = 30.0) -> int | None:
+    """The exit code the run was finished with (None: it never finished). W&B's service process
+    writes the file after `finish()` returns, so the exit record is awaited a while."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        codes = [r.exit.exit_code for r in records(path) if r.WhichOneof("record_type") == "exit"]
+        if codes or time.monotonic() > deadline:
+            return codes[-1] if codes else None
+        time.sleep(0.2)

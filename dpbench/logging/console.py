@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dpbench.logging.results import RunResults
+
 # Logs and CI have no terminal width; 120 columns keep the summary tables on one line a row.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
@@ -29,24 +31,26 @@ def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def summary_table(results: dict) -> Table:
-    privacy, metrics = results["privacy"], results["metrics"]
-    memory, throughput = results["memory"], results["throughput"]
+def summary_table(results: RunResults) -> Table:
+    """The end-of-run table: the figures of `results.summary()` (the names W&B shows)."""
+    figures = results.summary()
+    private = figures["privacy/private"]
     table = Table(
-        title=f"dpbench · {results['algo']} · {results['model']} · {results['dataset']} · {results['status']}",
-        caption=f"peak memory: {memory['kind']}",
+        title=f"dpbench · {results.algo} · {results.model} · {results.dataset} · {figures['status']}",
+        caption=f"peak memory: {figures['memory/kind']}",
     )
     for column in ("test acc", "best acc", "ε spent", "δ", "σ", "peak memory", "samples/s", "wall time"):
         table.add_column(column, justify="right")
+    peak, wall = figures["memory/peak_bytes"], figures["throughput/wall_s"]
     table.add_row(
-        _fmt(metrics.get("test_accuracy"), ".4f"),
-        _fmt(metrics.get("best_test_accuracy"), ".4f"),
-        _fmt(privacy.get("epsilon"), ".3f") if privacy.get("private") else "∞",
-        _fmt(privacy.get("delta"), ".0e") if privacy.get("private") else "—",
-        _fmt(privacy.get("noise_multiplier"), ".4f"),
-        f"{memory['peak_bytes'] / 2**20:.0f} MiB",
-        _fmt(throughput.get("samples_per_s"), ".1f"),
-        f"{throughput['wall_s']:.1f} s",
+        _fmt(figures["test/accuracy"], ".4f"),
+        _fmt(figures["test/best_accuracy"], ".4f"),
+        _fmt(figures["privacy/epsilon"], ".3f") if private else "∞",
+        _fmt(figures["privacy/delta"], ".0e") if private else "—",
+        _fmt(figures["privacy/noise_multiplier"], ".4f"),
+        "—" if peak is None else f"{peak / 2**20:.0f} MiB",
+        _fmt(figures["throughput/samples_per_s"], ".1f"),
+        "—" if wall is None else f"{wall:.1f} s",
     )
     return table
 

@@ -1,4 +1,17 @@
-"""results.json: the source of truth that reports, resumption and checks read."""
+"""results.json: the contract that reports, resumption, the console, W&B and checks read.
+
+`RunResults` is the one definition of its keys: one typed section per block of the file, with
+`to_json()` (the file as written), `from_json()` (any version, missing keys read as None) and a
+flat `summary()` under the names W&B shows ("test/accuracy", "privacy/epsilon", ...), which the
+console table, the W&B run summary and `dpbench-report` read. The file itself is written
+atomically.
+
+Schema versions (add keys; never rename them, so that old runs stay readable):
+  1  no `schema_version` key.
+  2  privacy.epsilon_is_upper_bound, requested_accountant, log_private_stats; versions extended.
+  3  throughput.world_size (processes of a data-parallel run; samples_per_s counts all of them);
+     resumed_from_step (the checkpoint step a resumed run continued from; null: one go).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +19,176 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 RESULTS_FILE = "results.json"
+SCHEMA_VERSION = 3
+
+_OMIT_IF_NONE = "omit_if_none"
+
+
+def _only_when_known():
+    """A key written only when it has a value (the file has no accountant for a non-private run,
+    no CUDA allocator figure for a CPU run): files keep exactly the keys they always had."""
+    return field(default=None, metadata={_OMIT_IF_NONE: True})
+
+
+@dataclass(kw_only=True)
+class Section:
+    """One block of results.json: its keys are the fields; keys this version does not know (a
+    file from a newer dpbench) are kept in `extra` and written back unchanged."""
+
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    def to_json(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra" or (value is None and f.metadata.get(_OMIT_IF_NONE)):
+                continue
+            out[f.name] = value.to_json() if isinstance(value, Section) else value
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict | None):
+        data = data or {}
+        known = cls.keys()
+        values = {name: data[name] for name in known if name in data}
+        for f in fields(cls):  # nested sections read their own block
+            section = _SECTIONS.get(f.name)
+            if section is not None and f.name in known:
+                values[f.name] = section.from_json(data.get(f.name))
+        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+
+@dataclass(kw_only=True)
+class PrivacyResults(Section):
+    """The privacy of what ran: the epsilon of the mechanisms in `ledger`, composed by `accountant`."""
+
+    private: bool | None = None
+    epsilon: float | None = None
+    epsilon_is_upper_bound: bool | None = _only_when_known()  # false for approximate accountants (gdp)
+    target_epsilon: float | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    clip_norm: float | None = None
+    sample_rate: float | None = None
+    expected_batch_size: float | None = None
+    steps: int | None = None
+    planned_steps: int | None = None
+    accountant: str | None = None  # the accountant that computed epsilon
+    requested_accountant: str | None = _only_when_known()  # the one configured (they differ on a fallback)
+    neighboring: str | None = None
+    log_private_stats: bool | None = _only_when_known()
+    ledger: list | None = None
+    sampling: str | None = None
+
+    @property
+    def is_private(self) -> bool:
+        """Version 1 files may lack `private`: a run with an epsilon was private."""
+        return bool(self.private if self.private is not None else self.epsilon is not None)
+
+
+@dataclass(kw_only=True)
+class MetricsResults(Section):
+    metric: str | None = None  # what test_accuracy holds: accuracy, f1, ...
+    test_accuracy: float | None = None
+    best_test_accuracy: float | None = None
+    train_loss: float | None = None
+    test_loss: float | None = None
+    train_accuracy: float | None = None  # un-noised: only with privacy.log_private_stats
+
+
+@dataclass(kw_only=True)
+class MemoryResults(Section):
+    peak_bytes: int | None = None
+    kind: str | None = None  # what peak_bytes measures (cpu_peak_rss, cuda_max_reserved, ...)
+    cuda_max_allocated: int | None = _only_when_known()
+    start_bytes: int | None = None
+    per_sample_grad_bytes: int | None = None
+    optimizer_state_bytes: int | None = None
+    parameter_bytes: int | None = None
+
+
+@dataclass(kw_only=True)
+class ThroughputResults(Section):
+    samples_per_s: float | None = None  # over all processes of a data-parallel run
+    measured_steps: int | None = None
+    wall_s: float | None = None
+    world_size: int | None = None  # processes that trained (set by the run; None before version 3)
+
+
+_SECTIONS: dict[str, type[Section]] = {
+    "privacy": PrivacyResults, "metrics": MetricsResults, "memory": MemoryResults, "throughput": ThroughputResults,
+}
+
+# The flat summary: W&B name -> (section, key). The step logs use the same names.
+SUMMARY_KEYS = {
+    "test/accuracy": ("metrics", "test_accuracy"),
+    "test/best_accuracy": ("metrics", "best_test_accuracy"),
+    "test/loss": ("metrics", "test_loss"),
+    "train/loss": ("metrics", "train_loss"),
+    "privacy/epsilon": ("privacy", "epsilon"),
+    "privacy/epsilon_is_upper_bound": ("privacy", "epsilon_is_upper_bound"),
+    "privacy/delta": ("privacy", "delta"),
+    "privacy/noise_multiplier": ("privacy", "noise_multiplier"),
+    "memory/peak_bytes": ("memory", "peak_bytes"),
+    "memory/start_bytes": ("memory", "start_bytes"),
+    "memory/kind": ("memory", "kind"),
+    "memory/per_sample_grad_bytes": ("memory", "per_sample_grad_bytes"),
+    "memory/optimizer_state_bytes": ("memory", "optimizer_state_bytes"),
+    "throughput/samples_per_s": ("throughput", "samples_per_s"),
+    "throughput/wall_s": ("throughput", "wall_s"),
+}
+# An evaluation record of `history` (the trainer's) under the same names.
+EVAL_KEYS = {
+    "test_accuracy": "test/accuracy", "test_loss": "test/loss", "train_loss": "train/loss",
+    "train_accuracy": "train/accuracy", "epsilon": "privacy/epsilon",
+}
+
+
+def eval_summary(record: dict) -> dict:
+    """One `history` record as W&B logs it (figures that were not measured are left out)."""
+    return {name: record[key] for key, name in EVAL_KEYS.items() if record.get(key) is not None}
+
+
+@dataclass(kw_only=True)
+class RunResults(Section):
+    """The whole of results.json."""
+
+    schema_version: int = SCHEMA_VERSION
+    status: str | None = None  # completed | diverged
+    algo: str | None = None
+    model: str | None = None
+    dataset: str | None = None
+    seed: int | None = None
+    privacy: PrivacyResults = field(default_factory=PrivacyResults)
+    metrics: MetricsResults = field(default_factory=MetricsResults)
+    memory: MemoryResults = field(default_factory=MemoryResults)
+    throughput: ThroughputResults = field(default_factory=ThroughputResults)
+    resumed_from_step: int | None = None  # the checkpoint step it continued from (None: ran in one go)
+    algorithm: dict | None = None  # the algorithm's own facts (extra_results)
+    history: list | None = None  # one record per evaluation
+    notes: list | None = None
+    versions: dict | None = None  # provenance: packages, device, git commit, command line
+    config: dict | None = None  # the resolved config of the run
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> RunResults:
+        results = super().from_json(data)
+        if "schema_version" not in (data or {}):
+            results.schema_version = 1
+        return results
+
+    def summary(self) -> dict:
+        """The run's figures under their W&B names, plus its status and whether it was private."""
+        figures = {name: getattr(getattr(self, section), key) for name, (section, key) in SUMMARY_KEYS.items()}
+        return {"status": self.status, "privacy/private": self.privacy.is_private, **figures}
 
 
 def _jsonable(value):
@@ -21,8 +201,10 @@ def _jsonable(value):
     return value
 
 
-def write_results(run_dir: Path, results: dict) -> Path:
+def write_results(run_dir: Path, results: RunResults | dict) -> Path:
     """Write atomically: a reader sees the old file or the complete new one, never half of it."""
+    if isinstance(results, RunResults):
+        results = results.to_json()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESULTS_FILE
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
@@ -38,6 +220,8 @@ def write_results(run_dir: Path, results: dict) -> Path:
 
 
 def read_results(run_dir: Path) -> dict | None:
+    """The results.json of a run folder as written (None when there is none); `RunResults.from_json`
+    reads it as the contract."""
     path = Path(run_dir) / RESULTS_FILE
     if not path.is_file():
         return None

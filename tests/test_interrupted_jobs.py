@@ -1,0 +1,85 @@
+"""Jobs that stop early: an interrupted job's offline W&B run is marked failed and replaced by its
+rerun (so `wandb sync` uploads the job once); a grid's failed jobs are summarised and make the
+process exit 1 whichever launcher ran them."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, TINY, compose
+from wandb_records import exit_code
+
+from dpbench.cli import ERROR_FILE, failed_jobs
+from dpbench.logging.wandb_logger import UNFINISHED_MARKER, LoggerCallback
+from dpbench.run import run_job
+
+
+def wandb_sync_dry_run(folder) -> str:
+    """What `wandb sync` would upload from a wandb folder (it lists runs before logging in)."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(folder.parent), "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", str(folder)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    return done.stdout + done.stderr
+
+
+def test_an_interrupted_offline_run_is_marked_failed_and_its_rerun_replaces_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    wandb_dir = tmp_path / "wandb"
+    unrelated = wandb_dir / "offline-run-20000101_000000-someone"  # not started by dpbench: never touched
+    unrelated.mkdir(parents=True)
+    (unrelated / "run-someone.wandb").write_bytes(b"")
+
+    def ctrl_c(self, trainer, result):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LoggerCallback, "on_step", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            run_job(cfg, tmp_path, show_progress=False)
+    (first,) = set(wandb_dir.glob("offline-run-*")) - {unrelated}
+    assert (first / UNFINISHED_MARKER).is_file()
+    assert exit_code(next(first.glob("run-*.wandb"))) == 130  # W&B shows it failed, not finished
+
+    results = run_job(cfg, tmp_path, show_progress=False)  # the rerun of the job
+    (second,) = set(wandb_dir.glob("offline-run-*")) - {unrelated}
+    assert second != first and not first.exists() and unrelated.is_dir()
+    assert not (second / UNFINISHED_MARKER).exists()
+    assert exit_code(next(second.glob("run-*.wandb"))) == 0 and results["status"] == "completed"
+    listed = wandb_sync_dry_run(wandb_dir)
+    run_id = second.name.rsplit("-", 1)[1]
+    assert "Would sync 2 run(s)" in listed and f"run-{run_id}.wandb" in listed and first.name not in listed
+
+
+def test_failed_jobs_are_the_error_files_written_since_the_grid_started(tmp_path):
+    stale, fresh, good = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for folder in (stale, fresh, good):
+        folder.mkdir()
+    (stale / ERROR_FILE).write_text("diverged: an earlier grid\n")
+    old = time.time() - 3600
+    os.utime(stale / ERROR_FILE, (old, old))
+    started = time.time() - 1
+    (fresh / ERROR_FILE).write_text("error: privacy.epsilon must be positive\ntraceback lines\n")
+    assert failed_jobs(tmp_path, started) == [(fresh, "error: privacy.epsilon must be positive")]
+    assert len(failed_jobs(tmp_path, old - 10)) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+                    reason="hydra-joblib-launcher is not installed (pip install 'dpbench[parallel]')")
+def test_a_grid_run_by_worker_processes_reports_its_failed_jobs_and_exits_1(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "dpbench.cli", "-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
+         "privacy.epsilon=-1,-2", *TINY, f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert "Joblib.Parallel" in done.stdout + done.stderr  # the jobs ran in worker processes
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert len(list(sweep.glob(f"*/{ERROR_FILE}"))) == 2  # the grid went on past the first failure
+    assert "2 job(s) of the grid failed" in done.stderr and "privacy.epsilon must be positive" in done.stderr
+    assert "Traceback" not in done.stderr

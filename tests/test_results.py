@@ -1,0 +1,130 @@
+"""The results contract: results.json keeps its keys, old files read the same, and the console
+table, the W&B summary and the report read one summary."""
+
+import copy
+import json
+
+import pytest
+from conftest import TINY, compose
+from rich.console import Console
+
+from dpbench.logging.console import summary_table
+from dpbench.logging.results import SCHEMA_VERSION, RunResults, eval_summary, read_results, write_results
+from dpbench.report import load_rows
+from dpbench.run import run_job
+
+# results.json of schema version 3 as readers know it, in the order it is written (pinned here
+# so that a renamed or dropped key fails; adding one means a new schema version).
+TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy", "metrics", "memory",
+       "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config"]
+PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "delta", "noise_multiplier",
+           "clip_norm", "sample_rate", "expected_batch_size", "steps", "planned_steps", "accountant",
+           "requested_accountant", "neighboring", "log_private_stats", "ledger", "sampling"]
+NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")]
+METRICS = ["metric", "test_accuracy", "best_test_accuracy", "train_loss", "test_loss", "train_accuracy"]
+CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
+THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s", "world_size"]
+ADDED_IN_2 = ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")
+ADDED_IN_3 = ("world_size",)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A private and a non-private run, as results.json holds them."""
+    folder = tmp_path_factory.mktemp("runs")
+    out = {}
+    for algo in ("dpsgd", "adam"):
+        run_job(compose(TINY + [f"algo={algo}"]), folder / algo, show_progress=False)
+        out[algo] = (folder / algo, read_results(folder / algo))
+    return out
+
+
+@pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
+def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
+    _, stored = runs[algo]
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 3
+    assert list(stored["privacy"]) == privacy_keys
+    assert list(stored["metrics"]) == METRICS
+    assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT
+    assert RunResults.from_json(stored).to_json() == stored
+
+
+def older_version(results: dict, version: int) -> dict:
+    """The same run as a file of an earlier schema version held it."""
+    old = copy.deepcopy(results)
+    for key in ADDED_IN_3:
+        del old["throughput"][key]
+    del old["resumed_from_step"]
+    old["schema_version"] = 2
+    if version == 1:
+        del old["schema_version"]
+        for key in ADDED_IN_2:
+            del old["privacy"][key]
+    return old
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_file_reads_like_the_same_run_written_today(runs, tmp_path, version):
+    _, stored = runs["dpsgd"]
+    old = older_version(stored, version)
+    for name, results in (("new", stored), ("old", old)):
+        write_results(tmp_path / name, results)
+    new_row, old_row = (row for row in sorted(load_rows(tmp_path), key=lambda r: r["path"]))
+    assert {**old_row, "path": None} == {**new_row, "path": None}
+    read = RunResults.from_json(old)
+    assert read.schema_version == version and read.throughput.world_size is None
+    assert (read.privacy.requested_accountant is None) == (version == 1)
+    assert read.privacy.epsilon == stored["privacy"]["epsilon"]
+    written = read.to_json()  # every key of the old file is written back unchanged
+    for key, value in old.items():
+        kept = {k: written[key][k] for k in value} if key in ("privacy", "metrics", "memory", "throughput") else written[key]
+        assert kept == value, key
+    sparse = RunResults.from_json({"algo": "dpadam", "privacy": {"epsilon": 3.0}})  # missing keys: None
+    assert sparse.privacy.is_private and sparse.metrics.test_accuracy is None and sparse.config is None
+    assert sparse.summary()["memory/peak_bytes"] is None
+
+
+def test_keys_of_a_newer_file_survive_a_round_trip():
+    newer = {"schema_version": 9, "status": "completed", "privacy": {"epsilon": 1.0, "future_bound": 0.9},
+             "checkpoint": {"step": 4}}
+    written = RunResults.from_json(newer).to_json()
+    assert written["checkpoint"] == {"step": 4} and written["privacy"]["future_bound"] == 0.9
+    assert written["schema_version"] == 9
+
+
+def test_console_table_shows_the_summary(runs):
+    for algo in ("dpsgd", "adam"):
+        results = RunResults.from_json(runs[algo][1])
+        figures = results.summary()
+        console = Console(width=200, record=True)
+        console.print(summary_table(results))
+        text = console.export_text()
+        assert f"{figures['test/accuracy']:.4f}" in text and f"{figures['throughput/wall_s']:.1f} s" in text
+        assert f"{figures['memory/peak_bytes'] / 2**20:.0f} MiB" in text
+        if algo == "dpsgd":
+            assert figures["privacy/private"] and f"{figures['privacy/epsilon']:.3f}" in text
+        else:
+            assert not figures["privacy/private"] and "∞" in text
+
+
+def test_report_rows_hold_the_summary_figures(runs):
+    folder, stored = runs["dpsgd"]
+    (row,) = load_rows(folder)
+    figures = RunResults.from_json(stored).summary()
+    assert row["final"] == figures["test/accuracy"] == stored["metrics"]["test_accuracy"]
+    assert row["epsilon"] == figures["privacy/epsilon"] == stored["privacy"]["epsilon"]
+    assert row["peak_mib"] * 2**20 == figures["memory/peak_bytes"] == stored["memory"]["peak_bytes"]
+
+
+def test_an_evaluation_is_logged_under_the_summary_names():
+    record = {"step": 4, "train_loss": 0.5, "test_accuracy": 0.75, "test_loss": None, "epsilon": 1.5}
+    assert eval_summary(record) == {"test/accuracy": 0.75, "train/loss": 0.5, "privacy/epsilon": 1.5}
+    names = set(RunResults().summary())
+    assert set(eval_summary(record)) <= names | {"train/accuracy"}
+
+
+def test_written_file_is_json_with_nan_as_null(tmp_path):
+    results = RunResults(status="completed")
+    results.metrics.test_loss = float("nan")
+    write_results(tmp_path, results)
+    assert json.loads((tmp_path / "results.json").read_text())["metrics"]["test_loss"] is None
