@@ -74,6 +74,10 @@ class WeightedTask:
     def batch_size(self, batch) -> int:
         return self.task.batch_size(batch[0])
 
+    def set_step(self, step: int) -> None:  # the step a task's loss may depend on (LDAM-DRW)
+        if hasattr(self.task, "set_step"):
+            self.task.set_step(step)
+
     def per_sample_loss(self, model, batch):
         inner, weights = batch
         losses = self.task.per_sample_loss(model, inner)

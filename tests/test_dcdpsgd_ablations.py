@@ -55,15 +55,11 @@ def test_epsilon_split_calibrates_each_mechanism_to_its_share(fraction):
     assert _dp_accounting_epsilon(0.98 * sigma_tr, DELTA / 2) > shares[0]
     # the composition of what runs (both exact mechanisms, at delta) is below the paper-style sum
     planning = OmegaConf.merge(OmegaConf.to_container(cfg), derived)  # what the plan and the algorithm read
-    composed = calibration.epsilon(lambda step: DCDPSGD.planned_mechanisms(planning, sigma_dp, Q, step, 1.0), DELTA)
-    larger_alone = calibration.epsilon(lambda step: [gradient_mechanism(planning, sigma_dp, Q, 1.0)], DELTA)
-    if fraction > 0.5:
-        larger_alone = calibration.epsilon(lambda step: DCDPSGD.planned_mechanisms(planning, sigma_dp, Q, step, 1.0)[:1], DELTA)
+    score, gradient = DCDPSGD.planned_mechanisms(planning, sigma_dp, Q, 0, 1.0)  # the two calibrated ones
+    assert score.noise_multiplier == sigma_tr and gradient == gradient_mechanism(planning, sigma_dp, Q, 1.0)
+    composed = calibration.epsilon(lambda step: [score, gradient], DELTA)
+    larger_alone = calibration.epsilon(lambda step: [gradient if fraction < 0.5 else score], DELTA)
     assert larger_alone < composed <= split["epsilon_tr"] + split["epsilon_dp"]
-    # and the plan is the two calibrated mechanisms
-    score, gradient = DCDPSGD.planned_mechanisms(planning, sigma_dp, Q, 0, 1.0)
-    assert score.noise_multiplier == sigma_tr
-    assert gradient == gradient_mechanism(planning, sigma_dp, Q, 1.0)
 
 
 def test_epsilon_split_refuses_incomplete_or_mixed_settings():
@@ -89,23 +85,27 @@ def _cli(tmp_path, *overrides: str) -> dict:
     return json.loads((tmp_path / "results.json").read_text())
 
 
-TINY_DIGITS = ["algo=dcdpsgd", "dataset=digits", "model=cnn", "model.width=8", "model.groups=4", "logger=none",
-               "algo.subspace_dim=50", "algo.tail_clip_ratio=2", "privacy.clip_norm=1", "train.batch_size=128",
-               "train.lr=0.5", "train.eval_every=0"]
+# Learns to ~0.5 test accuracy in 4 epochs (0.30-0.65 over 12 runs: the noise is entropy-seeded).
+TINY_DIGITS = ["algo=dcdpsgd", "dataset=digits", "model=cnn", "model.width=16", "model.groups=4", "logger=none",
+               "algo.subspace_dim=50", "algo.tail_clip_ratio=1.5", "privacy.clip_norm=1", "train.batch_size=256",
+               "train.epochs=4", "train.lr=2.0", "train.eval_every=0"]
+LEARNED = 0.2  # 10 classes: chance is 0.1
 
 
 def test_cli_run_in_epsilon_mode_reports_both_epsilons_and_learns(tmp_path):
-    results = _cli(tmp_path, *TINY_DIGITS, "train.epochs=3", "algo.budget_split=epsilon", "algo.score_epsilon_fraction=0.25")
+    split = ["algo.budget_split=epsilon", "algo.score_epsilon_fraction=0.25"]  # the paper's 2+6
+    results = _cli(tmp_path, *TINY_DIGITS, *split)
     privacy, algorithm = results["privacy"], results["algorithm"]
     assert algorithm["budget_split"] == "epsilon" and algorithm["score_epsilon_fraction"] == 0.25
-    assert algorithm["epsilon_tr"] == pytest.approx(2.0, abs=0.02) and algorithm["epsilon_dp"] == pytest.approx(6.0, abs=0.02)
+    assert algorithm["epsilon_tr"] == pytest.approx(2.0, abs=0.02)
+    assert algorithm["epsilon_dp"] == pytest.approx(6.0, abs=0.02)
     assert privacy["target_epsilon"] == 8.0 and privacy["noise_multiplier"] == algorithm["sigma_dp"]
     assert 5.0 < privacy["epsilon"] <= algorithm["epsilon_tr_plus_dp"] <= 8.0  # composed <= paper-style sum
     (score,) = [m for m in privacy["ledger"] if m["noise_multiplier"] == algorithm["sigma_tr"]]
     assert score["count"] == privacy["steps"] and sum(m["count"] for m in privacy["ledger"]) == 2 * privacy["steps"]
     assert results["config"]["algo"]["score_noise_multiplier"] is None  # the config stays as given (resume)
     assert any("budget_split=epsilon" in note for note in results["notes"])
-    assert results["metrics"]["test_accuracy"] > 0.25  # 10 classes: chance is 0.1
+    assert results["metrics"]["test_accuracy"] > LEARNED
 
 
 # --- LDAM-DRW ---------------------------------------------------------------------------------
@@ -175,15 +175,14 @@ def test_drw_switches_on_in_a_run_at_its_epoch(tmp_path):
     from dpbench.run import fit, setup
 
     torch.set_num_threads(1)
-    cfg = compose_config(*TINY_DIGITS, "+dataset.imbalance_factor=0.1", "+dataset.drw_epoch=1", "train.epochs=3",
-                         "train.batch_size=128")
+    cfg = compose_config(*TINY_DIGITS, "+dataset.imbalance_factor=0.1", "+dataset.drw_epoch=2")
     job = setup(cfg)
     drw, seen = job.task.drw, []
     original = drw.weights
     drw.weights = lambda labels: seen.append((drw.step, bool((original(labels) != 1).any()))) or original(labels)
     trainer, status, _ = fit(job, build_logger(cfg.logger, tmp_path, "drw", {}), False)
     assert status == "completed"
-    per_epoch = job.task.train_size / 128
-    assert seen and all(weighted == (step >= per_epoch) for step, weighted in seen)
+    per_epoch = job.task.train_size / 256
+    assert seen and all(weighted == (step >= 2 * per_epoch) for step, weighted in seen)
     assert {weighted for _, weighted in seen} == {False, True}
-    assert trainer.state.history[-1]["test_accuracy"] > 0.25
+    assert trainer.state.history[-1]["test_accuracy"] > LEARNED

@@ -27,7 +27,8 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
       paper's Theorem 5.1 claims delta while each half spends delta (pitfall P12). The accountant
       still composes the two exact mechanisms, so privacy.epsilon (<= eps_tr + eps_dp) is what ran;
       the algorithm's results give the paper-style eps_tr and eps_dp. privacy.noise_multiplier is
-      then sigma_dp, and the calibration records sigma_tr in algo.score_noise_multiplier.
+      then sigma_dp; sigma_tr reaches planning and the algorithm as algo.score_noise_multiplier
+      (PrivacySetup.derived), and results.json reports it as algorithm.sigma_tr.
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
     boundary (the tail count and the ranking both change), and the per-example noisy scores are
@@ -254,9 +255,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         notes = []
         if budget_split(cfg) == "epsilon":
             notes.append(
-                "algo.budget_split=epsilon: privacy.noise_multiplier is sigma_dp (algorithm.sigma_tr is the score "
-                "noise); calibrated, each mechanism alone meets its share of the target at delta/2 (algorithm.epsilon_tr, "
-                "epsilon_dp, the paper's accounting); privacy.epsilon composes both and is at most their sum"
+                "algo.budget_split=epsilon: privacy.noise_multiplier is sigma_dp (algorithm.sigma_tr is the "
+                "score noise); calibrated, each mechanism alone meets its share of the target at delta/2 "
+                "(algorithm.epsilon_tr, epsilon_dp: the paper's accounting); privacy.epsilon composes both and "
+                "is at most their sum"
             )
         if cfg.gradient_sensitivity == "tail_clip":
             notes.append(
@@ -383,8 +385,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         seen = self.tail_fraction_seen
         if budget_split(self.cfg) == "renyi":
             renyi_share = float(self.cfg.score_budget_fraction)
-        else:  # the Renyi share the two calibrated multipliers amount to
-            renyi_share = self.sigma_tr**-2 / (self.sigma_tr**-2 + self.sigma_dp**-2) if math.isfinite(self.sigma_tr) else None
+        elif math.isfinite(self.sigma_tr):  # the Renyi share the two calibrated multipliers amount to
+            renyi_share = self.sigma_tr**-2 / (self.sigma_tr**-2 + self.sigma_dp**-2)
+        else:
+            renyi_share = None
         return {
             "sigma_tr": self.sigma_tr,
             "sigma_dp": self.sigma_dp,

@@ -16,6 +16,7 @@ from dpbench.tasks import TASKS, Task
 @TASKS.register("image_classification")
 class ImageClassificationTask(Task):
     margins: torch.Tensor | None = None  # LDAM class margins; None = plain cross-entropy
+    drw: "DeferredReweighting | None" = None  # LDAM-DRW class re-weighting; None = unweighted losses
 
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
         self.data = load_dataset(cfg.dataset, cfg.seed)
