@@ -74,6 +74,9 @@ class WeightedTask:
     def batch_size(self, batch) -> int:
         return self.task.batch_size(batch[0])
 
+    def set_step(self, step: int) -> None:  # the step a task's loss may depend on (LDAM-DRW)
+        self.task.set_step(step)
+
     def per_sample_loss(self, model, batch):
         inner, weights = batch
         losses = self.task.per_sample_loss(model, inner)
@@ -294,6 +297,8 @@ def run_audit(cfg, run_dir: Path) -> dict:
         # the other checks build many jobs: at the calibrated sigma they skip calibration
         fixed = cfg.copy()
         OmegaConf.update(fixed, "privacy.noise_multiplier", float(job.privacy.setup.noise_multiplier))
+        for key, value in job.privacy.setup.derived.items():  # an algorithm's own calibration (DC-DPSGD's sigma_tr)
+            OmegaConf.update(fixed, f"algo.{key}", value, force_add=True)
         checks = [*noise_check(fixed), *sensitivity_check(fixed), *accounting]
     report = {
         "algo": cfg.algo.name,

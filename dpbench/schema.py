@@ -113,6 +113,11 @@ class GradientSensitivity(Choice):  # DC-DPSGD
     tail_clip = "tail_clip"
 
 
+class BudgetSplit(Choice):  # DC-DPSGD: how the budget is shared by the score and gradient releases
+    renyi = "renyi"
+    epsilon = "epsilon"
+
+
 def _adam_betas() -> List[float]:
     return [0.9, 0.999]
 
@@ -302,6 +307,9 @@ class DCDPSGDOptions(AlgoOptions):
     tail_clip_ratio: float = 10.0
     tail_clip: Optional[float] = None
     score_budget_fraction: float = 0.5
+    budget_split: BudgetSplit = BudgetSplit.renyi
+    score_epsilon_fraction: float = 0.5
+    score_noise_multiplier: Optional[float] = None
     score_params: Any = "all"  # all | first | a list of name substrings
     gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
     momentum: float = 0.0

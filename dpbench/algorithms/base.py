@@ -151,6 +151,7 @@ class Algorithm(ABC):
     def train_step(self, batches: list[Batch], step_index: int) -> StepResult:
         """Run step `step_index` (the trainer's counter, the only one) and report what it released."""
         self.step_mechanisms = []
+        self.task.set_step(step_index)
         result = self.step(batches, step_index)
         result.mechanisms = self.step_mechanisms
         self.step_mechanisms = []

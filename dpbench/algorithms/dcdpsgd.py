@@ -15,12 +15,20 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     noise under-noises by ~7x;
   * the two releases are two subsampled Gaussian mechanisms per step on the same batch and are
     composed by the accountant (no basic composition, no delta doubling).
-  * Budget split. The spine calibrates one base multiplier sigma. With f =
-    `algo.score_budget_fraction`: sigma_tr = sigma/sqrt(f), sigma_dp = sigma/sqrt(1-f). Then
-    sigma_tr^-2 + sigma_dp^-2 = sigma^-2: f is the share of the Renyi/zCDP privacy loss (which is
-    proportional to 1/sigma^2 for a Gaussian) spent on the scores, the pair costs about what one
-    Gaussian at sigma costs, and the accountant composes the two exact mechanisms. The paper
-    instead calibrates each half to eps/2 and adds epsilons.
+  * Budget split, `algo.budget_split`:
+    renyi (default): the spine calibrates one base multiplier sigma; with f =
+      `algo.score_budget_fraction`, sigma_tr = sigma/sqrt(f), sigma_dp = sigma/sqrt(1-f), so
+      sigma_tr^-2 + sigma_dp^-2 = sigma^-2: f is the share of the Renyi/zCDP privacy loss (which
+      is proportional to 1/sigma^2 for a Gaussian) spent on the scores, and the composed epsilon
+      of the pair meets the target.
+    epsilon: the paper's eps = eps_tr + eps_dp (Tables 3-5 write 2+6, 4+4, 6+2), eps_tr = f eps
+      with f = `algo.score_epsilon_fraction`. Each mechanism is calibrated alone (`calibrate_noise`)
+      to (its share, delta/2): basic composition then gives (eps_tr + eps_dp, delta), where the
+      paper's Theorem 5.1 claims delta while each half spends delta (pitfall P12). The accountant
+      still composes the two exact mechanisms, so privacy.epsilon (<= eps_tr + eps_dp) is what ran;
+      the algorithm's results give the paper-style eps_tr and eps_dp. privacy.noise_multiplier is
+      then sigma_dp; sigma_tr reaches planning and the algorithm as algo.score_noise_multiplier
+      (PrivacySetup.derived), and results.json reports it as algorithm.sigma_tr.
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
     boundary (the tail count and the ranking both change), and the per-example noisy scores are
@@ -57,6 +65,48 @@ MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats per step (200 MB): beyon
 def split_noise_multipliers(sigma: float, score_fraction: float) -> tuple[float, float]:
     """Base sigma -> (sigma_tr, sigma_dp) with sigma_tr^-2 + sigma_dp^-2 = sigma^-2."""
     return sigma / math.sqrt(score_fraction), sigma / math.sqrt(1.0 - score_fraction)
+
+
+BUDGET_SPLITS = ("renyi", "epsilon")
+
+
+def budget_split(cfg) -> str:
+    """`algo.budget_split` (configs without it: renyi), with its fraction checked."""
+    split = str(cfg.get("budget_split", "renyi"))
+    if split not in BUDGET_SPLITS:
+        raise UserError(f"algo.budget_split={split!r} is not known; use renyi or epsilon")
+    key = "score_budget_fraction" if split == "renyi" else "score_epsilon_fraction"
+    if not 0 < float(cfg[key]) < 1:
+        raise UserError(f"algo.{key}={cfg[key]} must lie strictly between 0 and 1")
+    return split
+
+
+def noise_multipliers(cfg, noise_multiplier: float) -> tuple[float, float]:
+    """(sigma_tr, sigma_dp) of a run whose privacy.noise_multiplier is `noise_multiplier`: the
+    base sigma split by Renyi share, or (epsilon split) sigma_dp itself with sigma_tr from
+    algo.score_noise_multiplier."""
+    if budget_split(cfg) == "renyi":
+        if cfg.get("score_noise_multiplier") is not None:
+            raise UserError("algo.score_noise_multiplier is for algo.budget_split=epsilon; with renyi, "
+                            "algo.score_budget_fraction sets sigma_tr")
+        return split_noise_multipliers(noise_multiplier, float(cfg.score_budget_fraction))
+    if math.isinf(noise_multiplier):  # nothing is released (zero-step run)
+        return math.inf, math.inf
+    if cfg.get("score_noise_multiplier") is None:
+        raise UserError("algo.budget_split=epsilon with a given privacy.noise_multiplier (sigma_dp) needs "
+                        "algo.score_noise_multiplier (sigma_tr) too; or set privacy.epsilon to calibrate both")
+    return float(cfg.score_noise_multiplier), noise_multiplier
+
+
+def score_mechanism(sigma_tr: float, sample_rate: float) -> GaussianMechanism:
+    """The noisy scores: sensitivity 1, noise std sigma_tr."""
+    return GaussianMechanism(sigma_tr, sample_rate)
+
+
+def gradient_mechanism(cfg, sigma_dp: float, sample_rate: float, clip_norm: float) -> GaussianMechanism:
+    """The clipped sum with noise std sigma_dp * c1, at the sensitivity `gradient_sensitivity_in_c2` states."""
+    ratio = tail_to_body_ratio(cfg, clip_norm)  # c1/c2
+    return GaussianMechanism(sigma_dp * ratio / gradient_sensitivity_in_c2(cfg, ratio), sample_rate)
 
 
 class SubWeibullSubspaces:
@@ -164,15 +214,13 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
 
     def __init__(self, model, task, cfg, lr, privacy):
-        f = float(cfg.score_budget_fraction)
-        if not 0 < f < 1:
-            raise UserError(f"algo.score_budget_fraction={f} must lie strictly between 0 and 1")
         if not 0 < float(cfg.tail_fraction) < 1:
             raise UserError(f"algo.tail_fraction={cfg.tail_fraction} must lie strictly between 0 and 1")
         if privacy.clipping != "flat":
             raise UserError("dcdpsgd clips body and tail with flat (Abadi) clipping: set privacy.clipping=flat")
+        cfg = privacy.algo_config(cfg)  # with what the calibration derived (epsilon split: sigma_tr)
         super().__init__(model, task, cfg, lr, privacy)
-        self.sigma_tr, self.sigma_dp = split_noise_multipliers(privacy.noise_multiplier, f)
+        self.sigma_tr, self.sigma_dp = noise_multipliers(cfg, privacy.noise_multiplier)
         self.body_clip = float(privacy.clip_norm)  # c2
         self.tail_clip = tail_to_body_ratio(cfg, self.body_clip) * self.body_clip  # c1
         self.identification = self._identification_indices(cfg.score_params)
@@ -207,20 +255,51 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     @classmethod
     def privacy_notes(cls, cfg) -> list[str]:
+        notes = []
+        if budget_split(cfg) == "epsilon":
+            notes.append(
+                "algo.budget_split=epsilon: privacy.noise_multiplier is sigma_dp (algorithm.sigma_tr is the "
+                "score noise); calibrated, each mechanism alone meets its share of the target at delta/2 "
+                "(algorithm.epsilon_tr, epsilon_dp: the paper's accounting); privacy.epsilon composes both and "
+                "is at most their sum"
+            )
         if cfg.gradient_sensitivity == "tail_clip":
-            return [
+            notes.append(
                 "algo.gradient_sensitivity=tail_clip accounts the gradient release at sensitivity c1, which is "
                 "not a proven bound (a tail swap moved the clipped sum by 1.44 c1 in the audit); the reported "
                 "epsilon is the paper's model, not a guarantee: use rank_coupled (the default)"
-            ]
-        return []
+            )
+        return notes
 
     @classmethod
     def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
-        sigma_tr, sigma_dp = split_noise_multipliers(noise_multiplier, float(cfg.score_budget_fraction))
-        ratio = tail_to_body_ratio(cfg, clip_norm)  # c1/c2; gradient noise std is sigma_dp * c1
-        gradient_multiplier = sigma_dp * ratio / gradient_sensitivity_in_c2(cfg, ratio)
-        return [GaussianMechanism(sigma_tr, sample_rate), GaussianMechanism(gradient_multiplier, sample_rate)]
+        sigma_tr, sigma_dp = noise_multipliers(cfg, noise_multiplier)
+        return [score_mechanism(sigma_tr, sample_rate), gradient_mechanism(cfg, sigma_dp, sample_rate, clip_norm)]
+
+    @classmethod
+    def calibrate_noise(cls, cfg, calibration, epsilon: float, delta: float) -> tuple[float, dict]:
+        """(privacy.noise_multiplier, derived algo settings) for a target (epsilon, delta): the base
+        sigma (renyi split), or sigma_dp with sigma_tr and the split's epsilons (epsilon split: each
+        mechanism alone meets its share at delta/2)."""
+        q, clip = calibration.sample_rate, calibration.clip_norm
+        if budget_split(cfg) == "renyi":
+            return calibration.noise_multiplier(
+                lambda s, step: cls.planned_mechanisms(cfg, s, q, step, clip), epsilon, delta
+            ), {}
+        if cfg.get("score_noise_multiplier") is not None:
+            raise UserError("algo.score_noise_multiplier is calibrated from privacy.epsilon here; give it only "
+                            "together with privacy.noise_multiplier (fixed noise), or leave it null")
+        f = float(cfg.score_epsilon_fraction)
+        score = lambda s, step: [score_mechanism(s, q)]  # noqa: E731
+        gradient = lambda s, step: [gradient_mechanism(cfg, s, q, clip)]  # noqa: E731
+        sigma_tr = calibration.noise_multiplier(score, f * epsilon, delta / 2)
+        sigma_dp = calibration.noise_multiplier(gradient, (1 - f) * epsilon, delta / 2)
+        split = {
+            "epsilon_tr": calibration.epsilon(lambda step: score(sigma_tr, step), delta / 2),
+            "epsilon_dp": calibration.epsilon(lambda step: gradient(sigma_dp, step), delta / 2),
+            "delta_each": delta / 2, "sigma_tr": sigma_tr, "sigma_dp": sigma_dp,
+        }
+        return sigma_dp, {"score_noise_multiplier": sigma_tr, "epsilon_split": split}
 
     # --- one step (DPFirstOrderAlgorithm's phases, clip_and_accumulate and the noise changed) ---
     def clip_and_accumulate(self, batches):
@@ -277,13 +356,38 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
 
+    def epsilon_split_results(self) -> dict:
+        """The paper-style budget of an epsilon split: eps_tr and eps_dp of each mechanism alone over
+        the planned run, at delta/2 each (their sum is the paper's epsilon; privacy.epsilon is the
+        tighter composition of what ran). Empty for a renyi split or noise given without them."""
+        split = self.cfg.get("epsilon_split")
+        if budget_split(self.cfg) != "epsilon" or split is None:
+            return {}
+        if not (math.isclose(split["sigma_tr"], self.sigma_tr) and math.isclose(split["sigma_dp"], self.sigma_dp)):
+            return {}  # a recorded split of other noise multipliers: not this run's
+        return {
+            "score_epsilon_fraction": float(self.cfg.score_epsilon_fraction),
+            "epsilon_tr": split["epsilon_tr"],
+            "epsilon_dp": split["epsilon_dp"],
+            "epsilon_tr_plus_dp": split["epsilon_tr"] + split["epsilon_dp"],
+            "epsilon_split_delta_each": split["delta_each"],
+        }
+
     def extra_results(self) -> dict:
         seen = self.tail_fraction_seen
+        if budget_split(self.cfg) == "renyi":
+            renyi_share = float(self.cfg.score_budget_fraction)
+        elif math.isfinite(self.sigma_tr):  # the Renyi share the two calibrated multipliers amount to
+            renyi_share = self.sigma_tr**-2 / (self.sigma_tr**-2 + self.sigma_dp**-2)
+        else:
+            renyi_share = None
         return {
             "sigma_tr": self.sigma_tr,
             "sigma_dp": self.sigma_dp,
-            "base_noise_multiplier": self.privacy.noise_multiplier,
-            "score_budget_fraction": float(self.cfg.score_budget_fraction),
+            "base_noise_multiplier": self.privacy.noise_multiplier,  # sigma_dp under budget_split=epsilon
+            "budget_split": budget_split(self.cfg),
+            "score_budget_fraction": renyi_share,
+            **self.epsilon_split_results(),
             "body_clip_c2": self.body_clip,
             "tail_clip_c1": self.tail_clip,
             "gradient_sensitivity": self.cfg.gradient_sensitivity,

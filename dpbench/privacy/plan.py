@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
-from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms, under_relation
 from dpbench.privacy.noise import GaussianNoise
 
 
@@ -34,6 +35,17 @@ class PrivacySetup:
     clipping: str = "flat"  # rule in dpbench.privacy.per_sample.CLIP_FACTORS
     clipping_gamma: float = 0.01
     neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
+    # algo settings an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's sigma_tr)
+    derived: dict = field(default_factory=dict)
+
+    def algo_config(self, algo_cfg):
+        """The algo config with the derived settings over it: what planning and the algorithm read
+        (the run's own config stays as given, so results.json and resume see what the user set)."""
+        if not self.derived:
+            return algo_cfg
+        merged = OmegaConf.create(OmegaConf.to_container(algo_cfg, resolve=True))
+        merged.merge_with(self.derived)
+        return merged
 
 
 class PlanMismatchError(RuntimeError):
@@ -53,6 +65,36 @@ UNNOISED_RELEASES = (
     "algorithm statistics of the private batch (e.g. DC-DPSGD mean_tail_fraction)",
     "halting on a non-finite training loss (status: diverged)",
 )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What an algorithm that calibrates its noises itself works with: an optional classmethod
+    `calibrate_noise(algo_cfg, calibration, epsilon, delta)` replaces the one-sigma
+    calibration (DC-DPSGD's paper-style epsilon split calibrates two mechanisms apart) and returns
+    (sigma, derived): the algo settings it derived (a second sigma), which `PrivacySetup.derived`
+    hands to planning, the per-step check and the algorithm."""
+
+    accountant: Accountant
+    steps: int
+    sample_rate: float
+    clip_norm: float
+    neighboring: str
+
+    def ledger(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]]) -> Ledger:
+        """The planned run's ledger, each step's mechanisms stated under the run's relation."""
+        return planned_ledger(lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps)
+
+    def epsilon(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]], delta: float) -> float:
+        return self.accountant.epsilon(self.ledger(mechanisms_for_step), delta)
+
+    def noise_multiplier(
+        self, mechanisms: Callable[[float, int], list[GaussianMechanism]], epsilon: float, delta: float
+    ) -> float:
+        """Smallest sigma whose planned run (`mechanisms(sigma, step)` at each step) meets (epsilon, delta)."""
+        return calibrate_noise_multiplier(
+            self.accountant, lambda s: self.ledger(lambda step: mechanisms(s, step)), epsilon, delta
+        )
 
 
 @dataclass
@@ -128,9 +170,10 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     sample_rate = cfg.train.batch_size / train_size
     clip_norm = float(p.clip_norm)
     notes: list[str] = []
+    derived: dict = {}
 
-    def planned_for(sigma: float) -> Callable[[int], list[GaussianMechanism]]:
-        return lambda step: algo_cls.declared_mechanisms(cfg.algo, sigma, sample_rate, step, clip_norm, relation)
+    def planned_for(sigma: float, algo_cfg=cfg.algo) -> Callable[[int], list[GaussianMechanism]]:
+        return lambda step: algo_cls.declared_mechanisms(algo_cfg, sigma, sample_rate, step, clip_norm, relation)
 
     if not accountant.upper_bound:
         notes.append(
@@ -148,9 +191,14 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
                 "use accountant=pld, prv or rdp, or set privacy.allow_approximate_accountant=true"
             )
         target = float(p.epsilon)
-        sigma = calibrate_noise_multiplier(
-            accountant, lambda s: planned_ledger(planned_for(s), steps), target, float(p.delta)
-        )
+        own = getattr(algo_cls, "calibrate_noise", None)  # an algorithm that calibrates several noises itself
+        if own is not None:
+            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation)
+            sigma, derived = own(cfg.algo, calibration, target, float(p.delta))
+        else:
+            sigma = calibrate_noise_multiplier(
+                accountant, lambda s: planned_ledger(planned_for(s), steps), target, float(p.delta)
+            )
     if p.delta >= 1 / train_size:
         notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
     if p.sampling != "poisson":
@@ -168,8 +216,10 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
         clipping=p.clipping,
         clipping_gamma=float(p.clipping_gamma),
         neighboring=relation,
+        derived=derived,
     )
-    plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned_for(sigma), log_private_stats, notes)
+    planned = planned_for(sigma, setup.algo_config(cfg.algo))
+    plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes)
     for note in algo_cls.privacy_notes(cfg.algo):
         plan.note(note)
     return plan

@@ -42,6 +42,10 @@ class Task(ABC):
         """What the model builder needs (input shape, classes)."""
         raise NotImplementedError
 
+    def set_step(self, step: int) -> None:
+        """The training step about to run (`Algorithm.train_step` tells every task; a loss that
+        changes over training, like LDAM-DRW's deferred re-weighting, reads it)."""
+
     def build_model(self, model_cfg) -> nn.Module:
         """The model for this task: the `model` group's builder, given `model_spec()`. Tasks whose
         model depends on them (a language model needs the task's tokenizer) override it."""

@@ -1,5 +1,5 @@
-"""Image classification: a per-example loss (`dataset.loss`: cross_entropy | ldam), accuracy on
-the held-out split."""
+"""Image classification: a per-example loss (`dataset.loss`: cross_entropy | ldam, optionally
+LDAM-DRW's deferred class re-weighting from `dataset.drw_epoch`), accuracy on the held-out split."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dpbench.tasks import TASKS, Task
 @TASKS.register("image_classification")
 class ImageClassificationTask(Task):
     margins: torch.Tensor | None = None  # LDAM class margins; None = plain cross-entropy
+    drw: "DeferredReweighting | None" = None  # LDAM-DRW class re-weighting; None = unweighted losses
 
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
         self.data = load_dataset(cfg.dataset, cfg.seed)
@@ -33,6 +34,12 @@ class ImageClassificationTask(Task):
             self.ldam_scale = float(cfg.dataset.get("ldam_scale", 30.0))
         else:
             raise UserError(f"dataset.loss={loss_name!r} is not known; use cross_entropy or ldam")
+        self.drw = DeferredReweighting.from_config(cfg, self.data.num_classes, self.train_size, device)
+
+    def set_step(self, step: int) -> None:
+        """The training step about to run (DRW switches its class weights on at `dataset.drw_epoch`)."""
+        if self.drw is not None:
+            self.drw.step = step
 
     def model_spec(self) -> DataSpec:
         return DataSpec(
@@ -56,10 +63,14 @@ class ImageClassificationTask(Task):
         images, labels = batch
         logits = model(images)
         if self.margins is None:
-            return F.cross_entropy(logits, labels, reduction="none")
-        # LDAM: subtract the true class's margin, scale, cross-entropy (Cao et al. 2019).
-        shifted = logits - F.one_hot(labels, logits.shape[1]) * self.margins[labels][:, None]
-        return F.cross_entropy(self.ldam_scale * shifted, labels, reduction="none")
+            losses = F.cross_entropy(logits, labels, reduction="none")
+        else:  # LDAM: subtract the true class's margin, scale, cross-entropy (Cao et al. 2019).
+            shifted = logits - F.one_hot(labels, logits.shape[1]) * self.margins[labels][:, None]
+            losses = F.cross_entropy(self.ldam_scale * shifted, labels, reduction="none")
+        # DRW weights each example's loss by its class weight. Privacy is unchanged: the weight
+        # scales that example's gradient BEFORE per-example clipping, so the clipped
+        # contribution still has norm <= the clip bound (and the weights are public).
+        return losses if self.drw is None else losses * self.drw.weights(labels)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return self._accuracy_and_loss(model, self.data.test_images, self.data.test_labels)
@@ -100,12 +111,70 @@ def public_class_profile(dataset_cfg, num_classes: int) -> torch.Tensor:
     return torch.as_tensor(float(imbalance)).double().pow(exponents).float()
 
 
+def public_class_counts(dataset_cfg, num_classes: int, train_size: int) -> torch.Tensor:
+    """Class sizes of the public profile scaled to the n training examples (n is public: q = B/n).
+
+    Scaling the relative profile to n gives cifar10_lt's sizes (5000 ... 50) to within their
+    integer rounding (at most 0.5%), without reading a label."""
+    profile = public_class_profile(dataset_cfg, num_classes).double()
+    return (profile * (train_size / profile.sum())).float()
+
+
+def class_balanced_weights(class_sizes: torch.Tensor, beta: float) -> torch.Tensor:
+    """Effective-number class weights (Cui et al. 2019), as LDAM-DRW's code computes them:
+    (1 - beta) / (1 - beta^n_c), normalised to sum to the number of classes (beta = 0: all 1)."""
+    sizes = class_sizes.double()
+    weights = (1.0 - beta) / (1.0 - torch.pow(torch.as_tensor(beta, dtype=torch.float64), sizes))
+    return (weights * (len(sizes) / weights.sum())).float()
+
+
+class DeferredReweighting:
+    """LDAM-DRW's deferred re-weighting (Cao et al. 2019): plain losses until epoch `drw_epoch`,
+    then each example's loss times its class's effective-number weight.
+
+    The weights come from the config's public class profile, never from the labels (weights
+    from label counts would make every example's loss depend on every other label). Step s is
+    in epoch floor(s B / n), B the expected batch size. The task learns the step from
+    `ImageClassificationTask.set_step` (`Algorithm.train_step` calls it before every step); a
+    loss computed before any step was set says so instead of silently not weighting.
+    """
+
+    def __init__(self, class_weights: torch.Tensor, drw_epoch: int, steps_per_epoch: float):
+        self.class_weights, self.drw_epoch, self.steps_per_epoch = class_weights, drw_epoch, steps_per_epoch
+        self.step: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, num_classes: int, train_size: int, device) -> "DeferredReweighting | None":
+        drw_epoch = cfg.dataset.get("drw_epoch")
+        if drw_epoch is None:  # the papers' runs: 40-50 epochs, before the reference code's epoch 160 (P15)
+            return None
+        beta = float(cfg.dataset.get("drw_beta", 0.9999))
+        if int(drw_epoch) < 0 or not 0 <= beta < 1:
+            raise UserError(f"dataset.drw_epoch={drw_epoch} must be >= 0 and dataset.drw_beta={beta} in [0, 1)")
+        weights = class_balanced_weights(public_class_counts(cfg.dataset, num_classes, train_size), beta)
+        return cls(weights.to(device), int(drw_epoch), train_size / float(cfg.train.batch_size))
+
+    def active(self) -> bool:
+        if self.step is None:
+            raise UserError(
+                "dataset.drw_epoch needs the training step: call task.set_step(step) before the loss "
+                "(Algorithm.train_step does), or set dataset.drw_epoch=null"
+            )
+        return self.step >= self.drw_epoch * self.steps_per_epoch
+
+    def weights(self, labels: torch.Tensor) -> torch.Tensor:
+        """Per-example loss weights: 1 before drw_epoch, the class weights from then on."""
+        if not self.active():
+            return torch.ones(labels.shape, device=labels.device)
+        return self.class_weights.to(labels.device)[labels]
+
+
 def ldam_margins(class_sizes: torch.Tensor, max_margin: float = 0.5) -> torch.Tensor:
     """LDAM margins m_c proportional to n_c^(-1/4), the largest equal to max_margin.
 
     `class_sizes` are relative sizes from the public profile (only ratios matter). DRW
-    re-weighting is not implemented (it starts at epoch 160 in the reference code, after these
-    papers' 40-50 epochs).
+    re-weighting is `DeferredReweighting` (off by default: it starts at epoch 160 in the
+    reference code, after these papers' 40-50 epochs).
     """
     inverse = class_sizes.float().clamp_min(1e-12).pow(-0.25)
     return inverse * (max_margin / inverse.max())
