@@ -306,6 +306,8 @@ class DPFirstOrderAlgorithm(Algorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # algo.per_sample exists where an algorithm can use every engine; the others need per-example
+        # gradients themselves (DC-DPSGD scores them, DPDR decomposes them): materialize.
         self.engine = PerSampleGradients.for_mode(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
         self.optimizer = self.build_optimizer(self.params)
 

@@ -72,7 +72,7 @@ BUDGET_SPLITS = ("renyi", "epsilon")
 
 def budget_split(cfg) -> str:
     """`algo.budget_split` (configs without it: renyi), with its fraction checked."""
-    split = str(cfg.get("budget_split", "renyi"))
+    split = cfg.budget_split
     if split not in BUDGET_SPLITS:
         raise UserError(f"algo.budget_split={split!r} is not known; use renyi or epsilon")
     key = "score_budget_fraction" if split == "renyi" else "score_epsilon_fraction"
@@ -86,16 +86,16 @@ def noise_multipliers(cfg, noise_multiplier: float) -> tuple[float, float]:
     base sigma split by Renyi share, or (epsilon split) sigma_dp itself with sigma_tr from
     algo.score_noise_multiplier."""
     if budget_split(cfg) == "renyi":
-        if cfg.get("score_noise_multiplier") is not None:
+        if cfg.score_noise_multiplier is not None:
             raise UserError("algo.score_noise_multiplier is for algo.budget_split=epsilon; with renyi, "
                             "algo.score_budget_fraction sets sigma_tr")
-        return split_noise_multipliers(noise_multiplier, float(cfg.score_budget_fraction))
+        return split_noise_multipliers(noise_multiplier, cfg.score_budget_fraction)
     if math.isinf(noise_multiplier):  # nothing is released (zero-step run)
         return math.inf, math.inf
-    if cfg.get("score_noise_multiplier") is None:
+    if cfg.score_noise_multiplier is None:
         raise UserError("algo.budget_split=epsilon with a given privacy.noise_multiplier (sigma_dp) needs "
                         "algo.score_noise_multiplier (sigma_tr) too; or set privacy.epsilon to calibrate both")
-    return float(cfg.score_noise_multiplier), noise_multiplier
+    return cfg.score_noise_multiplier, noise_multiplier
 
 
 def score_mechanism(sigma_tr: float, sample_rate: float) -> GaussianMechanism:
@@ -190,10 +190,10 @@ def tail_mask(noisy_scores: torch.Tensor, tail_fraction: float) -> torch.Tensor:
 def tail_to_body_ratio(cfg, body_clip: float) -> float:
     """c1 / c2 from the config: the absolute `algo.tail_clip` (c1) over c2 = privacy.clip_norm,
     or `algo.tail_clip_ratio`. c1 must exceed c2 (the tail gets the larger threshold)."""
-    if cfg.get("tail_clip") is not None:
-        ratio, given = float(cfg.tail_clip) / body_clip, f"algo.tail_clip={cfg.tail_clip} with privacy.clip_norm={body_clip}"
+    if cfg.tail_clip is not None:
+        ratio, given = cfg.tail_clip / body_clip, f"algo.tail_clip={cfg.tail_clip} with privacy.clip_norm={body_clip}"
     else:
-        ratio, given = float(cfg.tail_clip_ratio), f"algo.tail_clip_ratio={cfg.tail_clip_ratio}"
+        ratio, given = cfg.tail_clip_ratio, f"algo.tail_clip_ratio={cfg.tail_clip_ratio}"
     if not ratio > 1:
         raise UserError(f"{given} gives c1 <= c2; the tail threshold c1 must exceed the body threshold c2 = privacy.clip_norm")
     return ratio
@@ -214,7 +214,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
 
     def __init__(self, model, task, cfg, lr, privacy):
-        if not 0 < float(cfg.tail_fraction) < 1:
+        if not 0 < cfg.tail_fraction < 1:
             raise UserError(f"algo.tail_fraction={cfg.tail_fraction} must lie strictly between 0 and 1")
         if privacy.clipping != "flat":
             raise UserError("dcdpsgd clips body and tail with flat (Abadi) clipping: set privacy.clipping=flat")
@@ -225,7 +225,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.tail_clip = tail_to_body_ratio(cfg, self.body_clip) * self.body_clip  # c1
         self.identification = self._identification_indices(cfg.score_params)
         dim = sum(self.params[i].numel() for i in self.identification)
-        k = None if cfg.subspace_dim is None else int(cfg.subspace_dim)
+        k = None if cfg.subspace_dim is None else cfg.subspace_dim
         if k is not None and dim * min(k, dim) > MAX_PROJECTION_ELEMENTS:
             raise UserError(
                 f"the score subspace would be {dim} x {cfg.subspace_dim} floats per step; set "
@@ -234,7 +234,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         # Public projection randomness: reproducible from the experiment seed (drawn from the
         # seeded global RNG once); the privacy noise never comes from it.
         self.projection_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
-        self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, float(cfg.theta), self.projection_generator)
+        self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, cfg.theta, self.projection_generator)
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
 
@@ -286,10 +286,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             return calibration.noise_multiplier(
                 lambda s, step: cls.planned_mechanisms(cfg, s, q, step, clip), epsilon, delta
             ), {}
-        if cfg.get("score_noise_multiplier") is not None:
+        if cfg.score_noise_multiplier is not None:
             raise UserError("algo.score_noise_multiplier is calibrated from privacy.epsilon here; give it only "
                             "together with privacy.noise_multiplier (fixed noise), or leave it null")
-        f = float(cfg.score_epsilon_fraction)
+        f = cfg.score_epsilon_fraction
         score = lambda s, step: [score_mechanism(s, q)]  # noqa: E731
         gradient = lambda s, step: [gradient_mechanism(cfg, s, q, clip)]  # noqa: E731
         sigma_tr = calibration.noise_multiplier(score, f * epsilon, delta / 2)
@@ -343,7 +343,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tail mask (the top-p noisy scores) and [B] per-example thresholds: c1 tail, c2 body."""
-        tail = tail_mask(noisy_scores, float(self.cfg.tail_fraction))
+        tail = tail_mask(noisy_scores, self.cfg.tail_fraction)
         return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
     def gradient_sensitivity(self) -> float:
@@ -366,7 +366,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         if not (math.isclose(split["sigma_tr"], self.sigma_tr) and math.isclose(split["sigma_dp"], self.sigma_dp)):
             return {}  # a recorded split of other noise multipliers: not this run's
         return {
-            "score_epsilon_fraction": float(self.cfg.score_epsilon_fraction),
+            "score_epsilon_fraction": self.cfg.score_epsilon_fraction,
             "epsilon_tr": split["epsilon_tr"],
             "epsilon_dp": split["epsilon_dp"],
             "epsilon_tr_plus_dp": split["epsilon_tr"] + split["epsilon_dp"],
@@ -376,7 +376,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     def extra_results(self) -> dict:
         seen = self.tail_fraction_seen
         if budget_split(self.cfg) == "renyi":
-            renyi_share = float(self.cfg.score_budget_fraction)
+            renyi_share = self.cfg.score_budget_fraction
         elif math.isfinite(self.sigma_tr):  # the Renyi share the two calibrated multipliers amount to
             renyi_share = self.sigma_tr**-2 / (self.sigma_tr**-2 + self.sigma_dp**-2)
         else:

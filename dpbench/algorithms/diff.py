@@ -27,7 +27,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
-        self.difference_clip = float(cfg.difference_clip)
+        self.difference_clip = cfg.difference_clip
         if not self.difference_clip > 0:
             raise UserError(f"algo.difference_clip (C_d) must be positive, got {cfg.difference_clip}")
 
@@ -38,7 +38,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         return [GaussianMechanism(noise_multiplier, sample_rate)]
 
     def build_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=float(self.cfg.momentum))
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
 
     def clipped_difference(self, differences: list[torch.Tensor]) -> list[torch.Tensor]:
         """sum_i clip_{C_d}(d_i) over one physical chunk; d_i flat-clipped over all tensors."""

@@ -38,13 +38,13 @@ def effective_noise_multiplier(sigma_perp: float, sigma_alpha: float) -> float:
 
 def decomposition_sigmas(cfg, sigma_g: float) -> tuple[float, float]:
     if cfg.paper_accounting:
-        return float(cfg.sigma_perp), float(cfg.sigma_alpha)
-    sigma_perp = float(cfg.perp_ratio) * sigma_g
-    return sigma_perp, float(cfg.alpha_ratio) * sigma_perp
+        return cfg.sigma_perp, cfg.sigma_alpha
+    sigma_perp = cfg.perp_ratio * sigma_g
+    return sigma_perp, cfg.alpha_ratio * sigma_perp
 
 
 def is_decomposition_step(cfg, step: int) -> bool:
-    return 1 <= step < int(cfg.decomposition_steps)
+    return 1 <= step < cfg.decomposition_steps
 
 
 def decompose(per_sample: list[torch.Tensor], bases: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -67,7 +67,7 @@ def clip_alpha(alpha: torch.Tensor, clip: float) -> torch.Tensor:
 class DPDR(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("bases",)
     def __init__(self, model, task, cfg, lr, privacy):
-        if int(cfg.decomposition_steps) < 1:
+        if cfg.decomposition_steps < 1:
             raise UserError(f"algo.decomposition_steps={cfg.decomposition_steps} must be >= 1 (1 = plain DP-SGD)")
         super().__init__(model, task, cfg, lr, privacy)
         self.sigma_perp, self.sigma_alpha = decomposition_sigmas(cfg, privacy.noise_multiplier)
@@ -91,17 +91,17 @@ class DPDR(DPFirstOrderAlgorithm):
         perp_sums, alpha_sum, tally = self.zero_sums(), torch.zeros(len(self.params), device=self.params[0].device), LossTally()
         for _, losses in self.chunks(batches, tally):
             alpha, perps = decompose(self.engine.backward_per_sample(losses), self.bases)
-            perp_factors = clip_factors(per_sample_norms(perps), float(self.cfg.perp_clip))
+            perp_factors = clip_factors(per_sample_norms(perps), self.cfg.perp_clip)
             for s, c in zip(perp_sums, clipped_sum(perps, perp_factors)):
                 s.add_(c)
-            alpha_sum += clip_alpha(alpha, float(self.cfg.alpha_clip)).sum(dim=0)
+            alpha_sum += clip_alpha(alpha, self.cfg.alpha_clip).sum(dim=0)
         return perp_sums, alpha_sum, tally
 
     def decomposed_gradient(self, batches) -> tuple[list[torch.Tensor], LossTally]:
         """g~_l = (alpha~_l b_l + g~_perp_l) / B from ONE release of both parts (they read the same
         batch; sensitivities C_perp and C_alpha)."""
         perp_sums, alpha_sum, tally = self.decomposed_sums(batches)
-        perp_clip, alpha_clip = float(self.cfg.perp_clip), float(self.cfg.alpha_clip)
+        perp_clip, alpha_clip = self.cfg.perp_clip, self.cfg.alpha_clip
         noisy_perp, (noisy_alpha,) = self.gaussian_release(
             "decomposed_gradient",
             ReleasePart(perp_sums, perp_clip, self.sigma_perp * perp_clip),
@@ -116,7 +116,7 @@ class DPDR(DPFirstOrderAlgorithm):
         else:
             sums, tally = self.clip_and_accumulate(batches)
             gradients = self.privatize(sums)  # sigma_g * C_g
-        if step_index + 1 < int(self.cfg.decomposition_steps):  # b is needed next step
+        if step_index + 1 < self.cfg.decomposition_steps:  # b is needed next step
             self.refresh_bases(gradients)
         self.apply_update(gradients)
         return tally.result()
@@ -127,8 +127,8 @@ class DPDR(DPFirstOrderAlgorithm):
             "sigma_perp": self.sigma_perp,
             "sigma_alpha": self.sigma_alpha,
             "sigma_eff": effective_noise_multiplier(self.sigma_perp, self.sigma_alpha),
-            "decomposition_steps": int(self.cfg.decomposition_steps),
-            "paper_accounting": bool(self.cfg.paper_accounting),
+            "decomposition_steps": self.cfg.decomposition_steps,
+            "paper_accounting": self.cfg.paper_accounting,
         }
         if self.cfg.paper_accounting:
             results["claimed_epsilon"] = self.cfg.claimed_epsilon
