@@ -98,6 +98,11 @@ class Algorithm(ABC):
         """`planned_mechanisms` stated under the run's neighbouring relation."""
         return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step, clip_norm), neighboring)
 
+    # Optional classmethod `calibrate_noise(algo_cfg, calibration, epsilon, delta) -> (sigma, derived)`
+    # for an algorithm that calibrates several noises itself (DC-DPSGD's epsilon split; see
+    # privacy/plan.py `Calibration`); None: the plan calibrates one sigma through planned_mechanisms.
+    calibrate_noise: ClassVar[Callable | None] = None
+
     @classmethod
     def privacy_notes(cls, cfg) -> list[str]:
         """Facts about this configuration that change what the reported epsilon means."""

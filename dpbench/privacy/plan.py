@@ -191,10 +191,9 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
                 "use accountant=pld, prv or rdp, or set privacy.allow_approximate_accountant=true"
             )
         target = float(p.epsilon)
-        own = getattr(algo_cls, "calibrate_noise", None)  # an algorithm that calibrates several noises itself
-        if own is not None:
+        if algo_cls.calibrate_noise is not None:  # an algorithm that calibrates several noises itself
             calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation)
-            sigma, derived = own(cfg.algo, calibration, target, float(p.delta))
+            sigma, derived = algo_cls.calibrate_noise(cfg.algo, calibration, target, float(p.delta))
         else:
             sigma = calibrate_noise_multiplier(
                 accountant, lambda s: planned_ledger(planned_for(s), steps), target, float(p.delta)
