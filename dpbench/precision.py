@@ -3,9 +3,13 @@
 Only the forward runs in low precision: master weights, optimizer state, per-example norms,
 clipped sums and the privacy noise stay fp32 (`clipped_sum` accumulates in fp32, the noise is
 added to those sums), so the stated sensitivity and noise std hold as in fp32. bf16 has fp32's
-range and needs no loss scaling. fp16 is refused: its per-example gradients underflow without
-loss scaling, and torch's dynamic GradScaler scales the batch gradient, not the per-example
-gradients the norms are taken of (unscaling them before clipping is not implemented yet).
+range and needs no loss scaling. fp16 gradients underflow below 6e-8, so fp16 backpropagates the
+loss times a static `FP16_LOSS_SCALE` and divides it out in fp32: per-example gradients (the
+materialize engine) before any norm is taken, batch gradients (non-private algorithms) before the
+optimizer step. A static scale rather than torch's GradScaler: GradScaler scales the batch
+gradient and skips steps on overflow, while a DP step must clip per-example gradients and
+release its noise whatever happens; an overflow (a gradient above 65504 / scale) stops the run
+with a one-line error instead of being dropped silently.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from dpbench.errors import UserError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_LOSS_SCALE = 2.0**10
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,10 @@ class Precision:
     def dtype(self) -> torch.dtype | None:
         return DTYPES[self.name]
 
+    @property
+    def loss_scale(self) -> float:
+        return FP16_LOSS_SCALE if self.name == "fp16" else 1.0
+
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -38,9 +47,18 @@ class Precision:
 FP32 = Precision()
 
 
+def unscaled(gradient: torch.Tensor, scale: float) -> torch.Tensor:
+    """gradient / scale in fp32 (identity when unscaled); an overflowed value stops the run."""
+    if scale == 1.0:
+        return gradient
+    if not bool(torch.isfinite(gradient).all()):
+        from dpbench.errors import DivergedError
+
+        raise DivergedError(f"an fp16 gradient overflowed at loss scale {scale:g}; use train.precision=bf16 or lower train.lr")
+    return gradient.float() / scale
+
+
 def precision_for(name: str, device: torch.device) -> Precision:
     if name not in DTYPES:
         raise UserError(f"train.precision={name!r} is not known; use one of {', '.join(DTYPES)}")
-    if name == "fp16":
-        raise UserError("train.precision=fp16 is not supported (per-example gradients underflow without loss scaling); use train.precision=bf16")
     return Precision(name, device.type)

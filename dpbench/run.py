@@ -208,7 +208,7 @@ def setup(cfg: DictConfig) -> Job:
         raise UserError(f"train.precision={precision.name} applies to first-order algorithms; algo={cfg.algo.name} runs in the model's dtype")
     privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
-    algorithm.precision = precision
+    algorithm.use_precision(precision)
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 
 

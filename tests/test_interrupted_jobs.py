@@ -17,6 +17,13 @@ from dpbench.logging.wandb_logger import UNFINISHED_MARKER, LoggerCallback
 from dpbench.run import run_job
 
 
+def joblib_launcher_installed() -> bool:
+    try:  # find_spec of a dotted name raises when the namespace package is absent
+        return importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def wandb_sync_dry_run(folder) -> str:
     """What `wandb sync` would upload from a wandb folder (it lists runs before logging in)."""
     env = {"PATH": os.environ["PATH"], "HOME": str(folder.parent), "WANDB_MODE": "offline"}
@@ -67,7 +74,7 @@ def test_failed_jobs_are_the_error_files_written_since_the_grid_started(tmp_path
     assert len(failed_jobs(tmp_path, old - 10)) == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None,
+@pytest.mark.skipif(not joblib_launcher_installed(),
                     reason="hydra-joblib-launcher is not installed (pip install 'dpbench[parallel]')")
 def test_a_grid_run_by_worker_processes_reports_its_failed_jobs_and_exits_1(tmp_path):
     sweep = tmp_path / "sweep"

@@ -1,14 +1,16 @@
-"""train.precision=bf16: the forward under autocast, while norms, clipped sums and noise stay fp32
-(so clipping still enforces the stated sensitivity), and what cannot run in bf16 is refused."""
+"""train.precision=bf16|fp16: the forward under autocast, while norms, clipped sums and noise stay
+fp32 (so clipping still enforces the stated sensitivity); fp16's loss scale is divided out before
+any norm; what cannot run in low precision is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_helpers import build_algorithm
+from algorithm_helpers import build_algorithm, tiny_model
 from conftest import TINY, compose
 
 from dpbench.errors import UserError
+from dpbench.algorithms import algorithm_class
 from dpbench.precision import Precision
 from dpbench.run import run_job
 
@@ -37,9 +39,40 @@ def test_bf16_run_learns_and_spends_the_same_epsilon(tmp_path):
     assert bf16["metrics"]["test_accuracy"] > 0.25 + 0.15  # 4 classes; fp32 and bf16 reach 0.47-0.79
 
 
+def _tiny_gradient_sums(precision: str, tiny: float, loss_scale: float | None = None) -> torch.Tensor:
+    """Unclipped per-example gradient sum of 16 examples whose losses are scaled by `tiny`."""
+    algorithm, task, _ = build_algorithm("dpsgd", sigma=0.0, clip=1e6)
+    loss = task.per_sample_loss
+    task.per_sample_loss = lambda model, batch: loss(model, batch) * tiny
+    if precision != "fp32":
+        algorithm.use_precision(Precision(precision, "cpu"))
+    if loss_scale is not None:
+        algorithm.engine.loss_scale = loss_scale
+    sums, _ = algorithm.clip_and_accumulate([task.batch(list(range(16)))])
+    return torch.cat([s.flatten() for s in sums])
+
+
+def test_fp16_loss_scale_keeps_small_per_example_gradients():
+    reference = _tiny_gradient_sums("fp32", 1e-6)
+    error = lambda sums: float((sums - reference).norm() / reference.norm())  # noqa: E731
+    assert error(_tiny_gradient_sums("fp16", 1e-6)) < 5e-3
+    assert error(_tiny_gradient_sums("fp16", 1e-6, loss_scale=1.0)) > 5 * error(_tiny_gradient_sums("fp16", 1e-6))
+
+
+def test_fp16_non_private_gradient_is_unscaled_before_the_step():
+    _, task, cfg = build_algorithm("sgd")
+    grads = {}
+    for precision in ("fp32", "fp16"):
+        algorithm = algorithm_class("sgd")(tiny_model(), task, cfg.algo, 0.1, None)
+        algorithm.use_precision(Precision(precision, "cpu"))
+        algorithm.backward_mean_loss([task.batch(list(range(16)))])
+        grads[precision] = torch.cat([p.grad.flatten() for p in algorithm.params])
+    assert torch.allclose(grads["fp16"], grads["fp32"], rtol=2e-2, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [(["train.precision=fp16"], "use train.precision=bf16"),
+    [(["train.precision=fp16", "algo=dpadam", "algo.per_sample=ghost"], "per_sample=materialize"),
      (["train.precision=fp64"], "not known"),
      (["algo=dpzero", "train.precision=bf16"], "first-order")],
 )

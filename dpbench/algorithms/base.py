@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from dpbench import distributed
-from dpbench.precision import FP32, Precision
+from dpbench.errors import UserError
+from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.per_sample import (
@@ -67,7 +68,7 @@ class Algorithm(ABC):
     # keys of extra_results() computed from the private batch without noise (dropped when
     # privacy.log_private_stats=false)
     unnoised_results: ClassVar[tuple[str, ...]] = ()
-    precision: Precision = FP32  # the forward's autocast (train.precision); run.setup sets it
+    precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
 
@@ -180,6 +181,9 @@ class Algorithm(ABC):
             yield batch, losses
             tally.add(losses)
 
+    def use_precision(self, precision: Precision) -> None:
+        self.precision = precision
+
     def per_example_losses(self, batch: Batch) -> torch.Tensor:
         with self.precision.autocast():
             return self.task.per_sample_loss(self.model, batch)
@@ -188,9 +192,12 @@ class Algorithm(ABC):
         """Non-private gradient accumulation over the physical chunks: backpropagate the mean
         loss of the logical batch into .grad (nothing for an empty batch)."""
         total = sum(self.task.batch_size(b) for b in batches)
-        tally = LossTally()
+        tally, scale = LossTally(), self.precision.loss_scale
         for _, losses in self.chunks(batches, tally):
-            (losses.float().sum() / total).backward()
+            (losses.float().sum() * (scale / total)).backward()
+        for p in self.model.parameters():
+            if p.grad is not None and scale != 1.0:
+                p.grad = unscaled(p.grad, scale).to(p.grad.dtype)
         return tally
 
     @abstractmethod
@@ -376,6 +383,13 @@ class DPFirstOrderAlgorithm(Algorithm):
     @property
     def per_sample_grad_bytes(self) -> int:
         return self.engine.peak_bytes
+
+    def use_precision(self, precision: Precision) -> None:
+        if precision.loss_scale != 1.0 and not isinstance(self.engine, PerSampleGradients):
+            raise UserError(f"train.precision={precision.name} needs algo.per_sample=materialize (its loss scale is "
+                            "divided out of the per-example gradients); use train.precision=bf16 for ghost or bk")
+        super().use_precision(precision)
+        self.engine.loss_scale = precision.loss_scale
 
     def optimizer_state_bytes(self) -> int:
         return torch_optimizer_state_bytes(self.optimizer)

@@ -24,6 +24,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.errors import UserError
+from dpbench.precision import unscaled
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -48,6 +49,7 @@ class PerSampleGradients:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
         self.peak_bytes = 0  # largest set of per-sample gradients formed at once
+        self.loss_scale = 1.0  # train.precision=fp16: divided out of every per-sample gradient (fp32)
 
     def meter(self, held_bytes: int) -> None:
         """Record per-example bytes held at once (a caller holding two sets reports their sum)."""
@@ -58,7 +60,7 @@ class PerSampleGradients:
 
         The summed batch gradient that autograd also accumulates in `.grad` is discarded.
         """
-        losses.sum().backward()
+        (losses.sum() * self.loss_scale).backward()
         per_sample = []
         for p in self.params:
             grad_sample = p.grad_sample
@@ -66,7 +68,7 @@ class PerSampleGradients:
                 raise RuntimeError("per-sample gradients were accumulated twice without a reset")
             if grad_sample is None:  # parameter unused in this forward pass
                 grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
-            grad_sample = _sum_rows_per_example(grad_sample, losses.shape[0])
+            grad_sample = unscaled(_sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
             per_sample.append(grad_sample)
             p.grad_sample = None
             p.grad = None
