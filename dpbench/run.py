@@ -29,7 +29,7 @@ from dpbench.metering import PeakMemory
 from dpbench.precision import precision_for
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import build_sampler
-from dpbench.schema import check_keys
+from dpbench.schema import check_keys, default_of
 from dpbench.tasks import Task, build_task
 from dpbench.trainer import Trainer, TrainerConfig
 
@@ -144,6 +144,8 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         if dotted in RESUME_IGNORED_KEYS:
             continue
         a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
+            continue  # a key added since the run was stored, left at its default
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_differences(a, b, dotted + ".")
         elif a != b:

@@ -411,6 +411,19 @@ def register() -> None:
         store.store(name=name, node=node)
 
 
+def default_of(dotted: str, algo_name: str | None = None) -> Any:
+    """The schema's default of a top-level or `algo.` key (MISSING where no schema declares one):
+    resume treats a key that a stored run predates as matching when the run uses its default."""
+    section, _, key = dotted.partition(".")
+    if section == "algo":
+        schema = ALGO_SCHEMAS.get(algo_name or "")
+        node = OmegaConf.structured(schema) if schema else None
+    else:
+        node, key = OmegaConf.structured(Config), dotted
+    value = OmegaConf.select(node, key, default=MISSING, throw_on_missing=False) if node is not None else MISSING
+    return str(value) if isinstance(value, Choice) else value
+
+
 # ---------------------------------------------------------------------------- keys and errors
 
 

@@ -134,3 +134,14 @@ def test_cli_schema_errors_are_one_line_and_exit_2(tmp_path, overrides, message)
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert lines[0].startswith(message)
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_resume_matches_a_stored_run_that_predates_a_key_left_at_its_default():
+    from dpbench.run import config_differences
+
+    stored = {"train": {"lr": 0.1}, "algo": {"name": "dcdpsgd", "theta": 2.0}}
+    current = {"train": {"lr": 0.1, "precision": "fp32"}, "algo": {"name": "dcdpsgd", "theta": 2.0, "budget_split": "renyi"}}
+    assert config_differences(stored, current) == []
+    changed = {"train": {"lr": 0.1, "precision": "bf16"}, "algo": {**current["algo"], "budget_split": "epsilon"}}
+    assert config_differences(stored, changed) == [
+        "algo.budget_split ('<absent>' -> 'epsilon')", "train.precision ('<absent>' -> 'bf16')"]
