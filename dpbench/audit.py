@@ -298,7 +298,8 @@ def run_audit(cfg, run_dir: Path) -> dict:
         fixed = cfg.copy()
         OmegaConf.update(fixed, "privacy.noise_multiplier", float(job.privacy.setup.noise_multiplier))
         for key, value in job.privacy.setup.derived.items():  # an algorithm's own calibration (DC-DPSGD's sigma_tr)
-            OmegaConf.update(fixed, f"algo.{key}", value, force_add=True)
+            if key in cfg.algo:  # its options only (derived facts for results.json are not config keys)
+                OmegaConf.update(fixed, f"algo.{key}", value)
         checks = [*noise_check(fixed), *sensitivity_check(fixed), *accounting]
     report = {
         "algo": cfg.algo.name,

@@ -30,8 +30,9 @@ def test_every_private_algorithm_passes_the_audit(algo, tmp_path):
     assert json.loads((tmp_path / "audit.json").read_text())["passed"] is True
 
 
-@pytest.mark.parametrize("variant", ["algo=dpadam algo.per_sample=ghost", "algo=dpadam algo.per_sample=bk", "algo=grape algo.per_sample=bk"])
-def test_ghost_and_bookkeeping_pass_the_audit(variant, tmp_path):
+@pytest.mark.parametrize("variant", ["algo=dpadam algo.per_sample=ghost", "algo=dpadam algo.per_sample=bk",
+                                     "algo=grape algo.per_sample=bk", "algo=dcdpsgd algo.budget_split=epsilon"])
+def test_variants_pass_the_audit(variant, tmp_path):
     report = run_audit(compose(TINY + AUDIT + variant.split()), tmp_path)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
 
