@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 from dpbench import distributed
 from dpbench.errors import UserError
+from dpbench.paths import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FORMAT = "dpbench-checkpoint"
@@ -58,20 +58,9 @@ def checkpoint_path(run_dir: Path) -> Path:
 
 
 def write_checkpoint(run_dir: Path, payload: dict) -> Path:
-    """Atomically (temp file + os.replace): a reader sees the previous checkpoint or the new one."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save({"format": FORMAT, "version": FORMAT_VERSION, **payload}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, checkpoint_path(run_dir))
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return checkpoint_path(run_dir)
+    """Atomically: a reader sees the previous checkpoint or the new one."""
+    stamped = {"format": FORMAT, "version": FORMAT_VERSION, **payload}
+    return atomic_write(checkpoint_path(run_dir), lambda handle: torch.save(stamped, handle), binary=True)
 
 
 def read_checkpoint(run_dir: Path) -> dict | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench.errors import UserError
+from dpbench.errors import DivergedError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_LOSS_SCALE = 2.0**10
@@ -52,13 +52,6 @@ def unscaled(gradient: torch.Tensor, scale: float) -> torch.Tensor:
     if scale == 1.0:
         return gradient
     if not bool(torch.isfinite(gradient).all()):
-        from dpbench.errors import DivergedError
-
         raise DivergedError(f"an fp16 gradient overflowed at loss scale {scale:g}; use train.precision=bf16 or lower train.lr")
     return gradient.float() / scale
 
-
-def precision_for(name: str, device: torch.device) -> Precision:
-    if name not in DTYPES:
-        raise UserError(f"train.precision={name!r} is not known; use one of {', '.join(DTYPES)}")
-    return Precision(name, device.type)

@@ -26,7 +26,7 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
-from dpbench.precision import precision_for
+from dpbench.precision import Precision
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import build_sampler
 from dpbench.schema import check_keys, default_of
@@ -153,16 +153,20 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
     return out
 
 
+def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
+    """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
+    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
+    if differences:
+        console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
+                      soft_wrap=True)
+    return not differences
+
+
 def reusable_results(cfg: DictConfig, run_dir: Path) -> dict | None:
     """The stored results of this exact job, or None (with the reason printed) to run it."""
     if not cfg.resume or (existing := read_results(run_dir)) is None:
         return None
-    differences = config_differences(existing.get("config") or {}, resolved_config(cfg))
-    if differences:
-        console.print(
-            f"[yellow]note:[/] {run_dir} holds a run of another config ({'; '.join(differences[:4])}); running it again",
-            soft_wrap=True,
-        )
+    if not matches_config(existing, cfg, f"{run_dir} holds a run", "running it again"):
         return None
     console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
     return existing
@@ -172,12 +176,7 @@ def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
     """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
     if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
         return None
-    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
-    if differences:
-        console.print(f"[yellow]note:[/] the checkpoint in {run_dir} is of another config "
-                      f"({'; '.join(differences[:4])}); starting from step 0", soft_wrap=True)
-        return None
-    return stored
+    return stored if matches_config(stored, cfg, f"the checkpoint in {run_dir} is", "starting from step 0") else None
 
 
 @dataclass
@@ -205,7 +204,7 @@ def setup(cfg: DictConfig) -> Job:
     if cfg.train.batch_size > task.train_size:
         raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {task.train_size} training examples; lower it")
     steps = planned_steps(cfg, task.train_size)
-    precision = precision_for(cfg.train.get("precision") or "fp32", device)
+    precision = Precision(str(cfg.train.precision), device.type)  # the schema checked the choice
     if precision.dtype is not None and not algo_cls.autocast_forward:
         raise UserError(f"train.precision={precision.name} applies to first-order algorithms; algo={cfg.algo.name} runs in the model's dtype")
     privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None

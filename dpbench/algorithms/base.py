@@ -195,8 +195,8 @@ class Algorithm(ABC):
         tally, scale = LossTally(), self.precision.loss_scale
         for _, losses in self.chunks(batches, tally):
             (losses.float().sum() * (scale / total)).backward()
-        for p in self.model.parameters():
-            if p.grad is not None and scale != 1.0:
+        for p in self.model.parameters() if scale != 1.0 else ():
+            if p.grad is not None:
                 p.grad = unscaled(p.grad, scale).to(p.grad.dtype)
         return tally
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
 SCHEMA_VERSION = 3
@@ -205,18 +205,8 @@ def write_results(run_dir: Path, results: RunResults | dict) -> Path:
     """Write atomically: a reader sees the old file or the complete new one, never half of it."""
     if isinstance(results, RunResults):
         results = results.to_json()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RESULTS_FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".results-", suffix=".json")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; colleagues and Docker volume owners must read it
-    with os.fdopen(fd, "w") as handle:
-        json.dump(_jsonable(results), handle, indent=2, sort_keys=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic_write(Path(run_dir) / RESULTS_FILE,
+                        lambda handle: json.dump(_jsonable(results), handle, indent=2, sort_keys=False))
 
 
 def read_results(run_dir: Path) -> dict | None:
