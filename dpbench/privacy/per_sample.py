@@ -2,8 +2,8 @@
 
 Three engines compute the clipped sum Σ_i f_i g_i of a physical batch (`algo.per_sample`):
 `materialize` (this module: every per-sample gradient formed, Opacus's default), `ghost` (norms
-without per-sample gradients, then a reweighted second backward: ghost.py, Opacus) and `bk`
-(book-keeping, one backward: bookkeeping.py). `PerSampleGradients.for_mode` builds one; each
+without per-sample gradients, then a second backward that sums the clipped pieces) and `bk`
+(book-keeping, one backward): both in bookkeeping.py. `PerSampleGradients.for_mode` builds one; each
 has `clipped_sum(losses, factors_fn) -> sums` and meters its largest per-example working set in
 `peak_bytes` (results.json's per_sample_grad_bytes).
 
@@ -24,7 +24,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.precision import unscaled
+from dpbench.precision import unscaled_per_example
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -68,7 +68,7 @@ class PerSampleGradients:
                 raise RuntimeError("per-sample gradients were accumulated twice without a reset")
             if grad_sample is None:  # parameter unused in this forward pass
                 grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
-            grad_sample = unscaled(_sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
+            grad_sample = unscaled_per_example(_sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
             per_sample.append(grad_sample)
             p.grad_sample = None
             p.grad = None
@@ -93,11 +93,12 @@ class PerSampleGradients:
 
 def _ghost_engine(model: nn.Module, overrides: dict):
     from dpbench.privacy.bookkeeping import BookKeeping
-    from dpbench.privacy.ghost import OpacusGhostClipping
 
-    # Opacus's norm samplers cannot see a per-layer transform (DP-GRAPE's projection): the
-    # hand-written hooks run the same two passes then.
-    return BookKeeping(model, overrides, passes=2) if overrides else OpacusGhostClipping(model)
+    # Hand-written rather than Opacus's GradSampleModuleFastGradientClipping: its second pass is
+    # autograd's backward of Σ_i f_i ℓ_i, which under autocast sums the clipped gradients in
+    # bf16/fp16 (one added example moved the sum by 2·C at batch 1024), lets a non-finite example
+    # poison the sum through 0 · inf, and cannot see DP-GRAPE's projection (bookkeeping.py).
+    return BookKeeping(model, overrides, passes=2)
 
 
 def _bk_engine(model: nn.Module, overrides: dict):
