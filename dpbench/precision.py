@@ -47,13 +47,14 @@ class Precision:
 FP32 = Precision()
 
 
-def unscaled(gradient: torch.Tensor, scale: float) -> torch.Tensor:
-    """gradient / scale in fp32 (identity when unscaled); an overflowed value stops the run."""
-    if scale == 1.0:
-        return gradient
-    if not bool(torch.isfinite(gradient).all()):
+def unscaled(gradients: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """Batch gradients / scale in fp32 (unchanged when unscaled); an overflowed value stops the
+    (non-private) run. One host sync for all of them, not one per parameter."""
+    if scale == 1.0 or not gradients:
+        return gradients
+    if not bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all()):
         raise DivergedError(f"an fp16 gradient overflowed at loss scale {scale:g}; use train.precision=bf16 or lower train.lr")
-    return gradient.float() / scale
+    return [g.float() / scale for g in gradients]
 
 
 
