@@ -19,11 +19,9 @@ from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
-from dpbench.privacy.per_sample import (
-    GradSampler,
-    PerSampleGradients,
-    clip_factors,
-)
+from dpbench.privacy.clipping import clip_factors
+from dpbench.privacy.engines import build_engine
+from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
 from dpbench.tasks import Batch, Task
 
@@ -350,7 +348,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.params = [p for p in model.parameters() if p.requires_grad]
         # algo.per_sample exists where an algorithm can use every engine; the others need per-example
         # gradients themselves (DC-DPSGD scores them, DPDR decomposes them): materialize.
-        self.engine = PerSampleGradients.for_mode(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
+        self.engine = build_engine(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
         self.optimizer = self.build_optimizer(self.params)
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 

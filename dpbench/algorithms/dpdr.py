@@ -29,7 +29,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 
 
 def effective_noise_multiplier(sigma_perp: float, sigma_alpha: float) -> float:

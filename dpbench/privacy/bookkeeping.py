@@ -27,11 +27,12 @@ Both engines check once, against autograd's own summed gradient, that every trai
 gradient is made only of what the hooks saw (a parameter read outside its module's forward would
 otherwise be released without a per-example norm), and give a non-finite example clip factor 0.
 
-Written by hand because Opacus 1.6 has no book-keeping and its ghost clipping sums in low precision. Rows that belong to one example
-(candidate scoring: R = K·B rows, example-major) are merged into the token axis, which is exact
-for these layers: the example's gradient sums over its rows and tokens alike. A parameter used by
-several layer calls (tied or reused) gets its per-example gradient instantiated and summed,
-because ghost norms of parts do not add up to the norm of their sum.
+Written by hand because Opacus 1.6 has no book-keeping and its ghost clipping sums in low
+precision. Rows that belong to one example (candidate scoring: R = K·B rows, example-major) are
+merged into the token axis, which is exact for these layers: the example's gradient sums over its
+rows and tokens alike. A parameter used by several layer calls (tied or reused) gets its
+per-example gradient instantiated and summed, because ghost norms of parts do not add up to the
+norm of their sum.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.privacy.per_sample import _sum_rows_per_example, clipped_sum
+from dpbench.privacy.clipping import clipped_sum, sum_rows_per_example
 
 FactorsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -201,7 +202,7 @@ def _plain_embedding(module: nn.Module) -> bool:
 
 def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:
     grads = sampler(module, activations, backprops)
-    return {p: Instantiated(_sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
+    return {p: Instantiated(sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
 
 
 def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
