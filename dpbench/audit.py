@@ -233,7 +233,8 @@ def _independence_check(key: str, across: str, statistics: list[tuple[str, float
     """One check over (what, correlation, n) statistics: every |corr| <= z / sqrt(n)."""
     z = _normal_quantile(alpha, len(statistics))
     if not statistics:
-        return Check("independence", f"{key} across {across}", 0.0, 0.0, True, f"nothing to compare across {across}")
+        return Check("independence", f"{key} across {across}", 0.0, 0.0, True,
+                     f"released at one step only: nothing to compare across {across} (raise audit.noise_steps)")
     what, corr, n = max(statistics, key=lambda s: abs(s[1]) * math.sqrt(s[2]))
     bound = z / math.sqrt(n)
     return Check(
@@ -265,10 +266,13 @@ def noise_check(cfg) -> list[Check]:
     checks: list[Check] = []
     mismatches: list[str] = []
     squares: dict[str, list] = {}  # release part -> [sum (noise / planned std)^2, draws, planned stds, stated stds]
-    normalised: list[dict[str, dict[int, torch.Tensor]]] = []  # per job: release part -> step -> noise / planned std
+    # per job: noise / planned std by size (release parts of one size are compared, whatever their
+    # name: DPDR's step-0 gradient and its later decomposed gradient) -> step -> that step's noise
+    normalised: list[dict[int, dict[int, list[torch.Tensor]]]] = []
+    names: dict[int, set[str]] = {}  # size -> the release parts of that size
     for job, recorder in jobs:
         plan = job.privacy
-        series: dict[str, dict[int, torch.Tensor]] = {}
+        series: dict[int, dict[int, list[torch.Tensor]]] = {}
         for step in sorted(recorder.ledger):
             releases, planned = recorder.of_step(step), plan.planned(step)
             if not same_mechanisms(recorder.ledger[step], planned):
@@ -286,11 +290,13 @@ def noise_check(cfg) -> list[Check]:
                     entry[3].add(release.parts[k].noise_std)
                     if std > 0:
                         entry[0] += float((noise / std).pow(2).sum())
-                        series.setdefault(key, {})[step] = noise / std
+                        series.setdefault(noise.numel(), {}).setdefault(step, []).append(noise / std)
+                        names.setdefault(noise.numel(), set()).add(key)
                     else:  # a noiseless plan: any drawn noise is a mismatch
                         entry[0] += math.inf if bool((noise != 0).any()) else 0.0
                     entry[1] += noise.numel()
-        normalised.append(series)
+        normalised.append({size: {step: torch.cat(noise) for step, noise in by_step.items()}
+                           for size, by_step in series.items()})
 
     alpha = float(cfg.audit.alpha)
     update = jobs[0][0].privacy.setup.expected_batch_size
@@ -308,20 +314,20 @@ def noise_check(cfg) -> list[Check]:
             f"noise multiplier x the stated sensitivity) {_values(planned)}, the release stated {_values(stated)} "
             f"(update std {_values(s / update for s in planned)}); chi-square p = {p_value:.3g}",
         ))
-    for key in sorted(set().union(*normalised)):
+    for size in sorted(names, key=lambda size: sorted(names[size])):
+        label = ", ".join(sorted(names[size]))
         across_steps = []
         for j, series in enumerate(normalised):
-            noise = series.get(key, {})
+            noise = series.get(size, {})
             for lag in range(1, MAX_LAGS + 1):
                 pairs = [(noise[t], noise[t + lag]) for t in noise if t + lag in noise and noise[t].shape == noise[t + lag].shape]
                 if pairs:
-                    corr, count = pooled_correlation(pairs)
-                    across_steps.append((f"of steps t and t+{lag} (job {j + 1})", corr, count))
-        checks.append(_independence_check(key, "steps", across_steps, alpha))
-        first, second = (series.get(key, {}) for series in normalised)
+                    across_steps.append((f"of steps t and t+{lag} (job {j + 1})", *pooled_correlation(pairs)))
+        checks.append(_independence_check(label, "steps", across_steps, alpha))
+        first, second = (series.get(size, {}) for series in normalised)
         pairs = [(first[t], second[t]) for t in first if t in second and first[t].shape == second[t].shape]
         across_jobs = [("of two fresh jobs at the same step", *pooled_correlation(pairs))] if pairs else []
-        checks.append(_independence_check(key, "jobs", across_jobs, alpha))
+        checks.append(_independence_check(label, "jobs", across_jobs, alpha))
     audited = sum(len(recorder.ledger) for _, recorder in jobs)
     checks.append(Check(
         "accounting", "ledger vs plan", len(mismatches), 0.0, not mismatches,

@@ -75,6 +75,11 @@ def test_fp16_with_ghost_is_refused_as_in_a_run(tmp_path):
         run_audit(compose(TINY + AUDIT + ["algo=dpsgd", "algo.per_sample=ghost", "train.precision=fp16"]), tmp_path)
 
 
+def test_one_noise_step_is_refused(tmp_path):
+    with pytest.raises(UserError, match="audit.noise_steps=1 must be at least 2"):
+        run_audit(compose(TINY + ["audit.noise_steps=1", "algo=dpsgd"]), tmp_path)
+
+
 def test_audit_fails_when_the_noise_is_smaller_than_stated(tmp_path, monkeypatch):
     """A generator that draws half the stated std: the chi-square noise check catches it."""
     from dpbench.privacy.noise import GaussianNoise
