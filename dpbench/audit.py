@@ -245,6 +245,90 @@ def _independence_check(key: str, across: str, statistics: list[tuple[str, float
     )
 
 
+@dataclass
+class DrawnNoise:
+    """The noise two fresh jobs drew, measured against their plan."""
+
+    # release part -> [sum (noise / planned std)^2, draws, planned stds, stated stds]
+    squares: dict[str, list] = field(default_factory=dict)
+    # per job: size -> step -> that step's noise / planned std. Release parts of one size are
+    # compared across steps whatever their name (DPDR's step-0 gradient, then its decomposed one).
+    by_size: list[dict[int, dict[int, torch.Tensor]]] = field(default_factory=list)
+    names: dict[int, set[str]] = field(default_factory=dict)  # size -> the release parts of that size
+    unplanned: dict[int, str] = field(default_factory=dict)  # step -> why its releases are not its plan's
+    ledger_mismatches: list[str] = field(default_factory=list)  # steps whose ledger is not their plan
+    steps: int = 0  # audited steps, over both jobs
+
+    def add_job(self, plan, recorder: ReleaseRecorder) -> None:
+        series: dict[int, dict[int, list[torch.Tensor]]] = {}
+        for step in sorted(recorder.ledger):
+            self.steps += 1
+            releases, planned = recorder.of_step(step), plan.planned(step)
+            if not same_mechanisms(recorder.ledger[step], planned):
+                self.ledger_mismatches.append(
+                    f"step {step} ran {_describe(recorder.ledger[step])}, its plan {_describe(planned)}")
+            stds = planned_stds(releases, planned)
+            if stds is None:
+                self.unplanned[step] = f"step {step} made {len(releases)} releases but its plan declares {len(planned)}"
+                continue
+            for release, part_stds in zip(releases, stds):
+                for k, std in enumerate(part_stds):
+                    noise, key = release.noise(k), release.key(k)
+                    entry = self.squares.setdefault(key, [0.0, 0, set(), set()])
+                    entry[1] += noise.numel()
+                    entry[2].add(std)
+                    entry[3].add(release.parts[k].noise_std)
+                    if std == 0:  # a noiseless plan: any drawn noise is a mismatch
+                        entry[0] += math.inf if bool((noise != 0).any()) else 0.0
+                        continue
+                    entry[0] += float((noise / std).pow(2).sum())
+                    series.setdefault(noise.numel(), {}).setdefault(step, []).append(noise / std)
+                    self.names.setdefault(noise.numel(), set()).add(key)
+        self.by_size.append({size: {step: torch.cat(noise) for step, noise in by_step.items()}
+                             for size, by_step in series.items()})
+
+    def std_checks(self, alpha: float, expected_batch_size: float) -> list[Check]:
+        checks = [Check("noise", f"step {step}", 0.0, 0.0, False, why) for step, why in sorted(self.unplanned.items())]
+        for key, (total, count, planned, stated) in self.squares.items():
+            if math.isinf(total):
+                checks.append(Check("noise", key, math.inf, 1.0, False, "the plan declares no noise but noise was drawn"))
+                continue
+            p_value = _chi_square_p_value(total, count)
+            ratio = math.sqrt(total / count)
+            checks.append(Check(
+                "noise", key, ratio, 1.0, p_value > alpha,
+                f"drawn std / planned std = {ratio:.4f} over {count} draws in 2 fresh jobs; planned std (the plan's "
+                f"noise multiplier x the stated sensitivity) {_values(planned)}, the release stated {_values(stated)} "
+                f"(update std {_values(s / expected_batch_size for s in planned)}); chi-square p = {p_value:.3g}",
+            ))
+        return checks
+
+    def independence_checks(self, alpha: float) -> list[Check]:
+        checks = []
+        for size in sorted(self.names, key=lambda size: sorted(self.names[size])):
+            label = ", ".join(sorted(self.names[size]))
+            across_steps = []
+            for j, series in enumerate(self.by_size):
+                noise = series.get(size, {})
+                for lag in range(1, MAX_LAGS + 1):
+                    pairs = [(noise[t], noise[t + lag]) for t in noise if t + lag in noise and noise[t].shape == noise[t + lag].shape]
+                    if pairs:
+                        across_steps.append((f"of steps t and t+{lag} (job {j + 1})", *pooled_correlation(pairs)))
+            checks.append(_independence_check(label, "steps", across_steps, alpha))
+            first, second = (series.get(size, {}) for series in self.by_size)
+            pairs = [(first[t], second[t]) for t in first if t in second and first[t].shape == second[t].shape]
+            across_jobs = [("of two fresh jobs at the same step", *pooled_correlation(pairs))] if pairs else []
+            checks.append(_independence_check(label, "jobs", across_jobs, alpha))
+        return checks
+
+    def ledger_check(self) -> Check:
+        """The trainer's per-step check (`PrivacyPlan.check_step`) over the audited steps."""
+        mismatches = self.ledger_mismatches
+        detail = ("; ".join(mismatches[:2]) + (f" (and {len(mismatches) - 2} more)" if len(mismatches) > 2 else "")
+                  if mismatches else f"each of the {self.steps} audited steps put its planned mechanisms in the ledger")
+        return Check("accounting", "ledger vs plan", len(mismatches), 0.0, not mismatches, detail)
+
+
 def noise_check(cfg) -> list[Check]:
     """Noise drawn vs the planned std, its independence across steps and across two fresh jobs,
     and each step's ledger vs its plan, over `audit.noise_steps` ordinary steps."""
@@ -262,79 +346,12 @@ def noise_check(cfg) -> list[Check]:
         for job, recorder in jobs:  # a scalar release (DPZero): more draws from empty Poisson batches (pure noise, cheap)
             for step in range(steps, steps + SCALAR_DRAWS):
                 _train_step(job, recorder, _physical(job, [], []), step)
-
-    checks: list[Check] = []
-    mismatches: list[str] = []
-    squares: dict[str, list] = {}  # release part -> [sum (noise / planned std)^2, draws, planned stds, stated stds]
-    # per job: noise / planned std by size (release parts of one size are compared, whatever their
-    # name: DPDR's step-0 gradient and its later decomposed gradient) -> step -> that step's noise
-    normalised: list[dict[int, dict[int, list[torch.Tensor]]]] = []
-    names: dict[int, set[str]] = {}  # size -> the release parts of that size
+    drawn = DrawnNoise()
     for job, recorder in jobs:
-        plan = job.privacy
-        series: dict[int, dict[int, list[torch.Tensor]]] = {}
-        for step in sorted(recorder.ledger):
-            releases, planned = recorder.of_step(step), plan.planned(step)
-            if not same_mechanisms(recorder.ledger[step], planned):
-                mismatches.append(f"step {step} ran {_describe(recorder.ledger[step])}, its plan {_describe(planned)}")
-            stds = planned_stds(releases, planned)
-            if stds is None:
-                checks.append(Check("noise", f"step {step}", len(releases), len(planned), False,
-                                    f"step {step} made {len(releases)} releases but its plan declares {len(planned)}"))
-                continue
-            for release, part_stds in zip(releases, stds):
-                for k, std in enumerate(part_stds):
-                    noise, key = release.noise(k), release.key(k)
-                    entry = squares.setdefault(key, [0.0, 0, set(), set()])
-                    entry[2].add(std)
-                    entry[3].add(release.parts[k].noise_std)
-                    if std > 0:
-                        entry[0] += float((noise / std).pow(2).sum())
-                        series.setdefault(noise.numel(), {}).setdefault(step, []).append(noise / std)
-                        names.setdefault(noise.numel(), set()).add(key)
-                    else:  # a noiseless plan: any drawn noise is a mismatch
-                        entry[0] += math.inf if bool((noise != 0).any()) else 0.0
-                    entry[1] += noise.numel()
-        normalised.append({size: {step: torch.cat(noise) for step, noise in by_step.items()}
-                           for size, by_step in series.items()})
-
+        drawn.add_job(job.privacy, recorder)
     alpha = float(cfg.audit.alpha)
-    update = jobs[0][0].privacy.setup.expected_batch_size
-    for key, (total, count, planned, stated) in squares.items():
-        if count == 0:
-            continue
-        if math.isinf(total):
-            checks.append(Check("noise", key, math.inf, 1.0, False, "the plan declares no noise but noise was drawn"))
-            continue
-        p_value = _chi_square_p_value(total, count)
-        ratio = math.sqrt(total / count)
-        checks.append(Check(
-            "noise", key, ratio, 1.0, p_value > alpha,
-            f"drawn std / planned std = {ratio:.4f} over {count} draws in 2 fresh jobs; planned std (the plan's "
-            f"noise multiplier x the stated sensitivity) {_values(planned)}, the release stated {_values(stated)} "
-            f"(update std {_values(s / update for s in planned)}); chi-square p = {p_value:.3g}",
-        ))
-    for size in sorted(names, key=lambda size: sorted(names[size])):
-        label = ", ".join(sorted(names[size]))
-        across_steps = []
-        for j, series in enumerate(normalised):
-            noise = series.get(size, {})
-            for lag in range(1, MAX_LAGS + 1):
-                pairs = [(noise[t], noise[t + lag]) for t in noise if t + lag in noise and noise[t].shape == noise[t + lag].shape]
-                if pairs:
-                    across_steps.append((f"of steps t and t+{lag} (job {j + 1})", *pooled_correlation(pairs)))
-        checks.append(_independence_check(label, "steps", across_steps, alpha))
-        first, second = (series.get(size, {}) for series in normalised)
-        pairs = [(first[t], second[t]) for t in first if t in second and first[t].shape == second[t].shape]
-        across_jobs = [("of two fresh jobs at the same step", *pooled_correlation(pairs))] if pairs else []
-        checks.append(_independence_check(label, "jobs", across_jobs, alpha))
-    audited = sum(len(recorder.ledger) for _, recorder in jobs)
-    checks.append(Check(
-        "accounting", "ledger vs plan", len(mismatches), 0.0, not mismatches,
-        "; ".join(mismatches[:2]) + (f" (and {len(mismatches) - 2} more)" if len(mismatches) > 2 else "")
-        if mismatches else f"each of the {audited} audited steps put its planned mechanisms in the ledger",
-    ))
-    return checks
+    return [*drawn.std_checks(alpha, jobs[0][0].privacy.setup.expected_batch_size),
+            *drawn.independence_checks(alpha), drawn.ledger_check()]
 
 
 def _describe(mechanisms: list[GaussianMechanism]) -> str:

@@ -22,7 +22,9 @@ import_all()
 # dplora needs a language model (its adapters target attention projections): audited in
 # test_language-sized configs is out of scope here; every other private algorithm is covered.
 PRIVATE = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).private and name != "dplora")
-AUDIT = ["audit.noise_steps=3", "audit.trials=3"]
+# alpha 1e-6 (z ~ 4.9): ~100 statistical checks in this file stay clear of chance failures, while
+# the broken mechanisms below miss their bounds by far more (a correlation of 1 against ~0.02)
+AUDIT = ["audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
 
 
 @pytest.mark.parametrize("algo", PRIVATE)
@@ -93,7 +95,8 @@ def test_audit_fails_when_the_noise_is_smaller_than_stated(tmp_path, monkeypatch
 
 
 def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
-    """Right std, but one noise vector reused every step: only independence across steps fails."""
+    """Right std, but one noise vector reused every step: independence across steps fails (the
+    chi-square may too: a repeated vector is not 3 independent draws)."""
     from dpbench.privacy.noise import GaussianNoise
 
     original, drawn = GaussianNoise.sample, {}
@@ -106,18 +109,18 @@ def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
 
     monkeypatch.setattr(GaussianNoise, "sample", repeated)
     report = run_audit(compose(TINY + AUDIT + ["algo=dpsgd"]), tmp_path)
-    assert {(c.name, c.release) for c in failed(report)} == {("independence", "gradient across steps")}
     (steps,) = checks(report, "independence", "gradient across steps")
-    assert steps.measured == pytest.approx(1.0) and steps.bound < 0.05
+    assert not steps.passed and steps.measured == pytest.approx(1.0) and steps.bound < 0.05
+    assert all(c.passed for c in checks(report, "independence", "gradient across jobs") + checks(report, "sensitivity"))
 
 
 def test_audit_fails_when_the_noise_generator_is_seeded_from_the_seed(tmp_path, monkeypatch):
-    """Two fresh jobs of one config draw the same noise: only independence across jobs fails."""
+    """Two fresh jobs of one config draw the same noise: independence across jobs fails."""
     monkeypatch.setattr("dpbench.privacy.noise.entropy_seed", lambda: torch.initial_seed())  # = cfg.seed
     report = run_audit(compose(TINY + AUDIT + ["algo=dpsgd"]), tmp_path)
-    assert {(c.name, c.release) for c in failed(report)} == {("independence", "gradient across jobs")}
     (jobs,) = checks(report, "independence", "gradient across jobs")
-    assert jobs.measured == pytest.approx(1.0) and "z/sqrt(n)" in jobs.detail
+    assert not jobs.passed and jobs.measured == pytest.approx(1.0) and "z/sqrt(n)" in jobs.detail
+    assert all(c.passed for c in checks(report, "independence", "gradient across steps") + checks(report, "sensitivity"))
 
 
 class PlanClaimsTwiceTheNoise(DPSGD):
