@@ -410,7 +410,7 @@ def sensitivity_check(cfg) -> list[Check]:
     scale = min(scale, 2.0 ** math.floor(math.log2(torch.finfo(torch.float16).max / FP16_LOSS_SCALE)))
     while True:
         try:
-            return _sensitivity_checks(cfg, scale, f"losses x {scale:g}: fp16 overflows above")
+            return _sensitivity_checks(cfg, scale, f"losses x {scale:g}, capped so that fp16 gradients stay in range")
         except DivergedError:
             if scale <= 1:
                 raise UserError("an fp16 per-example gradient overflowed even at the run's own loss scale: "
