@@ -28,8 +28,9 @@ def sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tens
 
 def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each example's gradient over all given tensors (flat clipping): [B]."""
-    squared = [g.reshape(g.shape[0], -1).float().pow(2).sum(dim=1) for g in per_sample]
-    return torch.stack(squared, dim=0).sum(dim=0).sqrt()
+    # vector_norm in fp32 rather than .float().pow(2): no per-sample-sized temporary (Opacus's form)
+    norms = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample]
+    return torch.linalg.vector_norm(torch.stack(norms, dim=0), dim=0)
 
 
 # Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s
@@ -48,10 +49,16 @@ def clip_factors(norms: torch.Tensor, clip_norm: float, rule: str = "flat", gamm
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
-def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
-    """sum_i factor_i * g_i for each tensor, accumulated in float32."""
+def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor, overwrite: bool = False) -> list[torch.Tensor]:
+    """sum_i factor_i * g_i for each tensor, accumulated in float32.
+
+    A non-finite example has factor 0, but 0 · inf is NaN: its entries are zeroed first. With
+    `overwrite=True` (the caller drops the per-sample tensors afterwards) fp32 tensors are zeroed
+    in place, so no per-sample-sized copy is made."""
     factors = factors.float()
-    return [
-        torch.einsum("b,b...->...", factors, torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0))
-        for g in per_sample
-    ]
+    sums = []
+    for g in per_sample:
+        finite = torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0) if overwrite and g.dtype == torch.float32 else \
+            torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        sums.append(torch.einsum("b,b...->...", factors, finite))
+    return sums

@@ -18,6 +18,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
+from dpbench.privacy.bookkeeping import backward_through_layers, track_entry_params
 from dpbench.privacy.clipping import (  # noqa: F401  (re-exported: the clipping rules' old home)
     CLIP_FACTORS,
     clip_factors,
@@ -50,6 +51,16 @@ class PerSampleGradients:
         self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
         self.peak_bytes = 0  # largest set of per-sample gradients formed at once
         self.loss_scale = 1.0  # train.precision=fp16: divided out of every per-sample gradient (fp32)
+        # The bottom layers' parameters: the backward asks autograd for their gradients only, so
+        # it runs every layer's backward (the grad samplers' hooks fire) without also computing the
+        # summed weight gradient of every other layer, which the per-sample gradients replace.
+        self._entry_params: set[nn.Parameter] = set()
+        self._handles = [m.register_forward_hook(self._track_entry)
+                         for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def _track_entry(self, module, inputs, _output):
+        if torch.is_grad_enabled() and self._module.hooks_enabled:
+            track_entry_params(self._entry_params, module, inputs)
 
     def meter(self, held_bytes: int) -> None:
         """Record per-example bytes held at once (a caller holding two sets reports their sum)."""
@@ -60,7 +71,10 @@ class PerSampleGradients:
 
         The summed batch gradient that autograd also accumulates in `.grad` is discarded.
         """
-        (losses.sum() * self.loss_scale).backward()
+        try:
+            backward_through_layers(losses.sum() * self.loss_scale, self._entry_params)
+        finally:
+            self._entry_params.clear()
         per_sample = []
         for p in self.params:
             grad_sample = p.grad_sample
@@ -78,7 +92,9 @@ class PerSampleGradients:
     def clipped_sum(self, losses: torch.Tensor, factors_fn) -> list[torch.Tensor]:
         """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms)."""
         per_sample = self.backward_per_sample(losses)
-        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)))
+        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
 
     def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
         self._module._close()
