@@ -190,6 +190,11 @@ def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, devi
     for _ in range(warmup):
         step()
     sync()
+    # The peak of the timed steps only (a first step may check or compile once), still measured
+    # from the process's memory before the model was built.
+    start = memory.start_bytes
+    memory.reset()
+    memory.start_bytes = start
     started = time.perf_counter()
     for _ in range(steps):
         step()
