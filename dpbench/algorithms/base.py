@@ -107,12 +107,6 @@ class Algorithm(ABC):
         """Facts about this configuration that change what the reported epsilon means."""
         return []
 
-    def planned_for_step(self, step: int) -> list[GaussianMechanism]:
-        if not self.private:
-            return []
-        p = self.privacy
-        return self.declared_mechanisms(self.cfg, p.noise_multiplier, p.sample_rate, step, p.clip_norm, p.neighboring)
-
     # --- privacy: what ran ---------------------------------------------------------------------
     def gaussian_release(self, name: str, *parts: ReleasePart) -> list[list[torch.Tensor]]:
         """Add N(0, std^2) to every coordinate of each part and record the mechanism that ran.
