@@ -193,3 +193,76 @@ def test_table_reports_reserved_and_allocated_on_gpu(tmp_path):
     (row,) = collect(tmp_path)
     assert row["own_mib"] == 1000 and row["allocated_mib"] == 700  # own: reserved, not allocated
     assert "| adam | 8 | 1000 | 1000 | 700 |" in markdown([row])
+
+
+# --- bf16 without bf16 units, TF32, low-precision trainable weights ----------------------------
+def test_emulated_bf16_on_a_gpu_stops_with_one_line():
+    from dpbench.errors import UserError
+    from dpbench.precision import require_native_bf16
+
+    old_card = FakeCuda(bf16_native=False)
+    with pytest.raises(UserError, match="no native bfloat16") as error:
+        require_native_bf16(CUDA, old_card)
+    assert "\n" not in str(error.value)
+    assert old_card.calls == [("is_bf16_supported", ("including_emulation", False))]  # emulation does not count
+    require_native_bf16(CUDA, FakeCuda(bf16_native=True))
+    cpu_check = FakeCuda(bf16_native=False)
+    require_native_bf16(torch.device("cpu"), cpu_check)
+    assert cpu_check.calls == []  # CPU autocast bf16 is not the GPU's question
+
+
+@pytest.mark.parametrize(("overrides", "checked"), [(["train.precision=bf16"], True), ([], False)])
+def test_setup_checks_bf16_support_of_its_device(monkeypatch, overrides, checked):
+    from conftest import TINY, compose
+
+    import dpbench.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "require_native_bf16", lambda device: seen.append(device))
+    run.setup(compose(TINY + ["algo=dpsgd", "device=cpu", *overrides]))
+    assert seen == ([torch.device("cpu")] if checked else [])
+
+
+def _fake_backends():
+    return SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=True)),
+                           cudnn=SimpleNamespace(allow_tf32=True))
+
+
+def test_tf32_is_off_for_private_runs_and_restored_for_the_others():
+    from dpbench.run import TF32Switch
+
+    backends, precision = _fake_backends(), ["high"]
+    fake_torch = SimpleNamespace(get_float32_matmul_precision=lambda: precision[0],
+                                 set_float32_matmul_precision=lambda value: precision.__setitem__(0, value))
+    switch = TF32Switch(backends, fake_torch)
+    switch.apply(private=True)
+    assert (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, precision[0]) == (False, False, "highest")
+    switch.apply(private=False)  # a non-private job after it gets the process's settings back
+    assert (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, precision[0]) == (True, True, "high")
+
+
+@pytest.mark.parametrize(("algo", "private"), [("dpsgd", True), ("adam", False)])
+def test_setup_applies_the_tf32_rule(monkeypatch, algo, private):
+    from conftest import TINY, compose
+
+    import dpbench.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "TF32", SimpleNamespace(apply=lambda private: seen.append(private)))
+    run.setup(compose(TINY + [f"algo={algo}"]))
+    assert seen == [private]
+
+
+def test_trainable_weights_must_be_fp32_frozen_ones_may_be_low():
+    from omegaconf import OmegaConf
+
+    from dpbench.errors import UserError
+    from dpbench.run import require_fp32_trainable
+
+    cfg = OmegaConf.create({"model": {"dtype": "bfloat16"}})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    with pytest.raises(UserError, match="model.dtype=bfloat16 leaves 4 trainable tensors .* set model.dtype=float32"):
+        require_fp32_trainable(model, cfg)
+    model[0].requires_grad_(False)  # a frozen base stays bf16 ...
+    model[1].float()  # ... beside fp32 trainable weights
+    require_fp32_trainable(model, cfg)
