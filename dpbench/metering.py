@@ -6,6 +6,10 @@ high-water mark (writing 5 to /proc/self/clear_refs) and reading VmHWM afterward
 reset, memory freed by an earlier job is handed back to the OS (glibc keeps freed heap pages
 otherwise, and the next job's peak would include them). `start_bytes` is the resident size at
 the reset (interpreter and libraries), so `peak_bytes - start_bytes` is what the run itself added.
+
+CUDA runs asynchronously: a kernel launched in one step may still run in the next, so the clock
+is read only after `torch.cuda.synchronize()` (step start and end, peak reads). The synchroniser
+and the CUDA module are parameters (seams) so that the CPU tests check the CUDA calls are made.
 """
 
 from __future__ import annotations
@@ -16,13 +20,29 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 
+def cuda_synchronizer(device: torch.device, cuda=torch.cuda) -> Callable[[], None]:
+    """Waits for the device's queued kernels on a CUDA device; a no-op on the CPU (synchronous)."""
+    if torch.device(device).type == "cuda":
+        return lambda: cuda.synchronize(device)
+    return lambda: None
+
+
+def synchronize_active_cuda(cuda=torch.cuda) -> None:
+    """Throughput's default synchroniser: the current CUDA device once this process has used CUDA
+    (a GPU run), nothing otherwise; so the trainer need not pass its device."""
+    if cuda.is_available() and cuda.is_initialized():
+        cuda.synchronize()
+
+
 class PeakMemory:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda=torch.cuda):
         self.device = device
+        self.cuda = cuda  # seam: a fake module in the CPU tests
         self.start_bytes = 0
 
     @property
@@ -34,10 +54,11 @@ class PeakMemory:
     def reset(self) -> None:
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = int(torch.cuda.memory_reserved(self.device))
+            cuda = self.cuda
+            cuda.synchronize(self.device)
+            cuda.empty_cache()
+            cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = int(cuda.memory_reserved(self.device))
         else:
             _release_freed_heap()
             if _can_reset_rss():
@@ -46,11 +67,12 @@ class PeakMemory:
 
     def read(self) -> dict:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return {
-                "peak_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+            cuda = self.cuda
+            cuda.synchronize(self.device)
+            return {  # reserved (the papers' figure: what the card must hold) and allocated
+                "peak_bytes": int(cuda.max_memory_reserved(self.device)),
                 "kind": self.kind,
-                "cuda_max_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                "cuda_max_allocated": int(cuda.max_memory_allocated(self.device)),
                 "start_bytes": self.start_bytes,
             }
         return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind, "start_bytes": self.start_bytes}
@@ -91,29 +113,43 @@ def _cpu_peak_rss() -> int:
 
 
 class Throughput:
-    """Examples per second over the steps after a warm-up (first steps pay for allocation)."""
+    """Examples per second over the steps after a warm-up (first steps pay for allocation).
 
-    def __init__(self, warmup_steps: int = 3):
+    Each step is timed between two synchronisations (`synchronize`, default: the active CUDA
+    device), so its queued kernels are billed to it, not to the next step or to nobody."""
+
+    def __init__(self, warmup_steps: int = 3, synchronize: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.warmup_steps = warmup_steps
-        self.start = time.perf_counter()
+        self.synchronize = synchronize_active_cuda if synchronize is None else synchronize
+        self.clock = clock
+        self.start = clock()
         self.steps = 0
         self.examples = 0
         self.measured_time = 0.0
         self._step_start = 0.0
 
     def step_started(self) -> None:
-        self._step_start = time.perf_counter()
+        self.synchronize()  # work queued before the step (evaluation, the last step) is not its own
+        self._step_start = self.clock()
 
     def step_finished(self, examples: int) -> None:
-        elapsed = time.perf_counter() - self._step_start
+        self.synchronize()  # the step's own kernels have run
+        elapsed = self.clock() - self._step_start
         self.steps += 1
         if self.steps > self.warmup_steps:
             self.examples += examples
             self.measured_time += elapsed
 
+    @property
+    def step_seconds(self) -> float | None:
+        """Mean seconds per measured step (None before one was measured)."""
+        measured = self.steps - self.warmup_steps
+        return self.measured_time / measured if measured > 0 else None
+
     def summary(self) -> dict:
         return {
             "samples_per_s": self.examples / self.measured_time if self.measured_time > 0 else None,
             "measured_steps": max(0, self.steps - self.warmup_steps),
-            "wall_s": time.perf_counter() - self.start,
+            "wall_s": self.clock() - self.start,
         }

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench.errors import DivergedError
+from dpbench.errors import DivergedError, UserError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_LOSS_SCALE = 2.0**10
@@ -63,3 +63,13 @@ def unscaled_per_example(gradient: torch.Tensor, scale: float) -> torch.Tensor:
     so its clip factor is 0 and it drops out of the sum (stopping would tell whether, and when, an
     example that overflows was sampled)."""
     return gradient if scale == 1.0 else gradient.float() / scale
+
+
+def require_native_bf16(device, cuda=torch.cuda) -> None:
+    """A CUDA GPU without bf16 units (before Ampere) runs bf16 emulated: far slower, so its timings
+    and memory are not those of a bf16 run. One-line error instead (`cuda` is a seam for tests)."""
+    if torch.device(device).type == "cuda" and not cuda.is_bf16_supported(including_emulation=False):
+        raise UserError(
+            "this GPU has no native bfloat16 (torch.cuda.is_bf16_supported(including_emulation=False) is False): "
+            "use train.precision=fp16 or fp32 and model.dtype=float32 or float16"
+        )

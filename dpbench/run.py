@@ -26,7 +26,7 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
-from dpbench.precision import Precision
+from dpbench.precision import Precision, require_native_bf16
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import build_sampler
 from dpbench.schema import check_keys, default_of
@@ -179,6 +179,46 @@ def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
     return stored if matches_config(stored, cfg, f"the checkpoint in {run_dir} is", "starting from step 0") else None
 
 
+class TF32Switch:
+    """TF32 (a 10-bit mantissa in fp32 matmuls and convolutions on Ampere and later GPUs) off for
+    private runs: per-example norms and clipped sums must be computed in fp32 for the stated
+    sensitivity to hold. A non-private run gets the process's own settings back, so in a grid run
+    in one process a job's numerics do not depend on the jobs before it. `backends` and
+    `torch_module` are seams for tests."""
+
+    def __init__(self, backends=torch.backends, torch_module=torch):
+        self.backends, self.torch = backends, torch_module
+        self.defaults: tuple | None = None
+
+    def apply(self, private: bool) -> None:
+        b = self.backends
+        if self.defaults is None:
+            self.defaults = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, self.torch.get_float32_matmul_precision())
+        matmul, cudnn, matmul_precision = (False, False, "highest") if private else self.defaults
+        b.cuda.matmul.allow_tf32 = matmul
+        b.cudnn.allow_tf32 = cudnn
+        self.torch.set_float32_matmul_precision(matmul_precision)
+
+
+TF32 = TF32Switch()
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def require_fp32_trainable(model: torch.nn.Module, cfg: DictConfig) -> None:
+    """Trainable weights in bf16/fp16 have no fp32 master copy: an update below half their
+    precision is lost (one DP-Adam step at lr 1e-5 left 84% of bf16 weights bit-identical) and
+    Adam's eps 1e-8 is 0 in fp16 (NaN at step 1). Low model.dtype is for frozen weights (LoRA's
+    base model); the forward goes low precision through train.precision (autocast)."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
+    if low:
+        dtype = str(low[0][1]).removeprefix("torch.")
+        raise UserError(
+            f"model.dtype={cfg.model.get('dtype', dtype)} leaves {len(low)} trainable tensors (e.g. {low[0][0]}) in "
+            f"{dtype} with no fp32 master copy, so small updates are lost: set model.dtype=float32, with "
+            "train.precision=bf16 (or fp16) for a low-precision forward"
+        )
+
+
 @dataclass
 class Job:
     """Everything a run is built from (`setup`), before training."""
@@ -196,6 +236,8 @@ def setup(cfg: DictConfig) -> Job:
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm."""
     validate(cfg)
     device = resolve_device(cfg.device)
+    if str(cfg.train.precision) == "bf16" or str(cfg.model.get("dtype")) == "bfloat16":
+        require_native_bf16(device)
     seed_everything(cfg.seed)
     task = build_task(cfg, device)
     model = task.build_model(cfg.model).to(device)
@@ -207,7 +249,9 @@ def setup(cfg: DictConfig) -> Job:
     precision = Precision(str(cfg.train.precision), device.type)  # the schema checked the choice
     privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
+    require_fp32_trainable(model, cfg)  # after the algorithm chose what trains (LoRA freezes the base)
     algorithm.use_precision(precision)
+    TF32.apply(private=algo_cls.private)
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 
 

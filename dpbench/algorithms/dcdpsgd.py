@@ -40,6 +40,13 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     post-processing of the noisy scores); it is not a proven bound and results.json says which
     was used.
 
+The subspace lives on the model's device (its generator too): drawn there once per step, never
+copied per physical chunk. When d_id x k exceeds MAX_PROJECTION_ELEMENTS (cnn5's 357k parameters
+at k = 150 or 200, as in dcdpsgd_t3), V is never formed: its raw draw A is regenerated in blocks
+of rows from a per-step seed, and the scores use V^T u = W^T (A^T u) with W = Q Lambda^-1/2 from
+the eigendecomposition of the k x k Gram A^T A (V = A W spans span(A) and V^T V = I), so the
+working set is one block.
+
 Physical batches: the tail set needs every noisy score of the logical batch, so with several
 physical batches the step makes two passes (scores, then clipped sums). Per-sample gradients
 are recomputed in the second pass and may differ from the first (dropout draws anew), so the
@@ -59,7 +66,7 @@ from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
 
-MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats per step (200 MB): beyond, pick a subset
+MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
 
 
 def split_noise_multipliers(sigma: float, score_fraction: float) -> tuple[float, float]:
@@ -106,7 +113,7 @@ def gradient_mechanism(cfg, sigma_dp: float, sample_rate: float, clip_norm: floa
 
 class SubWeibullSubspaces:
     """Draws a fresh [dim, k] orthonormal basis of the span of i.i.d. symmetric sub-Weibull(theta)
-    vectors at every call, into buffers allocated once.
+    vectors at every call, on `device`, into buffers allocated once.
 
     The paper names no generator (pitfall P5): we use a Weibull with shape 1/theta (tail
     P(|X|>t) = exp(-t^(1/theta)), i.e. sub-Weibull with index theta) with random signs, so the
@@ -114,19 +121,74 @@ class SubWeibullSubspaces:
     Why buffers: fresh d x k tensors every step (tens of MB) are below glibc's adaptive mmap
     threshold once one has been freed, so they come from the heap and fragment it; the CPU
     peak then grew with the step count (515 -> 931 MiB own peak from 20 to 120 steps, CNN).
-    The basis returned is overwritten by the next call.
+    The basis returned is overwritten by the next call. Above `max_elements`, `draw` returns a
+    `BlockBasis` instead (the same kind of subspace, never held whole).
     """
 
-    def __init__(self, dim: int, k: int, theta: float, generator: torch.Generator):
+    def __init__(self, dim: int, k: int, theta: float, generator: torch.Generator, device=None,
+                 max_elements: int = MAX_PROJECTION_ELEMENTS):
         k = min(k, dim)
-        self.theta, self.generator = theta, generator
-        self.basis, self.work, self.signs = (torch.empty((dim, k)) for _ in range(3))
+        self.dim, self.k, self.theta, self.generator = dim, k, theta, generator
+        self.device = torch.device(device) if device is not None else generator.device
+        self.block_rows = dim if dim * k <= max_elements else max(1, max_elements // k)
+        rows = self.block_rows
+        self.basis, self.work, self.signs = (torch.empty((rows, k), device=self.device) for _ in range(3))
 
-    def draw(self) -> torch.Tensor:
-        magnitude = torch.rand(self.basis.shape, generator=self.generator, out=self.basis)
+    @property
+    def blocks(self) -> int:
+        return -(-self.dim // self.block_rows)
+
+    def sub_weibull(self, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Fills `out` with i.i.d. symmetric sub-Weibull(theta) entries."""
+        magnitude = torch.rand(out.shape, generator=generator, out=out, device=self.device)
         magnitude.clamp_min_(1e-12).log_().neg_().pow_(self.theta)
-        signs = torch.randint(0, 2, self.signs.shape, generator=self.generator, out=self.signs).mul_(2).sub_(1)
-        return orthonormalise(magnitude.mul_(signs), self.work)
+        signs = torch.randint(0, 2, out.shape, generator=generator, out=self.signs[: out.shape[0]],
+                              device=self.device).mul_(2).sub_(1)
+        return magnitude.mul_(signs)
+
+    def draw(self) -> "torch.Tensor | BlockBasis":
+        if self.blocks == 1:
+            return orthonormalise(self.sub_weibull(self.basis, self.generator), self.work)
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device).item())
+        return BlockBasis(self, seed)
+
+    def block(self, seed: int, index: int) -> torch.Tensor:
+        """Rows [index * block_rows, ...) of the raw draw A of `seed` (regenerated bit for bit)."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed((seed + index * 1_000_003) % 2**63)
+        rows = min(self.block_rows, self.dim - index * self.block_rows)
+        return self.sub_weibull(self.basis[:rows], generator)
+
+
+class BlockBasis:
+    """V = A W for a d x k draw A regenerated in row blocks: V^T V = I and span(V) = span(A).
+
+    W = Q Lambda^-1/2 from the k x k Gram A^T A = Q Lambda Q^T (fp64; directions with a negligible
+    eigenvalue are dropped, so V stays orthonormal even for a rank-deficient draw)."""
+
+    def __init__(self, subspaces: SubWeibullSubspaces, seed: int):
+        self.subspaces, self.seed = subspaces, seed
+        gram = torch.zeros((subspaces.k, subspaces.k), dtype=torch.float64, device=subspaces.device)
+        for index in range(subspaces.blocks):
+            block = subspaces.block(seed, index)
+            gram += (block.T @ block).double()
+        eigenvalues, vectors = torch.linalg.eigh(gram)
+        kept = eigenvalues > eigenvalues.max() * subspaces.k * torch.finfo(torch.float32).eps
+        self.whitening = vectors[:, kept] / eigenvalues[kept].sqrt()  # [k, rank] fp64
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """[b, d] -> [b, rank]: the coordinates V^T x of each row x in the orthonormal basis V."""
+        subspaces, start = self.subspaces, 0
+        raw = torch.zeros((rows.shape[0], subspaces.k), dtype=torch.float64, device=rows.device)
+        for index in range(subspaces.blocks):
+            block = subspaces.block(self.seed, index)
+            raw += (rows[:, start : start + block.shape[0]] @ block.to(rows.dtype)).double()
+            start += block.shape[0]
+        return raw @ self.whitening
+
+    def dense(self) -> torch.Tensor:
+        """V as one [d, rank] tensor (tests)."""
+        return self.project(torch.eye(self.subspaces.dim, device=self.subspaces.device)).float()
 
 
 def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Generator) -> torch.Tensor:
@@ -154,7 +216,7 @@ def orthonormalise(matrix: torch.Tensor, work: torch.Tensor | None = None) -> to
     return matrix  # two swaps: the second pass wrote into matrix
 
 
-def subspace_scores(identification_grads: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+def subspace_scores(identification_grads: torch.Tensor, basis: "torch.Tensor | BlockBasis | None") -> torch.Tensor:
     """lambda_i = ||V^T g_i/||g_i||||^2 for [B, d_id] gradients: in [0, 1] (sensitivity 1).
 
     A zero gradient scores 0. The clamp only absorbs rounding: with V^T V = I the value is
@@ -166,7 +228,8 @@ def subspace_scores(identification_grads: torch.Tensor, basis: torch.Tensor | No
         return (norms[:, 0] > 0).float()
     unit = torch.where(norms > 0, identification_grads / norms.clamp_min(1e-30), torch.zeros_like(identification_grads))
     unit = torch.nan_to_num(unit, nan=0.0, posinf=0.0, neginf=0.0)
-    return (unit @ basis.to(unit.dtype)).pow(2).sum(dim=1).clamp(0.0, 1.0)
+    projected = basis.project(unit) if isinstance(basis, BlockBasis) else unit @ basis.to(unit.dtype)
+    return projected.pow(2).sum(dim=1).clamp(0.0, 1.0).to(unit.dtype)
 
 
 def tail_count(batch_size: int, tail_fraction: float) -> int:
@@ -221,15 +284,13 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.identification = self._identification_indices(cfg.score_params)
         dim = sum(self.params[i].numel() for i in self.identification)
         k = cfg.subspace_dim  # None: the paper's "k = None" (no subspace identification)
-        if k is not None and dim * min(k, dim) > MAX_PROJECTION_ELEMENTS:
-            raise UserError(
-                f"the score subspace would be {dim} x {cfg.subspace_dim} floats per step; set "
-                "algo.score_params=first (the reference code's choice) or a list of parameter names"
-            )
-        # Public projection randomness: reproducible from the experiment seed (drawn from the
-        # seeded global RNG once); the privacy noise never comes from it.
-        self.projection_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
-        self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, cfg.theta, self.projection_generator)
+        # Public projection randomness on the model's device (the subspace is drawn there):
+        # reproducible from the experiment seed (drawn from the seeded global RNG once); the privacy
+        # noise never comes from it.
+        device = self.params[0].device
+        self.projection_generator = torch.Generator(device=device)
+        self.projection_generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, cfg.theta, self.projection_generator, device)
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
 
@@ -325,9 +386,9 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             del per_sample
         return sums, tally
 
-    def example_scores(self, per_sample: list[torch.Tensor], basis: torch.Tensor | None) -> torch.Tensor:
+    def example_scores(self, per_sample: list[torch.Tensor], basis) -> torch.Tensor:
         ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
-        return subspace_scores(ident, None if basis is None else basis.to(ident.device))  # [b]
+        return subspace_scores(ident, basis)  # [b]; basis: drawn on the model's device
 
     def release_scores(self, scores: list[torch.Tensor]) -> torch.Tensor:
         """Scores + N(0, sigma_tr^2) (sensitivity 1). Runs on every step: an empty batch releases
@@ -388,5 +449,6 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             "gradient_sensitivity": self.cfg.gradient_sensitivity,
             "composed_epsilon": "privacy.epsilon (both mechanisms, composed by the accountant)",
             "score_dim": sum(self.params[i].numel() for i in self.identification),
+            "score_subspace_blocks": None if self.subspaces is None else self.subspaces.blocks,  # > 1: V built in blocks
             "mean_tail_fraction": sum(seen) / len(seen) if seen else None,
         }

@@ -3,8 +3,10 @@
     dpbench -m experiment=memory_vs_batch_vit
     python -m dpbench.benchmarks.table outputs/multirun/memory_vs_batch_vit
 
-Memory is the run's own peak (peak minus the resident size at the start of the run: the CPU
-analogue of GPU allocated memory) beside the absolute peak; on a GPU both come from torch.cuda.
+Memory is the run's own peak (the peak minus what was held at the start of the run) beside the
+absolute peak: on the CPU of the resident size, on a GPU of reserved memory
+(torch.cuda.max_memory_reserved, the papers' figure: what the card must hold), with the peak
+allocated memory in its own column (GPU runs only).
 Ratios compare each private method with DP-Adam materialising per-sample gradients, DP-Adam with
 ghost clipping and non-private Adam at the same batch size. Repeated jobs are averaged.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -33,11 +36,13 @@ def collect(folder: Path) -> list[dict]:
         results = json.loads(path.read_text())
         memory = results["memory"]
         cuda = memory.get("kind", "").startswith("cuda")
-        own = memory.get("cuda_max_allocated", memory["peak_bytes"]) if cuda else memory["peak_bytes"] - memory.get("start_bytes", 0)
+        own = memory["peak_bytes"] - (memory.get("start_bytes") or 0)  # CPU: resident size; GPU: reserved
+        allocated = memory.get("cuda_max_allocated") if cuda else None
         batch = results["config"]["train"]["batch_size"]
         groups[(method(results), batch)].append({
             "own_mib": own / MIB,
             "peak_mib": memory["peak_bytes"] / MIB,
+            "allocated_mib": float("nan") if allocated is None else allocated / MIB,
             "per_sample_mib": memory.get("per_sample_grad_bytes", 0) / MIB,
             "optimizer_mib": memory.get("optimizer_state_bytes", 0) / MIB,
             "samples_per_s": results["throughput"].get("samples_per_s") or float("nan"),
@@ -66,10 +71,11 @@ def ratios(rows: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| method | batch | own peak MiB | absolute peak MiB | per-sample MiB | optimizer MiB | samples/s | runs |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| method | batch | own peak MiB | absolute peak MiB | allocated MiB | per-sample MiB | optimizer MiB | samples/s | runs |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['method']} | {r['batch_size']} | {r['own_mib']:.0f} | {r['peak_mib']:.0f} | "
+        allocated = "n/a" if math.isnan(r["allocated_mib"]) else f"{r['allocated_mib']:.0f}"  # GPU runs only
+        out.append(f"| {r['method']} | {r['batch_size']} | {r['own_mib']:.0f} | {r['peak_mib']:.0f} | {allocated} | "
                    f"{r['per_sample_mib']:.1f} | {r['optimizer_mib']:.1f} | {r['samples_per_s']:.2f} | {r['runs']} |")
     return "\n".join(out)
 

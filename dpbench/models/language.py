@@ -5,6 +5,10 @@ conf/model/<name>.yaml. `model.size` picks a hub checkpoint, or `tiny` for a ran
 (the record's `tiny_config`) used by tests and CPU smoke runs. `model.path` loads a local folder
 (`save_pretrained` layout) instead of the hub. Language models are built by the language tasks
 (`Task.build_model`), because the model's vocabulary comes from the task's tokenizer.
+`model.dtype` is the dtype the weights load in. Weights that train stay float32 (a run with
+bf16/fp16 trainable weights is refused in dpbench/run.py: they have no fp32 master copy, so small
+updates round away; LoRA adapters are made fp32 on a low-precision base): a low dtype is for
+frozen weights, and a low-precision forward is `train.precision` (autocast).
 
 transformers is imported inside functions only: importing this package (registry discovery)
 must not import it, so that image runs never load it.

@@ -1,6 +1,7 @@
 """LoRA adapters through `peft`, injected in place (the model object stays the same).
 
-Only the adapters (and `train_modules`, e.g. a ViT's fresh classifier head) stay trainable.
+Only the adapters (and `train_modules`, e.g. a ViT's fresh classifier head) stay trainable, in
+fp32 whatever model.dtype the frozen base model holds.
 Targets and trained modules default to the model family's record (`lora_targets`,
 `trained_modules` in dpbench/models): RoBERTa query/value and OPT q_proj/v_proj (MeZO's and the
 DPZero paper's LoRA baseline: rank 8, alpha 16), timm ViT `qkv` with its head trained.
@@ -10,6 +11,7 @@ under Opacus equal per-example autograd gradients (some peft releases silently b
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from dpbench.errors import UserError
@@ -33,4 +35,8 @@ def inject_lora(model: nn.Module, cfg) -> nn.Module:
         raise UserError(f"algo={cfg.name}: {error}; set algo.target_modules to Linear layer names") from error
     for name, param in model.named_parameters():
         param.requires_grad = "lora_" in name or any(name.startswith(m + ".") for m in trained)
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            # peft makes adapters in the base layer's dtype; a bf16/fp16 base (model.dtype) stays
+            # low and frozen, the weights that train get an fp32 copy (else small updates are lost)
+            param.data = param.data.float()
     return model

@@ -1,0 +1,173 @@
+"""`dpbench-doctor`: run first on a new machine. Every algorithm trains a few steps on this
+machine's device in fp32 and in bf16, on a tiny model and synthetic data (offline, in this
+process), one row each: ok or the error, step time, peak memory (reserved on a GPU, the process's
+own peak RSS on the CPU) and host syncs per step (torch's CUDA sync debug mode; n/a on the CPU).
+Exit status 1 when any row failed.
+
+    dpbench-doctor                            # every algorithm, fp32 and bf16, device=auto
+    dpbench-doctor --algos dpadam,grape --precisions bf16 --device cuda
+
+Zeroth-order algorithms evaluate in the model's dtype (no autocast) and train fp32 weights, so
+their bf16 rows read n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+MIB = 2**20
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode warns on each host sync
+
+
+@dataclass
+class Row:
+    algo: str
+    precision: str
+    status: str  # ok | error | n/a
+    step_s: float | None = None
+    peak_mib: float | None = None
+    syncs_per_step: float | None = None
+    note: str = ""
+
+
+class SyncCounter:
+    """Host syncs inside training steps, counted from torch's sync debug mode ("warn": a warning
+    on every implicit synchronisation, e.g. `.item()`, a device-to-host copy). CUDA only: on the
+    CPU nothing synchronises and the count is None (n/a). `cuda` is a seam for tests."""
+
+    def __init__(self, device: torch.device, cuda=torch.cuda):
+        self.enabled, self.cuda = device.type == "cuda", cuda
+        self.syncs, self.steps = 0, 0
+
+    def wrap(self, train_step):
+        if not self.enabled:
+            return train_step
+
+        def counted(*args, **kwargs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.cuda.set_sync_debug_mode("warn")
+                try:
+                    return train_step(*args, **kwargs)
+                finally:
+                    self.cuda.set_sync_debug_mode("default")
+                    self.syncs += sum(SYNC_WARNING in str(w.message) for w in caught)
+                    self.steps += 1
+
+        return counted
+
+    @property
+    def per_step(self) -> float | None:
+        return self.syncs / self.steps if self.enabled and self.steps else None
+
+
+def overrides(algo: str, precision: str, device: str, steps: int) -> list[str]:
+    """A tiny job: the micro ViT on synthetic 8x8 images, a fixed noise multiplier (no calibration)."""
+    return ["dataset=synthetic", "model=vit", "model.size=micro", f"algo={algo}", f"train.precision={precision}",
+            f"device={device}", "logger=none", "train.batch_size=16", f"train.steps={steps}",
+            f"train.eval_every={steps}", "privacy.noise_multiplier=1.0", "privacy.sampling=shuffle"]
+
+
+def check(algo: str, precision: str, device: torch.device, steps: int) -> Row:
+    """Train `algo` for `steps` steps on the tiny job; a failure becomes the row's one-line note."""
+    from dpbench.algorithms import algorithm_class
+    from dpbench.api import compose
+    from dpbench.logging.wandb_logger import build_logger
+    from dpbench.metering import PeakMemory
+    from dpbench.run import fit, setup
+
+    if precision != "fp32" and not algorithm_class(algo).autocast_forward:
+        return Row(algo, precision, "n/a", note="zeroth-order: no autocast")
+    memory = PeakMemory(device)
+    memory.reset()
+    try:
+        job = setup(compose(overrides(algo, precision, device.type, steps)))
+        counter = SyncCounter(device)
+        job.algorithm.train_step = counter.wrap(job.algorithm.train_step)
+        with tempfile.TemporaryDirectory(prefix="dpbench_doctor_") as folder:
+            logger = build_logger(OmegaConf.create({"name": "none"}), Path(folder), algo, {}, [])
+            trainer, _, failure = fit(job, logger, show_progress=False)
+        if failure is not None:
+            raise failure
+        peak = memory.read()
+    except Exception as error:  # noqa: BLE001 - every failure is a row, the others still run
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return Row(algo, precision, "error", note=f"{type(error).__name__}: {message}"[:160])
+    own = peak["peak_bytes"] - (0 if device.type == "cuda" else peak["start_bytes"])  # GPU: reserved
+    return Row(algo, precision, "ok", trainer.throughput.step_seconds, own / MIB, counter.per_step)
+
+
+def table(rows: list[Row], device: torch.device) -> Table:
+    memory = "peak reserved MiB" if device.type == "cuda" else "own peak RSS MiB"
+    out = Table(title=f"dpbench-doctor · {describe(device)}")
+    for column in ("algorithm", "precision", "status", "step s", memory, "host syncs/step", "note"):
+        out.add_column(column, justify="right" if column in ("step s", memory, "host syncs/step") else "left")
+    style = {"ok": "green", "error": "bold red", "n/a": "dim"}
+    for r in rows:
+        out.add_row(
+            r.algo, r.precision, f"[{style[r.status]}]{r.status}[/]",
+            "n/a" if r.step_s is None else f"{r.step_s:.3f}",
+            "n/a" if r.peak_mib is None else f"{r.peak_mib:.0f}",
+            "n/a" if r.syncs_per_step is None else f"{r.syncs_per_step:.1f}",
+            r.note,
+        )
+    return out
+
+
+def describe(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"cpu · torch {torch.__version__}"
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    return f"{torch.cuda.get_device_name(device)} · torch {torch.__version__} · native bf16: {'yes' if native else 'no'}"
+
+
+def run_doctor(argv: list[str] | None = None, console: Console | None = None) -> tuple[int, list[Row]]:
+    """(exit status, rows) of `dpbench-doctor argv`, the table printed on `console`."""
+    import os
+
+    from dpbench.algorithms import ALGORITHMS, import_all
+    from dpbench.run import resolve_device
+
+    parser = argparse.ArgumentParser(prog="dpbench-doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    parser.add_argument("--algos", default=None, help="comma-separated algorithms (default: every registered one)")
+    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated train.precision values")
+    parser.add_argument("--steps", type=int, default=4, help="steps per algorithm (half are warm-up, untimed)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first is warm-up)")
+    device = resolve_device(args.device)
+    import_all()  # every registered algorithm
+    algos = args.algos.split(",") if args.algos else sorted(ALGORITHMS.names())
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    rows = []
+    with console.status("dpbench-doctor") as status:
+        for algo in algos:
+            for precision in args.precisions.split(","):
+                status.update(f"dpbench-doctor: {algo} {precision}")
+                rows.append(check(algo, precision, device, args.steps))
+    console.print(table(rows, device))
+    failed = [r for r in rows if r.status == "error"]
+    if failed:
+        console.print(f"[bold red]{len(failed)} of {len(rows)} checks failed[/]")
+    return (1 if failed else 0), rows
+
+
+def main() -> None:
+    code, _ = run_doctor(sys.argv[1:])
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

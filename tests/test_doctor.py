@@ -1,0 +1,73 @@
+"""dpbench-doctor: one row per algorithm and precision, in process; exit status 1 on any failure;
+the host-sync counter through its CUDA seam."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from rich.console import Console
+
+from dpbench import doctor
+
+
+def _run(*argv: str):
+    console = Console(record=True, width=200)
+    code, rows = doctor.run_doctor(["--device", "cpu", "--steps", "2", *argv], console)
+    return code, rows, console.export_text()
+
+
+def test_doctor_runs_each_algorithm_in_fp32_and_bf16():
+    code, rows, text = _run("--algos", "dpsgd,adam,dpzero")
+    assert code == 0
+    assert [(r.algo, r.precision, r.status) for r in rows] == [
+        ("dpsgd", "fp32", "ok"), ("dpsgd", "bf16", "ok"), ("adam", "fp32", "ok"), ("adam", "bf16", "ok"),
+        ("dpzero", "fp32", "ok"), ("dpzero", "bf16", "n/a"),  # zeroth-order: no autocast
+    ]
+    for row in rows:
+        if row.status == "ok":
+            assert row.step_s > 0 and row.peak_mib is not None
+        assert row.syncs_per_step is None  # no counter on the CPU: n/a
+    assert "own peak RSS MiB" in text and "host syncs/step" in text and "dpzero" in text
+
+
+def test_a_failing_algorithm_makes_a_row_and_exit_status_1(monkeypatch):
+    import dpbench.run
+
+    setup = dpbench.run.setup
+
+    def broken(cfg):
+        if cfg.algo.name == "adam":
+            raise RuntimeError("CUDA error: no kernel image is available\nsecond line")
+        return setup(cfg)
+
+    monkeypatch.setattr(dpbench.run, "setup", broken)
+    code, rows, text = _run("--algos", "adam,sgd", "--precisions", "fp32")
+    assert code == 1
+    assert [(r.algo, r.status) for r in rows] == [("adam", "error"), ("sgd", "ok")]  # the others still run
+    assert rows[0].note == "RuntimeError: CUDA error: no kernel image is available"
+    assert "1 of 2 checks failed" in text
+
+
+class FakeCuda:
+    def __init__(self):
+        self.modes = []
+
+    def set_sync_debug_mode(self, mode):
+        self.modes.append(mode)
+
+
+def test_host_syncs_are_counted_per_step_on_cuda_only():
+    def step():
+        warnings.warn("called a synchronizing CUDA operation")  # what sync debug mode emits per sync
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+        return "result"
+
+    cuda = FakeCuda()
+    counter = doctor.SyncCounter(torch.device("cuda", 0), cuda)
+    counted = counter.wrap(step)
+    assert counted() == "result" and counted() == "result"
+    assert counter.per_step == 2.0 and cuda.modes == ["warn", "default"] * 2
+    cpu = doctor.SyncCounter(torch.device("cpu"), FakeCuda())
+    assert cpu.wrap(step) is step and cpu.per_step is None

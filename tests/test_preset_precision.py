@@ -1,0 +1,170 @@
+"""Every preset's precision choice trains: on a tiny stand-in model (random init, from config,
+offline) with the preset's model.dtype, train.precision, lr, clipping and algorithm options, one
+step of each algorithm of its grid changes >= 99% of the trainable weights it should change and
+the loss stays finite. Every point of every preset grid composes (`dpbench -m experiment=<name>
+--cfg job`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+from text_fixtures import write_dataset
+
+from dpbench.api import compose
+from dpbench.paths import config_dir
+from dpbench.run import setup
+from dpbench.schema import checked_composition
+
+PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
+BATCH = 8
+SMALL_IMAGES = ["dataset=synthetic", "dataset.image_size=8", "dataset.channels=1", "dataset.patch_size=2",
+                "dataset.num_classes=4", "dataset.train_size=64", "dataset.test_size=16"]
+
+
+def sweep(name: str) -> dict[str, list[str]]:
+    """The preset's grid (hydra.sweeper.params) as lists of override values."""
+    with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
+        cfg = hydra_compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    grid = {key: str(values).split(",") for key, values in (cfg.hydra.sweeper.params or {}).items()}
+    grid.setdefault("algo", [cfg.algo.name])
+    return grid
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("text")
+    for name in ("sst2", "sst5", "snli", "mnli", "rte", "trec", "boolq", "squad", "drop"):
+        write_dataset(root, name, n_train=32, n_test=8)
+    return root
+
+
+def stand_in(name: str, algo: str, text_data: Path):
+    """The preset's job with its precision, optimisation, privacy and algorithm keys as it runs
+    them (resolved first: some depend on the model size or dataset), on a tiny offline model and
+    data of the same kind (language: the family's random-init `tiny`; images: a small CNN or the
+    micro ViT on synthetic images), a batch of 8 and a fixed noise multiplier (calibrating sigma
+    for thousands of steps would dominate the test; any sigma > 0 noises every coordinate)."""
+    preset = OmegaConf.to_container(compose([f"experiment={name}", f"algo={algo}"]), resolve=True, enum_to_str=True)
+    model = preset["model"]
+    if model.get("task_kind") == "language":
+        swap = [f"model.dtype={model['dtype']}", "model.size=tiny", "model.path=null",
+                f"dataset.path={text_data / preset['dataset']['name']}", "dataset.k_shot=4", "dataset.num_train=24",
+                "dataset.num_dev=4", "dataset.num_test=4", "dataset.max_new_tokens=3"]
+    elif preset["dataset"]["name"] == "quadratic":
+        swap = ["dataset.train_size=64", "dataset.test_size=16"]
+    elif model["name"] == "vit":  # DP-GRAPE and GaLore project its transformer blocks
+        swap = [*SMALL_IMAGES, "model.size=micro", "model.pretrained=null", "model.path=null", "model.embed_dim=null",
+                "model.depth=null", "model.num_heads=null", "model.mlp_ratio=null"]
+    else:
+        swap = [*SMALL_IMAGES, "model=cnn5", "model.widths=[8,16,32]", "model.groups=4", "model.hidden=32"]
+    cfg = compose([f"experiment={name}", f"algo={algo}", "logger=none", "device=cpu", *swap])
+    train, privacy = preset["train"], preset["privacy"]
+    train.update(batch_size=BATCH, physical_batch_size=min(train["physical_batch_size"] or BATCH, BATCH), epochs=None,
+                 steps=train["steps"] or 100)
+    if privacy["noise_multiplier"] is None:
+        privacy.update(noise_multiplier=1.0)
+        if preset["algo"].get("budget_split") == "epsilon":
+            preset["algo"]["score_noise_multiplier"] = 1.0  # DC-DPSGD's sigma_tr, calibrated beside sigma_dp
+    with open_dict(cfg):
+        for section in ("train", "privacy", "algo"):
+            for key, value in preset[section].items():
+                cfg[section][key] = value
+    return cfg
+
+
+def signature(cfg) -> str:
+    """What decides the check's outcome: the config without names and report keys."""
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return json.dumps({k: v for k, v in plain.items() if k not in ("name", "report", "paper_setting")}, sort_keys=True)
+
+
+def step_changes(cfg, job=None) -> tuple[float, float, float]:
+    """(fraction of the weights that should change that changed, step loss, loss after the step)."""
+    job = job or setup(cfg)
+    algorithm, task, model = job.algorithm, job.task, job.model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trainable]
+    # Private releases noise every coordinate and zeroth-order steps move along a dense direction:
+    # every trainable weight should change. A non-private first-order step moves what has a gradient.
+    should = [torch.ones_like(p, dtype=torch.bool) for p in trainable]
+    optimizer = getattr(algorithm, "optimizer", None)
+    if not algorithm.private and isinstance(optimizer, torch.optim.Optimizer):
+        def has_gradient(*_):
+            for i, p in enumerate(trainable):
+                should[i] = torch.zeros_like(p, dtype=torch.bool) if p.grad is None else p.grad != 0
+        optimizer.register_step_pre_hook(has_gradient)
+    physical = cfg.train.physical_batch_size or BATCH
+    chunks = [task.batch(list(range(i, min(i + physical, BATCH)))) for i in range(0, BATCH, physical)]
+    result = algorithm.train_step(chunks, 0)
+    changed = sum(int(((p.detach() != b) & s).sum()) for p, b, s in zip(trainable, before, should))
+    expected = sum(int(s.sum()) for s in should)
+    with torch.no_grad():
+        after = float(sum(algorithm.per_example_losses(c).float().sum() for c in chunks)) / BATCH
+    return changed / max(expected, 1), result.loss, after
+
+
+_checked: dict[str, tuple[float, float, float]] = {}  # presets that share a stand-in job share its check
+
+
+@pytest.mark.parametrize(("name", "algo"), [(name, algo) for name in PRESETS for algo in sweep(name)["algo"]])
+def test_one_step_of_each_preset_algorithm_trains_its_weights(name, algo, text_data):
+    cfg = stand_in(name, algo, text_data)
+    key = signature(cfg)
+    if key not in _checked:
+        _checked[key] = step_changes(cfg)
+    changed, loss, after = _checked[key]
+    assert changed >= 0.99, f"{name} algo={algo}: only {changed:.1%} of the weights moved"
+    assert math.isfinite(loss) and math.isfinite(after), (loss, after)
+
+
+GROUPS = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}  # algo=, dataset=, model=, ...
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_point_of_every_preset_grid_composes(name):
+    """Hydra composes each combination of the grid's config groups; the other keys are set on it
+    (as an override would) and every interpolation of the point must resolve."""
+    grid = sweep(name)
+    groups = {k: v for k, v in grid.items() if k in GROUPS}
+    values = {k.lstrip("+"): v for k, v in grid.items() if k not in GROUPS}
+    for choice in itertools.product(*[[f"{k}={v}" for v in vs] for k, vs in groups.items()]):
+        base = compose([f"experiment={name}", *choice])
+        for point in itertools.product(*values.values()):
+            cfg = base.copy()
+            with open_dict(cfg):
+                for key, value in zip(values, point):
+                    OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+            OmegaConf.to_container(cfg, resolve=True)  # per-algorithm / per-size interpolations included
+
+
+def _tiny_opt(text_data: Path, *overrides: str):
+    return compose(["model=opt", "model.size=tiny", "dataset=boolq", f"dataset.path={text_data / 'boolq'}",
+                    "dataset.num_train=24", "dataset.num_dev=4", "dataset.num_test=4", "logger=none", "device=cpu",
+                    f"train.batch_size={BATCH}", "train.steps=10", "privacy.noise_multiplier=1.0", *overrides])
+
+
+@pytest.mark.parametrize("algo", ["dpadam", "adam", "dpzero"])
+def test_low_precision_trainable_weights_are_refused(text_data, algo):
+    from dpbench.errors import UserError
+
+    with pytest.raises(UserError, match="model.dtype=float16 leaves .* no fp32 master copy"):
+        setup(_tiny_opt(text_data, f"algo={algo}", "model.dtype=float16"))
+
+
+def test_a_frozen_low_precision_base_may_stay_low(text_data):
+    """DP-LoRA on a bf16 base: the base stays bf16, its adapters train in fp32."""
+    cfg = _tiny_opt(text_data, "algo=dplora", "model.dtype=bfloat16", "train.precision=bf16", "train.lr=1e-3")
+    job = setup(cfg)
+    dtypes = {(p.requires_grad, p.dtype) for p in job.model.parameters()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    changed, loss, after = step_changes(cfg, job)
+    assert changed >= 0.99 and math.isfinite(loss) and math.isfinite(after)
