@@ -1,7 +1,7 @@
 """`dpbench-doctor`: run first on a new machine. Every algorithm trains a few steps on this
 machine's device in fp32 and in bf16, on a tiny model and synthetic data (offline, in this
 process), one row each: ok or the error, step time, peak memory (reserved on a GPU, the process's
-own peak RSS on the CPU) and host syncs per step (torch's CUDA sync debug mode; n/a on the CPU).
+own peak RSS on the CPU) and host syncs per step (torch's CUDA sync debug mode; on the CPU, the calls that would sync a GPU).
 Exit status 1 when any row failed.
 
     dpbench-doctor                            # every algorithm, fp32 and bf16, device=auto
@@ -25,6 +25,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from dpbench.host_syncs import count_host_syncs
+
 MIB = 2**20
 SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode warns on each host sync
 
@@ -41,17 +43,26 @@ class Row:
 
 
 class SyncCounter:
-    """Host syncs inside training steps, counted from torch's sync debug mode ("warn": a warning
-    on every implicit synchronisation, e.g. `.item()`, a device-to-host copy). CUDA only: on the
-    CPU nothing synchronises and the count is None (n/a). `cuda` is a seam for tests."""
+    """Host syncs inside training steps: on CUDA counted from torch's sync debug mode ("warn": a
+    warning on every implicit synchronisation, e.g. `.item()`, a device-to-host copy); on the CPU,
+    where nothing waits, the calls that would be syncs on a GPU (dpbench.host_syncs). `cuda` is a
+    seam for tests."""
 
     def __init__(self, device: torch.device, cuda=torch.cuda):
-        self.enabled, self.cuda = device.type == "cuda", cuda
+        self.on_cuda, self.cuda = device.type == "cuda", cuda
         self.syncs, self.steps = 0, 0
 
     def wrap(self, train_step):
-        if not self.enabled:
-            return train_step
+        if not self.on_cuda:
+            def counted_on_cpu(*args, **kwargs):
+                with count_host_syncs() as syncs:
+                    try:
+                        return train_step(*args, **kwargs)
+                    finally:
+                        self.syncs += syncs.count
+                        self.steps += 1
+
+            return counted_on_cpu
 
         def counted(*args, **kwargs):
             with warnings.catch_warnings(record=True) as caught:
@@ -68,7 +79,7 @@ class SyncCounter:
 
     @property
     def per_step(self) -> float | None:
-        return self.syncs / self.steps if self.enabled and self.steps else None
+        return self.syncs / self.steps if self.steps else None
 
 
 def overrides(algo: str, precision: str, device: str, steps: int) -> list[str]:

@@ -57,7 +57,6 @@ def unscaled(gradients: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     return [g.float() / scale for g in gradients]
 
 
-
 def unscaled_per_example(gradient: torch.Tensor, scale: float) -> torch.Tensor:
     """Per-example gradients / scale in fp32, with no check: an overflowed example is non-finite,
     so its clip factor is 0 and it drops out of the sum (stopping would tell whether, and when, an
