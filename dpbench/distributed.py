@@ -206,6 +206,7 @@ class PeerFailure(RuntimeError):
 # as diverged by rank 0, a user error stays a one-line error); any other becomes PeerFailure.
 SHARED_ERRORS: dict[str, type[Exception]] = {"DivergedError": DivergedError, "UserError": UserError}
 PATIENCE_S = 600.0  # how long a failed rank waits for the others to reach the agreement
+STEP_PATIENCE_S = 60.0  # ... at the end of a training step: at least this, or 3x the slowest step
 
 
 def raise_together(error: BaseException | None, where: str, patience_s: float | None = None) -> None:
