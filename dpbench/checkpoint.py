@@ -98,7 +98,7 @@ def rng_states() -> dict:
     numpy_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if distributed.cuda_device_count() else [],
+        "cuda": torch.cuda.get_rng_state_all() if distributed.run_uses_cuda() else [],
         "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]],
         "random": random.getstate(),
     }

@@ -77,6 +77,13 @@ def cuda_device_count() -> int:
 
 
 _groups: dict[str, Any] = {}  # "control": gloo group for agreements; "cuda": nccl group for CUDA tensors
+_run_device_type: str | None = None  # what bind_device bound this process to (None: not bound yet)
+
+
+def run_uses_cuda() -> bool:
+    """Whether this process trains on a GPU (before `bind_device`: whenever it sees one), so that
+    a CPU run never initialises CUDA, not even for the RNG states of a checkpoint."""
+    return cuda_device_count() > 0 and _run_device_type in (None, "cuda")
 
 
 def init_from_environment() -> None:
@@ -115,6 +122,8 @@ def cuda_ordinal(device: torch.device) -> int | None:
 def bind_device(device: torch.device) -> None:
     """Make `cuda` mean this rank's GPU (and sum CUDA tensors over nccl) when the run's device is
     CUDA; nothing for CPU ranks. Every rank calls it; all raise together if any rank cannot."""
+    global _run_device_type
+    _run_device_type = device.type
     error = None
     try:
         ordinal = cuda_ordinal(device)

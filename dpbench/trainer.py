@@ -147,7 +147,8 @@ class Trainer:
                 except Exception as error:  # noqa: BLE001 - every rank stops with it, below
                     failure = error
                 self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - started)
-                distributed.raise_together(failure, f"in step {step + 1}", patience_s=max(distributed.STEP_PATIENCE_S, 3 * self._slowest_step_s))
+                patience = max(distributed.STEP_PATIENCE_S, 3 * self._slowest_step_s)
+                distributed.raise_together(failure, f"in step {step + 1}", patience_s=patience)
                 if self.checkpointer is not None:
                     self.checkpointer.after_step(self, evaluated)
         finally:

@@ -171,6 +171,7 @@ class FakeCuda:
         from dpbench import distributed
 
         self.set_devices: list[int] = []
+        monkeypatch.setattr(distributed, "_run_device_type", None)  # bind_device's record stays in this test
         monkeypatch.setattr(distributed, "cuda_device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "set_device", self.set_devices.append)
         monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -207,9 +208,10 @@ def test_a_cuda_rank_without_its_gpu_is_a_one_line_error(monkeypatch, count):
     assert cuda.set_devices == [] and "\n" not in str(refused.value) and "device=cpu" in str(refused.value)
 
 
-def test_the_cli_leaves_the_process_group_however_it_ends(monkeypatch):
+def test_the_cli_leaves_the_process_group_however_it_ends(monkeypatch, tmp_path):
     from dpbench import cli, distributed
 
+    monkeypatch.chdir(tmp_path)  # Hydra's run folder
     left = []
     monkeypatch.setattr(distributed, "shutdown", lambda: left.append(True))
     monkeypatch.setattr(sys, "argv", ["dpbench", "privacy.epsilon=-1", "logger=none", "dataset=synthetic"])
@@ -235,6 +237,7 @@ def test_cuda_generators_are_restored_per_rank_and_only_onto_as_many_gpus(monkey
     restored: list[list[torch.Tensor]] = []
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
     monkeypatch.setattr(distributed, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(distributed, "_run_device_type", "cuda")
     per_rank, draws = [], []
     for rank in (0, 1):  # what each rank's checkpoint entry holds
         torch.manual_seed(10 + rank)
@@ -249,3 +252,6 @@ def test_cuda_generators_are_restored_per_rank_and_only_onto_as_many_gpus(monkey
     monkeypatch.setattr(distributed, "cuda_device_count", lambda: 1)  # resumed where it sees one GPU
     (note,) = checkpoint.restore_rank_rng_states(per_rank)
     assert len(restored) == 1 and "CUDA RNG states of 2 GPU(s), this process sees 1" in note
+    monkeypatch.setattr(distributed, "_run_device_type", "cpu")  # a CPU run on a GPU node never asks CUDA
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("a CPU run initialised CUDA"))
+    assert checkpoint.rng_states()["cuda"] == []
