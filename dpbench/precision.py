@@ -6,10 +6,10 @@ added to those sums), so the stated sensitivity and noise std hold as in fp32. b
 range and needs no loss scaling. fp16 gradients underflow below 6e-8, so fp16 backpropagates the
 loss times a static `FP16_LOSS_SCALE` and divides it out in fp32: per-example gradients (the
 materialize engine) before any norm is taken, batch gradients (non-private algorithms) before the
-optimizer step. A static scale rather than torch's GradScaler: GradScaler scales the batch
+optimizer step. An example whose gradient overflows gets clip factor 0, like any non-finite one. A static scale rather than torch's GradScaler: GradScaler scales the batch
 gradient and skips steps on overflow, while a DP step must clip per-example gradients and
-release its noise whatever happens; an overflow (a gradient above 65504 / scale) stops the run
-with a one-line error instead of being dropped silently.
+release its noise whatever happens. For non-private algorithms an overflow (a gradient above
+65504 / scale) stops the run with a one-line error instead of being dropped silently.
 """
 
 from __future__ import annotations
@@ -47,11 +47,19 @@ class Precision:
 FP32 = Precision()
 
 
-def unscaled(gradient: torch.Tensor, scale: float) -> torch.Tensor:
-    """gradient / scale in fp32 (identity when unscaled); an overflowed value stops the run."""
-    if scale == 1.0:
-        return gradient
-    if not bool(torch.isfinite(gradient).all()):
+def unscaled(gradients: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """Batch gradients / scale in fp32 (unchanged when unscaled); an overflowed value stops the
+    (non-private) run. One host sync for all of them, not one per parameter."""
+    if scale == 1.0 or not gradients:
+        return gradients
+    if not bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all()):
         raise DivergedError(f"an fp16 gradient overflowed at loss scale {scale:g}; use train.precision=bf16 or lower train.lr")
-    return gradient.float() / scale
+    return [g.float() / scale for g in gradients]
 
+
+
+def unscaled_per_example(gradient: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-example gradients / scale in fp32, with no check: an overflowed example is non-finite,
+    so its clip factor is 0 and it drops out of the sum (stopping would tell whether, and when, an
+    example that overflows was sampled)."""
+    return gradient if scale == 1.0 else gradient.float() / scale

@@ -207,8 +207,6 @@ def setup(cfg: DictConfig) -> Job:
         raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {task.train_size} training examples; lower it")
     steps = planned_steps(cfg, task.train_size)
     precision = Precision(str(cfg.train.precision), device.type)  # the schema checked the choice
-    if precision.dtype is not None and not algo_cls.autocast_forward:
-        raise UserError(f"train.precision={precision.name} applies to first-order algorithms; algo={cfg.algo.name} runs in the model's dtype")
     privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
     algorithm.use_precision(precision)
@@ -266,9 +264,10 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         privacy = PrivacyResults(private=False, sample_rate=sample_rate, expected_batch_size=sample_rate * job.task.train_size,
                                  steps=state.step, planned_steps=job.steps, ledger=[])
     privacy.sampling = cfg.privacy.sampling
-    extra = algorithm.extra_results()
+    counters = algorithm.unnoised_counters()
+    extra = {**algorithm.extra_results(), **counters}
     if job.privacy is not None and not job.privacy.log_private_stats:
-        extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results}
+        extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results and k not in counters}
     return RunResults(
         status=status, algo=cfg.algo.name, model=cfg.model.name, dataset=cfg.dataset.name, seed=cfg.seed,
         privacy=privacy,

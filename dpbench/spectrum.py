@@ -45,7 +45,8 @@ def settings(clips: list[float], sigmas: list[float]) -> list[tuple[float, float
 
 def clipped_layer_sums(model, task, layers: dict[str, nn.Linear], batch: list[int], physical: int, clips: list[float]):
     """For each C: {layer name: sum_i clip_C(g_i)[layer weight]}, fp32; flat clipping over all parameters."""
-    from dpbench.privacy.per_sample import PerSampleGradients, clip_factors, per_sample_norms
+    from dpbench.privacy.clipping import clip_factors, per_sample_norms
+    from dpbench.privacy.per_sample import PerSampleGradients
 
     engine = PerSampleGradients(model)
     index = {id(p): i for i, p in enumerate(engine.params)}

@@ -12,7 +12,7 @@ from algorithm_helpers import build_algorithm, compose_config, record_updates
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import split_noise_multipliers, sub_weibull_subspace, subspace_scores, tail_mask
 from dpbench.privacy.accountants import RDPAccountant, calibrate_noise_multiplier, planned_ledger
-from dpbench.privacy.per_sample import clip_factors, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, per_sample_norms
 
 
 def test_subspace_is_orthonormal_and_redrawn():

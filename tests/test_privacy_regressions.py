@@ -15,7 +15,7 @@ from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, planned_ledger
-from dpbench.privacy.per_sample import per_sample_norms
+from dpbench.privacy.clipping import per_sample_norms
 from dpbench.privacy.plan import PlanMismatchError
 from dpbench.run import run_job
 from dpbench.tasks.image import ImageClassificationTask, ldam_margins, public_class_profile

@@ -61,14 +61,15 @@ def test_choices_mirror_the_registries_they_name():
     from dpbench.algorithms.grape import PROJECTORS
     from dpbench.privacy.accountants import ACCOUNTANTS
     from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
-    from dpbench.privacy.per_sample import CLIP_FACTORS, PER_SAMPLE_ENGINES
+    from dpbench.privacy.clipping import CLIP_FACTORS
+    from dpbench.privacy.engines import PER_SAMPLE_ENGINES
     from dpbench.privacy.sampling import build_sampler
     from dpbench.schema import AccountantName, Clipping, Direction, Neighboring, PerSample, Projector, Sampling
 
     assert set(Clipping.__members__) == set(CLIP_FACTORS)
     assert set(AccountantName.__members__) == set(ACCOUNTANTS.names())
     assert set(Neighboring.__members__) == set(NEIGHBORING_RELATIONS)
-    assert set(PerSample.__members__) == set(PER_SAMPLE_ENGINES)
+    assert set(PerSample.__members__) == set(PER_SAMPLE_ENGINES.names())
     assert set(Direction.__members__) == set(DIRECTIONS)
     assert set(Projector.__members__) == set(PROJECTORS)
     for kind in Sampling:

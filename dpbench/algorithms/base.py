@@ -15,15 +15,13 @@ import torch
 from torch import nn
 
 from dpbench import distributed
-from dpbench.errors import UserError
+from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
-from dpbench.privacy.per_sample import (
-    GradSampler,
-    PerSampleGradients,
-    clip_factors,
-)
+from dpbench.privacy.clipping import clip_factors
+from dpbench.privacy.engines import build_engine
+from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
 from dpbench.tasks import Batch, Task
 
@@ -39,14 +37,14 @@ class LossTally:
     """Mean per-example training loss and realised size of one logical batch."""
 
     def __init__(self) -> None:
-        self.loss_total, self.count = 0.0, 0
+        self.loss_total, self.count = 0.0, 0  # the total stays a tensor until result(): one host sync a step
 
     def add(self, losses: torch.Tensor) -> None:
-        self.loss_total += losses.detach().float().sum().item()
+        self.loss_total = self.loss_total + losses.detach().double().sum()
         self.count += losses.shape[0]
 
     def result(self) -> StepResult:
-        return StepResult(self.loss_total / self.count if self.count else float("nan"), self.count)
+        return StepResult(float(self.loss_total) / self.count if self.count else float("nan"), self.count)
 
 
 @dataclass
@@ -109,12 +107,6 @@ class Algorithm(ABC):
         """Facts about this configuration that change what the reported epsilon means."""
         return []
 
-    def planned_for_step(self, step: int) -> list[GaussianMechanism]:
-        if not self.private:
-            return []
-        p = self.privacy
-        return self.declared_mechanisms(self.cfg, p.noise_multiplier, p.sample_rate, step, p.clip_norm, p.neighboring)
-
     # --- privacy: what ran ---------------------------------------------------------------------
     def gaussian_release(self, name: str, *parts: ReleasePart) -> list[list[torch.Tensor]]:
         """Add N(0, std^2) to every coordinate of each part and record the mechanism that ran.
@@ -139,6 +131,7 @@ class Algorithm(ABC):
                       for v in part.values] for part in parts]
         for values in noisy:
             distributed.broadcast(values)
+        _halt_unless_finite(name, noisy)  # on every rank alike: the noisy values are rank 0's
         mechanism = GaussianMechanism(
             joint_noise_multiplier([(part.noise_std, part.sensitivity) for part in parts]),
             self.privacy.sample_rate,
@@ -152,6 +145,12 @@ class Algorithm(ABC):
     def extra_results(self) -> dict:
         """Algorithm-specific facts for results.json (e.g. secondary noise multipliers)."""
         return {}
+
+    def unnoised_counters(self) -> dict:
+        """Counts of the private batches' examples (results.json `algorithm`, un-noised, so written
+        only with privacy.log_private_stats=true): examples dropped for a non-finite gradient."""
+        dropped = getattr(self, "nonfinite_examples", None)
+        return {"nonfinite_examples": int(dropped)} if dropped is not None else {}
 
     # --- training --------------------------------------------------------------------------
     def train_step(self, batches: list[Batch], step_index: int) -> StepResult:
@@ -182,6 +181,10 @@ class Algorithm(ABC):
             tally.add(losses)
 
     def use_precision(self, precision: Precision) -> None:
+        """Run the forwards under `precision` (train.precision), or refuse it before training."""
+        if precision.dtype is not None and not self.autocast_forward:
+            raise UserError(f"train.precision={precision.name} applies to first-order algorithms; "
+                            f"algo={self.cfg.name} runs in the model's dtype (model.dtype)")
         self.precision = precision
 
     def per_example_losses(self, batch: Batch) -> torch.Tensor:
@@ -195,9 +198,10 @@ class Algorithm(ABC):
         tally, scale = LossTally(), self.precision.loss_scale
         for _, losses in self.chunks(batches, tally):
             (losses.float().sum() * (scale / total)).backward()
-        for p in self.model.parameters() if scale != 1.0 else ():
-            if p.grad is not None:
-                p.grad = unscaled(p.grad, scale).to(p.grad.dtype)
+        if scale != 1.0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            for p, g in zip(params, unscaled([p.grad for p in params], scale)):
+                p.grad = g.to(p.grad.dtype)
         return tally
 
     @abstractmethod
@@ -261,6 +265,15 @@ class Algorithm(ABC):
             setattr(target, name, unpack(saved, getattr(target, name), device, parameters))
 
 
+def _halt_unless_finite(name: str, noisy: list[list[torch.Tensor]]) -> None:
+    """Stop on a non-finite released value. Halting is itself a release: this one is a function of
+    the noisy release only (clipping bounds every example, and a non-finite example has clip factor
+    0), so it reveals nothing the release did not. One host sync per release."""
+    flags = [torch.isfinite(v).all() for values in noisy for v in values]
+    if flags and not bool(torch.stack(flags).all()):
+        raise DivergedError(f"the noisy {name} release is not finite: lower train.lr (the model diverged)")
+
+
 def _attribute(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -275,6 +288,15 @@ def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for key, value in state.items()
         if torch.is_tensor(value) and key != "step"
     )
+
+
+def adam(params: list[nn.Parameter], lr: float, cfg) -> torch.optim.Adam:
+    """torch's Adam, fused where torch has the fused kernel for these parameters: the default
+    (for-each) Adam reads every parameter's step counter with `.item()`, one host sync per
+    parameter and step on a GPU; the fused one makes none."""
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) and params
+    return torch.optim.Adam(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            fused=bool(fused) or None)
 
 
 def tensor_bytes(tensors) -> int:
@@ -320,8 +342,9 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.params = [p for p in model.parameters() if p.requires_grad]
         # algo.per_sample exists where an algorithm can use every engine; the others need per-example
         # gradients themselves (DC-DPSGD scores them, DPDR decomposes them): materialize.
-        self.engine = PerSampleGradients.for_mode(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
+        self.engine = build_engine(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
         self.optimizer = self.build_optimizer(self.params)
+        self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 
     checkpoint_attributes = ("engine.peak_bytes",)  # the engine meters the per-example working set
 
@@ -337,13 +360,20 @@ class DPFirstOrderAlgorithm(Algorithm):
     # Opacus's DPOptimizer phases; a variant overrides one at a time.
     def clip_and_accumulate(self, batches: list[Batch]) -> tuple[list[torch.Tensor], LossTally]:
         """Sum over the logical batch of clipped per-example gradients (fp32)."""
-        p, tally, sums = self.privacy, LossTally(), None
-        factors = lambda norms: clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma)  # noqa: E731
+        tally, sums = LossTally(), None
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
-            contribution = self.engine.clipped_sum(losses, factors)
+            contribution = self.engine.clipped_sum(losses, self.example_factors)
             sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
         return (self.zero_sums() if sums is None else sums), tally  # an empty batch releases pure noise
+
+    def example_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """Per-example factors of the privacy's clipping rule; a non-finite example gets 0 (and is
+        counted, without a host sync)."""
+        p = self.privacy
+        dropped = (~torch.isfinite(norms)).sum()
+        self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
+        return clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma)
 
     def gradient_sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under add/remove-one: what clipping enforces."""
@@ -390,6 +420,8 @@ class DPFirstOrderAlgorithm(Algorithm):
                             "divided out of the per-example gradients); use train.precision=bf16 for ghost or bk")
         super().use_precision(precision)
         self.engine.loss_scale = precision.loss_scale
+        if precision.dtype is not None and hasattr(self.engine, "tolerance"):
+            self.engine.tolerance = 2e-2  # the coverage check compares with autograd's own low-precision sums
 
     def optimizer_state_bytes(self) -> int:
         return torch_optimizer_state_bytes(self.optimizer)

@@ -19,7 +19,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 
 
 class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):

@@ -5,14 +5,10 @@ Adam only post-processes the noisy gradient, so its privacy is that of DP-SGD.
 
 from __future__ import annotations
 
-import torch
-
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, adam
 
 
 @ALGORITHMS.register("dpadam")
 class DPAdam(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
-        return torch.optim.Adam(
-            params, lr=self.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps, weight_decay=self.cfg.weight_decay
-        )
+        return adam(params, self.lr, self.cfg)

@@ -29,7 +29,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 
 
 def effective_noise_multiplier(sigma_perp: float, sigma_alpha: float) -> float:
@@ -84,7 +84,9 @@ class DPDR(DPFirstOrderAlgorithm):
 
     def refresh_bases(self, gradients: list[torch.Tensor]) -> None:
         """b_l = g~_l / ||g~_l|| (zero where the layer's noisy gradient is zero)."""
-        self.bases = [g.float() / g.norm() if g.norm() > 0 else torch.zeros_like(g, dtype=torch.float32) for g in gradients]
+        # torch.where rather than `if g.norm() > 0`: no host sync per layer
+        self.bases = [torch.where(g.norm() > 0, g.float() / g.norm().clamp(min=1e-30), torch.zeros((), device=g.device))
+                      for g in gradients]
 
     def decomposed_sums(self, batches):
         """Sums over the logical batch of clipped g_perp (list) and clipped alpha ([m])."""

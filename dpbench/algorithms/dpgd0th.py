@@ -38,7 +38,8 @@ class DPGDZerothOrder(ZerothOrderAlgorithm):
         """||z||: sqrt(d) on the sphere, the draw's norm for gaussian directions (one extra pass)."""
         if self.direction == "sphere":
             return math.sqrt(self.dimension)
-        return scale * math.sqrt(sum(float(self.direction_part(p, seed).double().pow(2).sum()) for p in self.params))
+        # one host sync, not one per parameter
+        return scale * math.sqrt(float(torch.stack([self.direction_part(p, seed).double().pow(2).sum() for p in self.params]).sum()))
 
     def clipped_coefficient_sum(self, batches: list[Batch], seed: int, scale: float):
         """sum_i c_i s_i, where c_i s_i z = clip_C(s_i z); the mean loss; the realised size."""

@@ -92,7 +92,8 @@ class ZerothOrderAlgorithm(Algorithm):
         """z = scale * N(0, I) draw: 1 for gaussian, sqrt(d)/||draw|| for the sphere (one extra pass)."""
         if self.direction == "gaussian":
             return 1.0
-        squared = sum(float(self.direction_part(p, seed).double().pow(2).sum()) for p in self.params)
+        # one host sync per step, not one per parameter
+        squared = float(torch.stack([self.direction_part(p, seed).double().pow(2).sum() for p in self.params]).sum())
         return math.sqrt(self.dimension / squared)
 
     @contextmanager
@@ -153,8 +154,7 @@ class ZerothOrderAlgorithm(Algorithm):
 
     def estimate(self, batches: list[Batch], seed: int, scale: float, clip: float | None):
         """Sum over the logical batch of (clipped) s_i, the mean loss and the realised batch size."""
-        total = 0.0  # python float: double-precision accumulation
-        loss_total, count = 0.0, 0
+        totals, count = [], 0  # double-precision sums on the device, synced once
         was_training = self.model.training
         self.model.eval()  # dropout off for both evaluations, as in MeZO/DPZero
         try:
@@ -167,11 +167,11 @@ class ZerothOrderAlgorithm(Algorithm):
                         # a non-finite loss must not break the [-C, C] bound; the loss still reports it
                         differences = torch.nan_to_num(differences, nan=0.0, posinf=clip, neginf=-clip)
                         differences = differences.clamp(-clip, clip)  # = min(1, C/|s|) s, DPZero's clip
-                    total += differences.double().sum().item()
-                    loss_total += losses.double().sum().item()
+                    totals.append(torch.stack([differences.double().sum(), losses.double().sum()]))
                     count += differences.numel()
         finally:
             self.model.train(was_training)
+        total, loss_total = torch.stack(totals).sum(dim=0).tolist() if totals else (0.0, 0.0)
         return total, (loss_total / count if count else float("nan")), count
 
     def apply_update(self, seed: int, scale: float, projected_gradient: float) -> None:

@@ -17,17 +17,22 @@ clipped sum Σ_i f_i G_i in one matmul per layer:
   Their per-example gradients are small in the models here (norm scales, biases, small convs),
   so the instantiated form is the cheap one and the hand-written ghost forms are not needed.
 
-`algo.per_sample=ghost` for models whose layers carry a gradient map: the same hooks in a first
-backward keep nothing but each example's squared norm (one layer's working set at a time); a
-second backward of Σ_i f_i ℓ_i gives the clipped sum as ordinary gradients, mapped afterwards
-(Σ_i f_i Pᵀ G_i = Pᵀ Σ_i f_i G_i). Opacus's ghost clipping (ghost.py) runs the plain models; its
-norm samplers cannot see DP-GRAPE's projection, hence this hand-written engine.
+`algo.per_sample=ghost`: the same hooks in a first backward keep nothing but each example's squared
+norm (one layer's working set at a time); a second backward through the same graph rebuilds each
+layer's pieces and sums f_i G_i in fp32 as they arrive, capped per parameter at the norm the first
+pass measured (so the bound holds even if the GPU's kernels are not deterministic). Opacus's ghost
+clipping instead backpropagates Σ_i f_i ℓ_i with autograd, which under autocast sums in bf16.
 
-Written by hand because Opacus 1.6 has no book-keeping. Rows that belong to one example
-(candidate scoring: R = K·B rows, example-major) are merged into the token axis, which is exact
-for these layers: the example's gradient sums over its rows and tokens alike. A parameter used by
-several layer calls (tied or reused) gets its per-example gradient instantiated and summed,
-because ghost norms of parts do not add up to the norm of their sum.
+Both engines check once, against autograd's own summed gradient, that every trainable parameter's
+gradient is made only of what the hooks saw (a parameter read outside its module's forward would
+otherwise be released without a per-example norm), and give a non-finite example clip factor 0.
+
+Written by hand because Opacus 1.6 has no book-keeping and its ghost clipping sums in low
+precision. Rows that belong to one example (candidate scoring: R = K·B rows, example-major) are
+merged into the token axis, which is exact for these layers: the example's gradient sums over its
+rows and tokens alike. A parameter used by several layer calls (tied or reused) gets its
+per-example gradient instantiated and summed, because ghost norms of parts do not add up to the
+norm of their sum.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 
-from dpbench.errors import DivergedError, UserError
-from dpbench.privacy.per_sample import _sum_rows_per_example, clipped_sum
+from dpbench.errors import UserError
+from dpbench.privacy.clipping import clipped_sum, sum_rows_per_example
 
 FactorsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -115,9 +120,8 @@ class OuterProduct:
         return (gram_a * gram_g).sum(dim=(1, 2)).clamp(min=0)
 
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
-        a, g = self.a.float(), self.g.float() * factors.float().view(-1, 1, 1)
-        if not bool((factors > 0).all()):
-            a, g = _keep_rows(a, factors > 0), _keep_rows(g, factors > 0)
+        keep = factors > 0  # no host sync: rows of dropped examples are zeroed unconditionally
+        a, g = _keep_rows(self.a.float(), keep), _keep_rows(self.g.float() * factors.float().view(-1, 1, 1), keep)
         return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
 
     def merge(self, other: "OuterProduct") -> "OuterProduct":
@@ -149,9 +153,7 @@ class EmbeddingRows:
         return (same_row * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
 
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
-        g = self.g.float() * factors.float().view(-1, 1, 1)
-        if not bool((factors > 0).all()):
-            g = _keep_rows(g, factors > 0)
+        g = _keep_rows(self.g.float() * factors.float().view(-1, 1, 1), factors > 0)
         table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
         return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
 
@@ -200,7 +202,7 @@ def _plain_embedding(module: nn.Module) -> bool:
 
 def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:
     grads = sampler(module, activations, backprops)
-    return {p: Instantiated(_sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
+    return {p: Instantiated(sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
 
 
 def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
@@ -245,9 +247,9 @@ def _hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
 class BookKeeping:
     """Clipped per-example gradient sums from layer inputs and output gradients (see module doc).
 
-    `passes=1` is book-keeping; `passes=2` is ghost clipping (norms, then a reweighted backward).
-    `overrides` maps module instances to a `LinearGradientMap` (Linear layers) or to an
-    Opacus-signature grad sampler (instantiated form)."""
+    `passes=1` is book-keeping; `passes=2` is ghost clipping (norms, then a second backward whose
+    hooks sum the clipped pieces in fp32). `overrides` maps module instances to a
+    `LinearGradientMap` (Linear layers) or to an Opacus-signature grad sampler (instantiated form)."""
 
     def __init__(self, model: nn.Module, overrides: dict | None = None, passes: int = 1):
         self.model = model
@@ -264,13 +266,19 @@ class BookKeeping:
         for module in self._functorch:
             prepare_layer(module)
         self._activations: dict[nn.Module, list] = {}
+        self._replay: dict[nn.Module, list] = {}  # ghost: activations again for the second backward
         self._pending: dict[nn.Parameter, int] = {}
+        self._calls: dict[nn.Parameter, int] = {}
         self._open: dict[nn.Parameter, object] = {}  # pieces awaiting more calls of their parameter
         self._kept: dict[nn.Parameter, object] = {}  # book-keeping: pieces for the clipped sum
         self._norm_sq: dict[nn.Parameter, torch.Tensor] = {}
+        self._summed: dict[nn.Parameter, torch.Tensor] = {}  # ghost's second pass, or the coverage check
+        self._factors: torch.Tensor | None = None  # set while the second pass sums
         self._entry_params: set[nn.Parameter] = set()
         self._examples = 0
         self._held_bytes = 0
+        self._coverage_checked = False
+        self.tolerance = 1e-4  # coverage check; low precision (autocast) rounds autograd's own sums more
         self.working_bytes = 0  # per-example bytes held at the peak of the last backward
         self.peak_bytes = 0  # ... of any backward (what the run reports)
         self._enabled = True
@@ -297,6 +305,8 @@ class BookKeeping:
         if not self._enabled:
             return
         activations = self._activations[module].pop()
+        if self.passes == 2 and self._factors is None:
+            self._replay.setdefault(module, []).append(activations)
         backprops = grad_output[0].detach()
         for p, piece in self._pieces(module, activations, backprops).items():
             self._open[p] = piece if p not in self._open else _merge(self._open[p], piece)
@@ -316,8 +326,14 @@ class BookKeeping:
         return _instantiated_pieces(sampler, module, activations, backprops, self._examples)
 
     def _close(self, p: nn.Parameter) -> None:
-        """All calls of p are in: its squared norms, and (book-keeping) the smaller form kept."""
+        """All calls of p are in: its squared norms and, by pass, what is kept of it."""
         piece = self._open.pop(p)
+        if self._factors is not None:  # ghost's second pass: this parameter's clipped sum, now
+            self._summed[p] = self._second_pass_sum(p, piece)
+            self.working_bytes = max(self.working_bytes, piece.nbytes() + self._open_bytes())
+            return
+        if not self._coverage_checked:  # unclipped sum, compared with autograd's (first call only)
+            self._summed[p] = piece.clipped_sum(torch.ones(self._examples, device=piece_device(piece)))
         piece = piece.compact() if self.passes == 1 else piece
         self._norm_sq[p] = piece.norm_sq()
         transient = piece.nbytes()
@@ -326,6 +342,20 @@ class BookKeeping:
             self._held_bytes += piece.nbytes()
             transient = 0
         self.working_bytes = max(self.working_bytes, self._held_bytes + transient + self._open_bytes())
+
+    def _second_pass_sum(self, p: nn.Parameter, piece) -> torch.Tensor:
+        """Σ_i f_i G_i for one parameter from the second backward's piece, in fp32.
+
+        The second backward recomputes G_i; on a deterministic backend it is bit for bit the one
+        whose norm the first pass measured. Where kernels are not deterministic (atomics on a GPU)
+        each parameter's contribution is capped at the norm measured in the first pass, so that
+        Σ_p ‖f_i G_{i,p}‖² ≤ f_i² ‖G_i‖² ≤ C² holds whatever the kernels did; a row that turned
+        non-finite is dropped."""
+        measured, again = self._norm_sq[p], piece.norm_sq()
+        finite = torch.isfinite(again)
+        cap = torch.where(again > measured, (measured / again.clamp(min=1e-30)).sqrt(), torch.ones_like(again))
+        cap = torch.where(finite, cap, torch.zeros_like(cap))
+        return piece.clipped_sum(self._factors * cap)
 
     def _open_bytes(self) -> int:
         return sum(piece.nbytes() for piece in self._open.values())
@@ -337,17 +367,60 @@ class BookKeeping:
         self._examples = losses.shape[0]
         self.working_bytes = self._held_bytes = 0
         try:
-            backward_through_layers(losses.sum(), self._entry_params, retain_graph=self.passes == 2)
+            self._calls = dict(self._pending)
+            keep_graph = self.passes == 2
+            if self._coverage_checked:
+                backward_through_layers(losses.sum(), self._entry_params, retain_graph=keep_graph)
+            else:  # autograd's own weight gradients too, once, for the coverage check
+                losses.sum().backward(retain_graph=keep_graph)
+            self._finish_pass()
+            if not self._coverage_checked:
+                self._check_coverage()
             self._drop_grads()
-            for p in list(self._open):  # a call whose output did not reach the loss
-                self._close(p)
             norms = self._norms(losses)
             factors = factors_fn(norms)
-            sums = self._book_kept_sums(factors) if self.passes == 1 else self._reweighted_sums(losses, norms, factors)
+            sums = self._book_kept_sums(factors) if self.passes == 1 else self._reweighted_sums(losses, factors)
         finally:
             self._reset()
         self.peak_bytes = max(self.peak_bytes, self.working_bytes)
         return sums
+
+    def _finish_pass(self) -> None:
+        for p in list(self._open):  # a call whose output did not reach the loss
+            self._close(p)
+
+    def _check_coverage(self) -> None:
+        """Refuse a trainable parameter whose gradient has a part no hook saw (a parameter read
+        outside its module's forward, e.g. by a parent module): no per-example norm would cover
+        that part. Compares autograd's summed gradient with the sum of the hooks' pieces, once."""
+        uncovered = []
+        names = {p: n for n, p in self.model.named_parameters()}
+        maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self._summed.clear()
+            return  # a non-finite example: compare on a later call
+        for p in self.params:
+            seen = self._summed.get(p)
+            grad = p.grad
+            if grad is None:
+                continue
+            grad = maps[p].map_gradient(p, grad.float()) if p in maps else grad.float()
+            if seen is None:
+                missing = grad.norm()
+            else:
+                missing = (grad - seen).norm() if seen.shape == grad.shape else torch.tensor(0.0)
+            if missing.item() > self.tolerance * grad.norm().item() + 1e-7:
+                uncovered.append(names.get(p, "?"))
+        self._summed.clear()
+        self._coverage_checked = True
+        if uncovered:
+            mode = "bk" if self.passes == 1 else "ghost"
+            raise UserError(
+                f"algo.per_sample={mode}: the gradient of {', '.join(uncovered[:5])} is not (only) computed inside "
+                "its module's forward, so no per-example norm would cover it; use algo.per_sample=materialize "
+                "or read the parameter inside its own module"
+            )
 
     def _norms(self, losses: torch.Tensor) -> torch.Tensor:
         norm_sq = torch.zeros(losses.shape[0], dtype=torch.float32, device=losses.device)
@@ -361,23 +434,20 @@ class BookKeeping:
             for p in self.params
         ]
 
-    def _reweighted_sums(self, losses, norms, factors) -> list[torch.Tensor]:
-        if not bool(torch.isfinite(norms).all()):
-            # Σ_i f_i ℓ_i would still backpropagate 0 · inf through the bad example; nothing has
-            # been released, so the step ends here (book-keeping and materialize drop the example).
-            raise DivergedError("a per-example gradient is not finite under algo.per_sample=ghost; lower train.lr")
-        self._enabled = False
-        try:
-            (factors.detach().to(losses.dtype) * losses).sum().backward()
-        finally:
-            self._enabled = True
-        sums = []
-        maps = {p: override for m, override in self.overrides.items() if hasattr(override, "map_gradient") for p in m.parameters()}
-        for p in self.params:
-            grad = p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device)
-            sums.append(maps[p].map_gradient(p, grad) if p in maps else grad)
-            p.grad = None
-        return sums
+    def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+        """Ghost's second pass: the same backward again, every clipped piece summed in fp32 by the
+        hooks as it arrives (one layer's working set at a time). Not autograd's reweighted
+        backward (Opacus's ghost clipping): under autocast that sums Σ_i f_i g_i in bf16/fp16,
+        whose rounding grows with the batch (one added example moved it by 2·C at batch 1024),
+        and a non-finite example would poison it through 0 · inf."""
+        self._factors = factors.detach().float()
+        self._pending = dict(self._calls)
+        self._activations = {m: list(reversed(kept)) for m, kept in self._replay.items()}
+        self._replay = {}
+        backward_through_layers(losses.sum(), self._entry_params)
+        self._finish_pass()
+        self._drop_grads()
+        return [self._summed.get(p, torch.zeros(p.shape, device=p.device)) for p in self.params]
 
     def _drop_grads(self) -> None:
         for p in self.params:
@@ -386,10 +456,13 @@ class BookKeeping:
     def _reset(self) -> None:
         self._drop_grads()
         self._activations.clear()
+        self._replay.clear()
         self._pending.clear()
         self._open.clear()
         self._kept.clear()
         self._norm_sq.clear()
+        self._summed.clear()
+        self._factors = None
         self._entry_params.clear()
 
     def backward_per_sample(self, losses):
@@ -400,3 +473,6 @@ class BookKeeping:
             handle.remove()
         self._handles.clear()
 
+
+def piece_device(piece) -> torch.device:
+    return (piece.grad_sample if isinstance(piece, Instantiated) else piece.g).device

@@ -1,11 +1,5 @@
-"""Per-sample gradients through Opacus's grad samplers, with a seam for per-layer transforms.
-
-Three engines compute the clipped sum Σ_i f_i g_i of a physical batch (`algo.per_sample`):
-`materialize` (this module: every per-sample gradient formed, Opacus's default), `ghost` (norms
-without per-sample gradients, then a reweighted second backward: ghost.py, Opacus) and `bk`
-(book-keeping, one backward: bookkeeping.py). `PerSampleGradients.for_mode` builds one; each
-has `clipped_sum(losses, factors_fn) -> sums` and meters its largest per-example working set in
-`peak_bytes` (results.json's per_sample_grad_bytes).
+"""The `materialize` engine: per-sample gradients through Opacus's grad samplers, with a seam for
+per-layer transforms (engines.py lists every engine; clipping.py the clipping rules).
 
 `PerSampleGradients` attaches Opacus's forward/backward hooks to a model. After
 `backward_per_sample(losses)` every trainable parameter holds a tensor [B, ...] of per-example
@@ -23,8 +17,15 @@ import torch
 from opacus.grad_sample import GradSampleModule
 from torch import nn
 
-from dpbench.errors import UserError
-from dpbench.precision import unscaled
+from dpbench.precision import unscaled_per_example
+from dpbench.privacy.bookkeeping import backward_through_layers, track_entry_params
+from dpbench.privacy.clipping import (  # noqa: F401  (re-exported: the clipping rules' old home)
+    CLIP_FACTORS,
+    clip_factors,
+    clipped_sum,
+    per_sample_norms,
+    sum_rows_per_example,
+)
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -50,6 +51,16 @@ class PerSampleGradients:
         self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
         self.peak_bytes = 0  # largest set of per-sample gradients formed at once
         self.loss_scale = 1.0  # train.precision=fp16: divided out of every per-sample gradient (fp32)
+        # The bottom layers' parameters: the backward asks autograd for their gradients only, so
+        # it runs every layer's backward (the grad samplers' hooks fire) without also computing the
+        # summed weight gradient of every other layer, which the per-sample gradients replace.
+        self._entry_params: set[nn.Parameter] = set()
+        self._handles = [m.register_forward_hook(self._track_entry)
+                         for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def _track_entry(self, module, inputs, _output):
+        if torch.is_grad_enabled() and self._module.hooks_enabled:
+            track_entry_params(self._entry_params, module, inputs)
 
     def meter(self, held_bytes: int) -> None:
         """Record per-example bytes held at once (a caller holding two sets reports their sum)."""
@@ -60,7 +71,10 @@ class PerSampleGradients:
 
         The summed batch gradient that autograd also accumulates in `.grad` is discarded.
         """
-        (losses.sum() * self.loss_scale).backward()
+        try:
+            backward_through_layers(losses.sum() * self.loss_scale, self._entry_params)
+        finally:
+            self._entry_params.clear()
         per_sample = []
         for p in self.params:
             grad_sample = p.grad_sample
@@ -68,7 +82,7 @@ class PerSampleGradients:
                 raise RuntimeError("per-sample gradients were accumulated twice without a reset")
             if grad_sample is None:  # parameter unused in this forward pass
                 grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
-            grad_sample = unscaled(_sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
+            grad_sample = unscaled_per_example(sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
             per_sample.append(grad_sample)
             p.grad_sample = None
             p.grad = None
@@ -78,82 +92,9 @@ class PerSampleGradients:
     def clipped_sum(self, losses: torch.Tensor, factors_fn) -> list[torch.Tensor]:
         """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms)."""
         per_sample = self.backward_per_sample(losses)
-        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)))
+        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
 
     def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
         self._module._close()
-
-    @staticmethod
-    def for_mode(mode: str, model: nn.Module, sampler_overrides: dict | None = None):
-        """The engine for `algo.per_sample=mode` (materialize | ghost | bk)."""
-        if mode not in PER_SAMPLE_ENGINES:
-            raise UserError(f"algo.per_sample={mode!r} is not known; use one of {', '.join(PER_SAMPLE_ENGINES)}")
-        return PER_SAMPLE_ENGINES[mode](model, dict(sampler_overrides or {}))
-
-
-def _ghost_engine(model: nn.Module, overrides: dict):
-    from dpbench.privacy.bookkeeping import BookKeeping
-    from dpbench.privacy.ghost import OpacusGhostClipping
-
-    # Opacus's norm samplers cannot see a per-layer transform (DP-GRAPE's projection): the
-    # hand-written hooks run the same two passes then.
-    return BookKeeping(model, overrides, passes=2) if overrides else OpacusGhostClipping(model)
-
-
-def _bk_engine(model: nn.Module, overrides: dict):
-    from dpbench.privacy.bookkeeping import BookKeeping
-
-    return BookKeeping(model, overrides, passes=1)
-
-
-PER_SAMPLE_ENGINES: dict[str, Callable] = {
-    "materialize": PerSampleGradients,
-    "ghost": _ghost_engine,
-    "bk": _bk_engine,
-}
-
-
-def _sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tensor:
-    """[R, ...] per-row gradients -> [B, ...] per-example ones, when an example spans R/B rows.
-
-    Candidate scoring feeds K sequences per example, laid out example-major (rows b*K..b*K+K-1
-    are example b); the privacy unit is the example, so its rows' gradients are summed before
-    clipping.
-    """
-    rows = grad_sample.shape[0]
-    if rows == examples:
-        return grad_sample
-    if examples == 0 or rows % examples:
-        raise RuntimeError(f"{rows} per-row gradients do not split into {examples} examples")
-    return grad_sample.view(examples, rows // examples, *grad_sample.shape[1:]).sum(dim=1)
-
-
-def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each example's gradient over all given tensors (flat clipping): [B]."""
-    squared = [g.reshape(g.shape[0], -1).float().pow(2).sum(dim=1) for g in per_sample]
-    return torch.stack(squared, dim=0).sum(dim=0).sqrt()
-
-
-# Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s
-# min(1, C/||g||) (Opacus's form, with its 1e-6 guard); the others are DP-SGD variants whose
-# sensitivity is still C.
-CLIP_FACTORS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
-    "flat": lambda norms, c, gamma: (c / (norms + 1e-6)).clamp(max=1.0),
-    "automatic": lambda norms, c, gamma: c / (norms + gamma),
-    "psac": lambda norms, c, gamma: c / (norms + gamma / (norms + gamma)),
-}
-
-
-def clip_factors(norms: torch.Tensor, clip_norm: float, rule: str = "flat", gamma: float = 0.01) -> torch.Tensor:
-    factors = CLIP_FACTORS[rule](norms, clip_norm, gamma)
-    # A NaN/inf gradient from one example must not poison the sum: it contributes nothing.
-    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
-
-
-def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
-    """sum_i factor_i * g_i for each tensor, accumulated in float32."""
-    factors = factors.float()
-    return [
-        torch.einsum("b,b...->...", factors, torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0))
-        for g in per_sample
-    ]

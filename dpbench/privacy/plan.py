@@ -38,7 +38,7 @@ class PrivacySetup:
     expected_batch_size: float  # public B = q * n; the clipped noisy sum is divided by it
     sample_rate: float  # q
     noise: GaussianNoise  # entropy-seeded generator (dpbench.privacy.noise)
-    clipping: str = "flat"  # rule in dpbench.privacy.per_sample.CLIP_FACTORS
+    clipping: str = "flat"  # rule in dpbench.privacy.clipping.CLIP_FACTORS
     clipping_gamma: float = 0.01
     neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
     # algo settings an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's sigma_tr)

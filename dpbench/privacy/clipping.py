@@ -1,0 +1,64 @@
+"""Clipping: per-example norms, the clip rules' factors, and clipped sums accumulated in fp32.
+
+Shared by every per-example engine (per_sample.py, bookkeeping.py) and by the algorithms that
+clip their own per-example quantities (DC-DPSGD, DPDR, DIFF).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tensor:
+    """[R, ...] per-row gradients -> [B, ...] per-example ones, when an example spans R/B rows.
+
+    Candidate scoring feeds K sequences per example, laid out example-major (rows b*K..b*K+K-1
+    are example b); the privacy unit is the example, so its rows' gradients are summed before
+    clipping.
+    """
+    rows = grad_sample.shape[0]
+    if rows == examples:
+        return grad_sample
+    if examples == 0 or rows % examples:
+        raise RuntimeError(f"{rows} per-row gradients do not split into {examples} examples")
+    return grad_sample.view(examples, rows // examples, *grad_sample.shape[1:]).sum(dim=1)
+
+
+def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each example's gradient over all given tensors (flat clipping): [B]."""
+    # vector_norm in fp32 rather than .float().pow(2): no per-sample-sized temporary (Opacus's form)
+    norms = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample]
+    return torch.linalg.vector_norm(torch.stack(norms, dim=0), dim=0)
+
+
+# Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s
+# min(1, C/||g||) (Opacus's form, with its 1e-6 guard); the others are DP-SGD variants whose
+# sensitivity is still C.
+CLIP_FACTORS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "flat": lambda norms, c, gamma: (c / (norms + 1e-6)).clamp(max=1.0),
+    "automatic": lambda norms, c, gamma: c / (norms + gamma),
+    "psac": lambda norms, c, gamma: c / (norms + gamma / (norms + gamma)),
+}
+
+
+def clip_factors(norms: torch.Tensor, clip_norm: float, rule: str = "flat", gamma: float = 0.01) -> torch.Tensor:
+    factors = CLIP_FACTORS[rule](norms, clip_norm, gamma)
+    # A NaN/inf gradient from one example must not poison the sum: it contributes nothing.
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor, overwrite: bool = False) -> list[torch.Tensor]:
+    """sum_i factor_i * g_i for each tensor, accumulated in float32.
+
+    A non-finite example has factor 0, but 0 · inf is NaN: its entries are zeroed first. With
+    `overwrite=True` (the caller drops the per-sample tensors afterwards) fp32 tensors are zeroed
+    in place, so no per-sample-sized copy is made."""
+    factors = factors.float()
+    sums = []
+    for g in per_sample:
+        finite = torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0) if overwrite and g.dtype == torch.float32 else \
+            torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        sums.append(torch.einsum("b,b...->...", factors, finite))
+    return sums
