@@ -487,10 +487,8 @@ def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
 
 def accounting_check(job) -> list[Check]:
     """The planned ledger's epsilon by dp-accounting vs the epsilon the configured accountant reports."""
-    from dpbench.privacy.accountants import planned_ledger
-
     plan = job.privacy
-    ledger = planned_ledger(plan.planned, job.steps)
+    ledger = plan.planned_ledger(job.steps)  # Poisson steps, or a shuffled run's epochs
     if not ledger:
         return [Check("accounting", "ledger", 0.0, 0.0, True, "the planned run releases nothing")]
     reported = plan.epsilon(ledger)

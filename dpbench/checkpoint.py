@@ -8,12 +8,14 @@ is written.
 
 What a checkpoint holds (torch.save of plain containers and tensors, read back with
 `weights_only=True`): the trainer's step counter, privacy ledger, history, window loss and
-throughput counters; the seeded RNG states (torch, CUDA, numpy, random); and the algorithm's
+throughput counters; the epoch in progress of a shuffled sampler; every rank's seeded RNG states
+(torch, CUDA, numpy, random; restored per rank); and the algorithm's
 `state_dict()` (trainable parameters and buffers, optimizer state, the attributes its class lists
 in `checkpoint_attributes`). Frozen parameters are not stored: they are rebuilt from the config
 and seed, and a fingerprint of them is checked on load. The entropy-seeded privacy noise and
 Poisson sampler are NOT restored: a resumed run draws fresh, independent randomness, which is what
-the accountant assumes of every step anyway.
+the accountant assumes of every step anyway. A shuffled run's epoch in progress is restored so
+that no example is in two batches of one epoch (the bound of `ShuffledLedger` counts epochs).
 
 Why a checkpoint also follows every evaluation: an evaluation published (console, W&B) after the
 last checkpoint depends on noisy releases that a resumed run would discard and redo, so its
@@ -92,24 +94,57 @@ def incompatible(path: Path, what: str) -> UserError:
 
 # --- seeded RNG states ---------------------------------------------------------------------------
 def rng_states() -> dict:
-    """The experiment-seeded generators (model init, dropout, augmentation, data order)."""
+    """This process's experiment-seeded generators (model init, dropout, augmentation, data order)."""
     numpy_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if distributed.run_uses_cuda() else [],
         "numpy": [numpy_state[0], torch.from_numpy(numpy_state[1].astype(np.int64)), *numpy_state[2:]],
         "random": random.getstate(),
     }
 
 
-def restore_rng_states(states: dict) -> None:
+def restore_rng_states(states: dict) -> list[str]:
+    """Restore one process's `rng_states()`. The CUDA states are restored only onto as many GPUs as
+    they were taken from (a state belongs to its device); otherwise they are left, and the returned
+    note says so (the run goes on: privacy never depends on these generators)."""
     torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    notes = []
+    cuda, count = states["cuda"], distributed.cuda_device_count()
+    if cuda and len(cuda) == count:
+        torch.cuda.set_rng_state_all(cuda)
+    elif cuda:
+        notes.append(
+            f"the checkpoint holds CUDA RNG states of {len(cuda)} GPU(s), this process sees {count}: they were not "
+            "restored, so seeded CUDA randomness (dropout, augmentation) differs from an uninterrupted run"
+        )
     name, keys, *rest = states["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     version, internal, gauss = states["random"]
     random.setstate((version, tuple(internal), gauss))
+    return notes
+
+
+def rank_rng_states() -> list[dict]:
+    """Every rank's `rng_states()`, in rank order (a collective: every rank calls it). The ranks'
+    generators part ways once they train on different shards (dropout, CUDA generators)."""
+    return distributed.all_gather_object(rng_states())
+
+
+def restore_rank_rng_states(saved: dict | list[dict]) -> list[str]:
+    """Restore this rank's generators from a checkpoint's per-rank states (a single dict: a
+    checkpoint of an older dpbench, rank 0's states). With another number of processes than
+    wrote it, every rank takes rank 0's CPU states (seeded public randomness stays equal on all
+    ranks) and no CUDA state; the note says so."""
+    per_rank = saved if isinstance(saved, list) else [saved]
+    if len(per_rank) == distributed.world_size():
+        return restore_rng_states(per_rank[distributed.rank()])
+    restore_rng_states({**per_rank[0], "cuda": []})
+    return [
+        f"the checkpoint was written by {len(per_rank)} process(es), this run has {distributed.world_size()}: every "
+        "rank continued from rank 0's seeded CPU generators and no CUDA generator was restored, so seeded "
+        "randomness (dropout, augmentation) differs from an uninterrupted run"
+    ]
 
 
 # --- signals -------------------------------------------------------------------------------------
@@ -189,11 +224,17 @@ class Checkpointer:
             self.signals.chain(step, self.path)
 
     def save(self, trainer) -> Path:
-        """Rank 0 writes (the ranks' states are identical); the others wait until it is on disk."""
+        """Rank 0 writes (the replicas are identical; the seeded generators are gathered from every
+        rank); the others wait until it is on disk, and all stop if it could not write."""
+        generators = rank_rng_states()
+        error = None
         if distributed.is_main_process():
-            write_checkpoint(self.run_dir, {"config": self.config, "step": trainer.state.step,
-                                            "trainer": trainer.state_dict()})
-        distributed.barrier()
+            try:
+                write_checkpoint(self.run_dir, {"config": self.config, "step": trainer.state.step,
+                                                "trainer": trainer.state_dict(generators)})
+            except Exception as failure:  # noqa: BLE001 - every rank stops with it (raise_together)
+                error = failure
+        distributed.raise_together(error, f"writing the checkpoint {self.path}")
         return self.path
 
 

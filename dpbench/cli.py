@@ -195,9 +195,9 @@ def main() -> None:
     if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)
-    if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
-        sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
     try:
+        if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
+            sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
         run_app(_main)  # schemas registered; a type or choice error: one line, exit 2
     except KeyboardInterrupt:
         console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
@@ -207,6 +207,8 @@ def main() -> None:
         # status 1; they are bad input like dpbench's own.
         hydra_error = exit_.code == 1 and not _own_exit
         sys.exit(EXIT_BAD_INPUT if hydra_error else exit_.code)
+    finally:
+        distributed.shutdown()  # torchrun: leave the process group however the run ended
     # Hydra instantiated GridFailures from `dpbench.cli`, which is not this module under `python -m`.
     from dpbench.cli import _grid_failures as failures
 

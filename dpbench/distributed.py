@@ -18,6 +18,15 @@ The design keeps ONE privatised release per logical step, identical to the one-p
   all ranks: `check_replicas` asserts it before training.
 * Only rank 0 writes results.json, .hydra/ and W&B and prints; every rank evaluates the full test
   set on its (identical) replica, so no rank waits at a collective and the numbers are rank 0's.
+* Every rank checks at the start that its privacy plan is rank 0's (`check_same_as_rank_zero`).
+* Stops are collective (`raise_together`): after setup and after every step the ranks agree on
+  a small control group whether any of them failed, and all raise at that point (a lone failing
+  rank would leave the others blocked in the next collective). A rank that fails inside a step,
+  while the others wait in one of its collectives, waits for them a while, then closes the
+  process group, which ends their wait with an error.
+* Devices: the process group is gloo (plus a gloo control group); a run whose device resolves to
+  CUDA binds rank r to GPU LOCAL_RANK, which must exist (`bind_device`), and sums its CUDA
+  tensors over an nccl group. CPU ranks never touch CUDA, however many GPUs the node has.
 
 Without torchrun (WORLD_SIZE unset or 1) every helper is a no-op and nothing changes.
 """
@@ -26,12 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dpbench.errors import UserError
+from dpbench.errors import DivergedError, UserError
 
 
 def launched() -> bool:
@@ -56,26 +66,88 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def cuda_device_count() -> int:
+    """GPUs this process sees (0 without CUDA). The one place that asks torch, so that tests can
+    stand in for a machine with GPUs."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_groups: dict[str, Any] = {}  # "control": gloo group for agreements; "cuda": nccl group for CUDA tensors
+_run_device_type: str | None = None  # what bind_device bound this process to (None: not bound yet)
+
+
+def run_uses_cuda() -> bool:
+    """Whether this process trains on a GPU (before `bind_device`: whenever it sees one), so that
+    a CPU run never initialises CUDA, not even for the RNG states of a checkpoint."""
+    return cuda_device_count() > 0 and _run_device_type in (None, "cuda")
+
+
 def init_from_environment() -> None:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT); idempotent.
 
-    gloo carries CPU tensors and nccl CUDA tensors (one device per rank: LOCAL_RANK), so the same
-    collectives serve device=cpu and device=cuda runs.
+    The group is gloo: it starts before the config (and so the device) is known (`dpbench.cli`
+    agrees on the run folder first), and it never touches CUDA. `bind_device` adds nccl for a
+    CUDA run. A second gloo group carries only the failure agreements of `raise_together`, so they
+    can never pair with a collective of the training step.
     """
     if not launched() or is_distributed():
         return
-    backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" means this rank's GPU
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend="gloo")
+    _groups.clear()
+    _groups["control"] = dist.new_group(backend="gloo")
     from dpbench.logging.console import console
 
     console.quiet = not is_main_process()  # one progress bar, one summary
 
 
+def cuda_ordinal(device: torch.device) -> int | None:
+    """The GPU this process trains on when `device` is CUDA and torchrun launched it (LOCAL_RANK),
+    None otherwise; a one-line error when that GPU does not exist."""
+    if device.type != "cuda" or not launched():
+        return None
+    ordinal, count = local_rank(), cuda_device_count()
+    if ordinal >= count:
+        raise UserError(
+            f"this run trains on CUDA, so torchrun local rank {ordinal} needs GPU {ordinal}, but this process sees "
+            f"{count} GPU(s): run at most {count} processes per node (--nproc_per_node), let every process see "
+            "all the node's GPUs (CUDA_VISIBLE_DEVICES), or set device=cpu"
+        )
+    return ordinal
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `cuda` mean this rank's GPU (and sum CUDA tensors over nccl) when the run's device is
+    CUDA; nothing for CPU ranks. Every rank calls it; all raise together if any rank cannot."""
+    global _run_device_type
+    _run_device_type = device.type
+    error = None
+    try:
+        ordinal = cuda_ordinal(device)
+        if ordinal is not None:
+            torch.cuda.set_device(ordinal)
+    except UserError as failure:
+        error = failure
+    raise_together(error, "binding its device")
+    check_same_as_rank_zero("device type", {"device": device.type})
+    if device.type == "cuda" and is_distributed() and "cuda" not in _groups:
+        _groups["cuda"] = dist.new_group(backend="nccl")
+
+
 def backend() -> str | None:
     return dist.get_backend() if is_distributed() else None
+
+
+def _group_of(tensor: torch.Tensor):
+    """The group that carries `tensor`: nccl for CUDA tensors, the default (gloo) group otherwise."""
+    if tensor.device.type != "cuda":
+        return None
+    if "cuda" not in _groups:
+        raise RuntimeError("a CUDA tensor in a collective, but the run's device was not bound (bind_device)")
+    return _groups["cuda"]
 
 
 def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -83,7 +155,7 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     parameter-sized buffer, which matters for the largest models)."""
     if is_distributed():
         for tensor in tensors:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_group_of(tensor))
     return tensors
 
 
@@ -100,7 +172,7 @@ def broadcast(tensors: list[torch.Tensor], source: int = 0) -> list[torch.Tensor
     """Overwrite each tensor with rank `source`'s, in place."""
     if is_distributed():
         for tensor in tensors:
-            dist.broadcast(tensor, src=source)
+            dist.broadcast(tensor, src=source, group=_group_of(tensor))
     return tensors
 
 
@@ -113,9 +185,88 @@ def broadcast_object(value: Any, source: int = 0) -> Any:
     return holder[0]
 
 
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's picklable value, in rank order, on every rank."""
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a torchrun run): frees its sockets and communicators."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _groups.clear()
+
+
+# --- stopping together ----------------------------------------------------------------------------
+class PeerFailure(RuntimeError):
+    """Another rank failed: this one stops at the same point."""
+
+
+# Error types that every rank raises alike when one rank raised them (a diverged run is recorded
+# as diverged by rank 0, a user error stays a one-line error); any other becomes PeerFailure.
+SHARED_ERRORS: dict[str, type[Exception]] = {"DivergedError": DivergedError, "UserError": UserError}
+PATIENCE_S = 600.0  # how long a failed rank waits for the others to reach the agreement
+STEP_PATIENCE_S = 60.0  # ... at the end of a training step: at least this, or 3x the slowest step
+
+
+def raise_together(error: BaseException | None, where: str, patience_s: float | None = None) -> None:
+    """Every rank calls this at the same point of the run with what it failed with (None: nothing).
+    One small all-reduce of a flag tells all ranks whether any failed; if so, each raises: its own
+    error, or that of the lowest failed rank (`SHARED_ERRORS`, else PeerFailure). One process:
+    raises `error` if there is one.
+
+    A failed rank waits at most `patience_s` for the others: if they are blocked in a collective of
+    the step it left, they never come, so it closes the process group (their collective then fails)
+    and raises its error."""
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return
+    control = _groups.get("control")
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=control, async_op=True)
+        if error is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=PATIENCE_S if patience_s is None else patience_s))
+    except Exception as agreement_failure:  # noqa: BLE001 - a peer left or never came: stop here
+        if error is not None:
+            shutdown()
+            raise error from None
+        raise PeerFailure(f"another rank stopped before this one finished {where} (the process group closed): "
+                          "its error is in its output") from agreement_failure
+    if flag.item() == 0:
+        return
+    failures = [None] * world_size()
+    dist.all_gather_object(failures, None if error is None else (type(error).__name__, str(error)), group=control)
+    if error is not None:
+        raise error
+    failed_rank, (kind, message) = next((r, f) for r, f in enumerate(failures) if f is not None)
+    raise SHARED_ERRORS.get(kind, PeerFailure)(f"rank {failed_rank} failed {where}: {kind}: {message}")
+
+
+def check_same_as_rank_zero(what: str, value: dict) -> None:
+    """Fail on every rank, in one line, unless every rank's `value` equals rank 0's."""
+    if not is_distributed():
+        return
+    reference = broadcast_object(value)
+    differing = sorted(key for key in set(reference) | set(value) if reference.get(key) != value.get(key))
+    error = None
+    if differing:
+        shown = "; ".join(f"{key} {value.get(key)!r} vs {reference.get(key)!r}" for key in differing[:3])
+        error = UserError(f"the {what} on rank {rank()} differs from rank 0's ({shown}): "
+                          "every rank must run the same command, config and code")
+    raise_together(error, f"checking the {what}")
 
 
 def check_replicas(model: torch.nn.Module) -> None:

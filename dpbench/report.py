@@ -73,6 +73,12 @@ def model_label(results: RunResults, config: dict) -> str | None:
     return f"{name}-{size}" if name and size else name
 
 
+def unproven_sampling(privacy, config: dict) -> bool:
+    """A private shuffled run from before schema 4: it reported the Poisson accountant's epsilon."""
+    sampling = privacy.sampling or (config.get("privacy") or {}).get("sampling")
+    return bool(privacy.is_private and privacy.bound is None and sampling not in (None, "poisson"))
+
+
 def run_row(path: Path, folder: Path, results: RunResults) -> dict:
     """One flat record per results.json; every key may be missing in old files (then None)."""
     config = results.config or {}
@@ -93,6 +99,7 @@ def run_row(path: Path, folder: Path, results: RunResults) -> dict:
         "planned_steps": privacy.planned_steps if privacy.planned_steps is not None else privacy.steps,
         "accountant": privacy.accountant,
         "sampling": privacy.sampling or (config.get("privacy") or {}).get("sampling"),
+        "unproven_sampling": unproven_sampling(privacy, config),
         "clipping": (config.get("privacy") or {}).get("clipping"),
         "metric_name": results.metrics.metric or "accuracy",
         "final": figures["test/accuracy"],
@@ -260,7 +267,7 @@ def accuracy_percent(g: Group, metric: str) -> tuple[float | None, float | None]
 
 def flags(g: Group) -> str:
     r, out = g.first, []
-    if r["sampling"] and r["sampling"] != "poisson":
+    if r["unproven_sampling"]:
         out.append(f"{r['sampling']}-sampled: ε not a proven bound")
     if r["accountant"] in APPROXIMATE_ACCOUNTANTS:
         out.append(f"approximate accountant {APPROXIMATE_ACCOUNTANTS[r['accountant']]}")

@@ -28,7 +28,7 @@ from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.precision import Precision, require_native_bf16
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
-from dpbench.privacy.sampling import build_sampler
+from dpbench.privacy.sampling import batches_per_epoch, build_sampler
 from dpbench.schema import check_keys, default_of
 from dpbench.tasks import Task, build_task
 from dpbench.trainer import Trainer, TrainerConfig
@@ -87,9 +87,11 @@ def seed_everything(seed: int) -> None:
 
 
 def planned_steps(cfg: DictConfig, train_size: int) -> int:
+    """train.steps, or train.epochs passes of n / B Poisson batches or of the shuffled epoch's batches."""
     if cfg.train.steps is not None:
         return int(cfg.train.steps)
-    return max(1, round(cfg.train.epochs * train_size / cfg.train.batch_size))
+    per_epoch = batches_per_epoch(cfg, train_size) or train_size / cfg.train.batch_size
+    return max(1, round(cfg.train.epochs * per_epoch))
 
 
 PROVENANCE_PACKAGES = ["torch", "opacus", "timm", "transformers", "peft", "hydra-core", "wandb", "dp-accounting", "numpy"]
@@ -265,11 +267,12 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
     checkpointer = None if run_dir is None else Checkpointer(
         run_dir, resolved_config(cfg), cfg.train.get("checkpoint_every"), StopSignals())
-    seeded_sampler = not (cfg.privacy.sampling == "poisson" and job.privacy is not None)  # private Poisson: fresh
+    seeded_sampler = job.privacy is None  # private runs draw their batches from fresh entropy
     trainer = Trainer(
         job.task,
         job.algorithm,
-        build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None),
+        build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None,
+                      batches_per_epoch(cfg, job.task.train_size)),
         TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats,
                       int(cfg.train.get("train_eval_size") or 0), replay_sampler=seeded_sampler),
         job.privacy,
@@ -282,6 +285,8 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
         except (CheckpointMismatch, KeyError, TypeError, ValueError, RuntimeError) as error:
             raise incompatible(checkpointer.path, str(error).strip("'\"")) from error
         console.print(f"resuming from step {trainer.state.step} of {job.steps} ({checkpointer.path})", soft_wrap=True)
+        for note in trainer.resume_notes:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     try:
         with checkpointer.signals if checkpointer else contextlib.nullcontext(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
@@ -344,12 +349,19 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
         on_start()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
+    distributed.bind_device(resolve_device(cfg.device))  # torchrun + CUDA: this rank's GPU
     memory = PeakMemory(resolve_device(cfg.device))
     memory.reset()
     started = time.perf_counter()
     checkpoint = resumable_checkpoint(cfg, run_dir)  # before setup: a damaged file fails fast
-    job = setup(cfg)
+    job, setup_error = None, None
+    try:
+        job = setup(cfg)
+    except Exception as error:  # noqa: BLE001 - torchrun: every rank stops with it
+        setup_error = error
+    distributed.raise_together(setup_error, "in setup")
     distributed.check_replicas(job.model)
+    distributed.check_same_as_rank_zero("privacy plan", job.privacy.fingerprint() if job.privacy else {"private": False})
     for message in job.privacy.notes if job.privacy else []:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
@@ -363,17 +375,21 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished
         logger.abort(error)
         raise
-    results = record(job, trainer, status, memory, started, notes=[])
+    results = record(job, trainer, status, memory, started, notes=list(trainer.resume_notes))
     results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
     results.resumed_from_step = trainer.resumed_from_step
+    results_file, write_error = None, None
+    if main:
+        try:
+            results_file = write_results(run_dir, results)
+            delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
+        except Exception as error:  # noqa: BLE001 - every rank stops with it
+            write_error = error
+    distributed.raise_together(write_error, "writing results.json")  # the others return once it is written
     if not main:
-        distributed.barrier()  # returns once rank 0 has written results.json
         if failure is not None:
             raise failure
         return results.to_json()
-    results_file = write_results(run_dir, results)
-    delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
-    distributed.barrier()
     if sync := logger.finish(results, results_file):
         console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
     console.print(summary_table(results))

@@ -4,13 +4,15 @@ the privacy ledger of what ran, and callbacks that show and log progress."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
+from dpbench import distributed
 from dpbench.algorithms import Algorithm, StepResult
-from dpbench.checkpoint import CheckpointMismatch, restore_rng_states, rng_states
+from dpbench.checkpoint import CheckpointMismatch, rank_rng_states, restore_rank_rng_states
 from dpbench.errors import DivergedError
 from dpbench.metering import Throughput
-from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms
+from dpbench.privacy.mechanisms import Ledger, same_mechanisms
 from dpbench.privacy.plan import PrivacyPlan
 from dpbench.tasks import Task
 
@@ -22,7 +24,7 @@ class TrainerConfig:
     eval_every: int = 20  # steps between evaluations; <= 0: evaluate only at the end
     log_private_stats: bool = True  # report un-noised training loss / batch sizes (see PrivacyPlan)
     train_eval_size: int = 0  # > 0: also evaluate on this many training examples (needs log_private_stats)
-    replay_sampler: bool = True  # on resume, redraw the batches already used (seeded samplers: same data order)
+    replay_sampler: bool = True  # on resume, redraw the batches already used (seeded samplers without a state_dict)
 
 
 @dataclass
@@ -63,9 +65,12 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.checkpointer = checkpointer
         self.resumed_from_step: int | None = None
-        self.state = TrainingState()
+        self.resume_notes: list[str] = []  # what a resumed run could not restore exactly
+        self._sampler_restored = False
+        self.state = TrainingState(ledger=privacy.new_ledger() if privacy is not None else Ledger())
         self.throughput = Throughput(warmup_steps=min(3, config.steps // 2))
         self._window_loss, self._window_count = 0.0, 0
+        self._slowest_step_s = 0.0  # how long the ranks may legitimately be apart (raise_together)
 
     def epsilon_spent(self) -> float | None:
         return None if self.privacy is None else self.privacy.epsilon(self.state.ledger)
@@ -108,7 +113,7 @@ class Trainer:
         state = self.state
         if self.privacy is not None:
             self.privacy.check_step(state.step, result.mechanisms)
-        state.ledger.extend(result.mechanisms)
+        state.ledger.add_step(result.mechanisms)
         state.step += 1
         if result.batch_size == 0 or not self.config.log_private_stats:
             return
@@ -122,26 +127,28 @@ class Trainer:
         state.train_loss = self._window_loss / self._window_count
 
     def fit(self) -> TrainingState:
-        """Train for the configured steps (zero steps: evaluate the model as it is)."""
+        """Train for the configured steps (zero steps: evaluate the model as it is).
+
+        Data parallel: after every step the ranks agree whether any of them failed and all stop
+        there together (`distributed.raise_together`); one process raises as it always did."""
         for callback in self.callbacks:
             callback.on_fit_start(self)
         try:
             if self.config.steps == 0:
                 self.evaluate()
             batches = iter(self.sampler)
-            for _ in range(self.state.step if self.config.replay_sampler else 0):
+            replay = self.config.replay_sampler and not self._sampler_restored
+            for _ in range(self.state.step if replay else 0):
                 next(batches)  # a resumed run with a seeded sampler continues its data order
             while self.state.step < self.config.steps:
-                physical = self._physical_batches(next(batches))
-                self.throughput.step_started()
-                result = self.algorithm.train_step(physical, self.state.step)
-                self.throughput.step_finished(result.batch_size)
-                self._record(result)
-                for callback in self.callbacks:
-                    callback.on_step(self, result)
-                evaluated = self._due_for_eval()
-                if evaluated:
-                    self.evaluate()
+                step, started, failure, evaluated = self.state.step, time.monotonic(), None, False
+                try:
+                    evaluated = self._step(batches)
+                except Exception as error:  # noqa: BLE001 - every rank stops with it, below
+                    failure = error
+                self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - started)
+                patience = max(distributed.STEP_PATIENCE_S, 3 * self._slowest_step_s)
+                distributed.raise_together(failure, f"in step {step + 1}", patience_s=patience)
                 if self.checkpointer is not None:
                     self.checkpointer.after_step(self, evaluated)
         finally:
@@ -149,9 +156,25 @@ class Trainer:
                 callback.on_fit_end(self)
         return self.state
 
+    def _step(self, batches) -> bool:
+        """One step: train, record, tell the callbacks, evaluate when due (returns whether it did)."""
+        physical = self._physical_batches(next(batches))
+        self.throughput.step_started()
+        result = self.algorithm.train_step(physical, self.state.step)
+        self.throughput.step_finished(result.batch_size)
+        self._record(result)
+        for callback in self.callbacks:
+            callback.on_step(self, result)
+        evaluated = self._due_for_eval()
+        if evaluated:
+            self.evaluate()
+        return evaluated
+
     # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything the loop needs to continue after this step, the algorithm's state included."""
+    def state_dict(self, generators: list[dict] | None = None) -> dict:
+        """Everything the loop needs to continue after this step, the algorithm's state included.
+        `generators`: every rank's seeded RNG states (`checkpoint.rank_rng_states`, a collective
+        the checkpointer runs on all ranks); None gathers them here (one process)."""
         state, throughput = self.state, self.throughput
         return {
             "step": state.step,
@@ -161,7 +184,8 @@ class Trainer:
             "history": state.history,
             "window": [self._window_loss, self._window_count],
             "throughput": [throughput.steps, throughput.examples, throughput.measured_time],
-            "rng": rng_states(),
+            "rng": rank_rng_states() if generators is None else generators,
+            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
             "algorithm": self.algorithm.state_dict(),
         }
 
@@ -173,21 +197,23 @@ class Trainer:
         state = self.state
         state.step, state.train_loss, state.best_accuracy = saved["step"], saved["train_loss"], saved["best_accuracy"]
         state.history = list(saved["history"])
-        state.ledger = Ledger()
-        for record in saved["ledger"]:
-            mechanism = GaussianMechanism(record["noise_multiplier"], record["sample_rate"], record["neighboring"])
-            state.ledger.add(mechanism, record["count"])
-        self._check_ledger_is_planned()
+        state.ledger = self._planned_ledger(Ledger.from_records(saved["ledger"]))
         self._window_loss, self._window_count = saved["window"]
         self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
-        restore_rng_states(saved["rng"])
+        if saved.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(saved["sampler"])
+            self._sampler_restored = True
+        elif self.privacy is not None and self.privacy.batches_per_epoch is not None:
+            raise CheckpointMismatch("it holds no shuffled epoch in progress, which this run's privacy bound needs")
+        self.resume_notes = restore_rank_rng_states(saved["rng"])
         self.resumed_from_step = state.step
 
-    def _check_ledger_is_planned(self) -> None:
-        """The restored ledger must be this run's plan for the steps it covers (same sigma, same q)."""
+    def _planned_ledger(self, stored: Ledger) -> Ledger:
+        """The ledger to go on from: this run's plan for the steps the checkpoint ran, which the
+        stored ledger must equal (same sigma, same q, same bound)."""
         if self.privacy is None:
-            return
-        planned = [m for step in range(self.state.step) for m in self.privacy.planned(step)]
-        ran = [m for m, count in self.state.ledger.items() for _ in range(count)]
-        if not same_mechanisms(ran, planned):
+            return stored
+        planned = self.privacy.planned_ledger(self.state.step)
+        if not same_mechanisms(stored.expanded(), planned.expanded()):
             raise CheckpointMismatch("its privacy ledger is not this run's plan for the steps it ran")
+        return planned

@@ -16,7 +16,8 @@ from algorithm_helpers import build_algorithm
 from dpbench import distributed
 from dpbench.algorithms import ALGORITHMS
 from dpbench.algorithms.base import ReleasePart
-from dpbench.errors import UserError
+from dpbench.checkpoint import rank_rng_states, restore_rank_rng_states
+from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.sampling import PoissonBatches, ShardedBatches
 
 # Algorithms compared with the one-process step (noise off). Overrides make every part do work on
@@ -80,6 +81,43 @@ def replica_check(rank: int) -> str | None:
     return None
 
 
+def caught(action) -> str | None:
+    """`type: message` of what `action()` raised (None: nothing)."""
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def agreements(rank: int) -> dict:
+    """Stops and checks that every rank takes together (dpbench.distributed.raise_together)."""
+    plan = {"noise_multiplier": 1.5, "clip_norm": 1.0, "algo": {"name": "dpsgd"}}
+    return {
+        "same_plan": caught(lambda: distributed.check_same_as_rank_zero("privacy plan", plan)),
+        "other_plan": caught(lambda: distributed.check_same_as_rank_zero(
+            "privacy plan", {**plan, "noise_multiplier": 1.5 + rank})),
+        "nothing_failed": caught(lambda: distributed.raise_together(None, "in step 3")),
+        "diverged_on_1": caught(lambda: distributed.raise_together(
+            DivergedError("training loss became nan") if rank == 1 else None, "in step 3")),
+        "crashed_on_0": caught(lambda: distributed.raise_together(
+            ValueError("disk full") if rank == 0 else None, "in step 4")),
+    }
+
+
+def generators(rank: int) -> dict:
+    """Per-rank RNG states: each rank gets its own back, and another world size gets rank 0's."""
+    torch.manual_seed(100 + rank)  # the ranks' generators part ways (dropout on different shards)
+    states = rank_rng_states()
+    expected = torch.rand(3)
+    torch.manual_seed(999)
+    notes = restore_rank_rng_states(states)
+    own = torch.rand(3)
+    other_world = restore_rank_rng_states(states[:1])  # a checkpoint written by one process
+    return {"expected": expected, "restored": own, "notes": notes, "other_world_notes": other_world,
+            "other_world_draw": torch.rand(3)}
+
+
 def run(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -95,5 +133,9 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     results["shards"] = sampler_shards(rank, world)
     results["refusals"] = refusals()
     results["replica_check"] = replica_check(rank)
+    results["agreements"] = agreements(rank)
+    results["generators"] = generators(rank)
     torch.save(results, Path(out) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    distributed.shutdown()
+    results["shut_down"] = not torch.distributed.is_initialized()
+    torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -107,10 +107,11 @@ def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
     assert any("not below 1/n" in note for note in results["notes"])
 
 
-def test_shuffle_sampling_is_recorded_with_a_warning(tiny_cfg, tmp_path):
+def test_shuffle_sampling_is_recorded_with_its_bound(tiny_cfg, tmp_path):
     results = run_job(tiny_cfg("privacy.sampling=shuffle"), tmp_path, show_progress=False)
     assert results["privacy"]["sampling"] == "shuffle"
-    assert any("assumes Poisson sampling" in note for note in results["notes"])
+    assert results["privacy"]["bound"] == "full_batch_gaussian_per_epoch"
+    assert any("without amplification" in note for note in results["notes"])  # tests/test_shuffle.py: the bound
 
 
 def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):

@@ -108,3 +108,150 @@ def test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps(tmp_path)
     assert privacy["steps"] == 3 and sum(entry.get("count", 1) for entry in privacy["ledger"]) == 3
     assert results["privacy"]["epsilon"] > 0
     assert result.stderr.count("results:") == 1  # one summary: only rank 0 prints
+
+
+# --- agreements, stops, devices, generators ----------------------------------------------------
+def test_a_differing_privacy_plan_fails_on_every_rank_in_one_line(ranks):
+    assert all(rank["agreements"]["same_plan"] is None for rank in ranks)
+    mine, theirs = ranks[1]["agreements"]["other_plan"], ranks[0]["agreements"]["other_plan"]
+    assert mine.startswith("UserError: the privacy plan on rank 1 differs from rank 0's (noise_multiplier 2.5 vs 1.5)")
+    assert theirs.startswith("UserError: rank 1 failed checking the privacy plan")
+    assert "\n" not in mine + theirs
+
+
+def test_a_failure_on_one_rank_stops_every_rank_at_the_same_point(ranks):
+    assert all(rank["agreements"]["nothing_failed"] is None for rank in ranks)
+    assert ranks[1]["agreements"]["diverged_on_1"] == "DivergedError: training loss became nan"
+    # rank 0 raises the same kind, so it records the run as diverged
+    assert ranks[0]["agreements"]["diverged_on_1"] == "DivergedError: rank 1 failed in step 3: DivergedError: training loss became nan"
+    assert ranks[0]["agreements"]["crashed_on_0"] == "ValueError: disk full"
+    assert ranks[1]["agreements"]["crashed_on_0"] == "PeerFailure: rank 0 failed in step 4: ValueError: disk full"
+
+
+def test_every_rank_continues_from_its_own_generators(ranks):
+    for rank in ranks:
+        assert torch.equal(rank["generators"]["restored"], rank["generators"]["expected"]) and not rank["generators"]["notes"]
+    assert not torch.equal(ranks[0]["generators"]["expected"], ranks[1]["generators"]["expected"])
+    # a checkpoint of another world size: rank 0's CPU generators everywhere, with a note
+    assert torch.equal(ranks[0]["generators"]["other_world_draw"], ranks[1]["generators"]["other_world_draw"])
+    assert all("written by 1 process(es), this run has 2" in rank["generators"]["other_world_notes"][0] for rank in ranks)
+
+
+def test_the_process_group_is_left_at_the_end(ranks):
+    assert all(rank["shut_down"] for rank in ranks)
+
+
+@pytest.mark.parametrize("where", ["after_collectives", "inside_step"])
+def test_a_rank_that_fails_makes_every_rank_exit_non_zero_promptly(tmp_path, where):
+    from distributed_failures import run as failing_run
+
+    context = torch.multiprocessing.start_processes(
+        failing_run, args=(WORLD, free_port(), str(tmp_path), where), nprocs=WORLD, start_method="spawn", join=False)
+    for process in context.processes:
+        process.join(timeout=240)  # a guard: a rank left blocked in a collective would hang here
+    codes = [process.exitcode for process in context.processes]
+    for process in context.processes:
+        if process.exitcode is None:
+            process.kill()
+    assert None not in codes, f"a rank hung: exit codes {codes}"
+    assert all(code != 0 for code in codes), codes
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(WORLD)]
+    if where == "after_collectives":  # both stop at step 2, rank 0 naming rank 1's error
+        assert said[1] == "RuntimeError: injected failure after the step's collectives"
+        assert said[0] == "PeerFailure: rank 1 failed in step 2: RuntimeError: injected failure after the step's collectives"
+    else:  # rank 0 waited inside the step's collective: rank 1 closes the group, which ends that wait
+        assert said[1] == "RuntimeError: injected failure before the step's collectives"
+        assert "Connection closed by peer" in said[0] or said[0].startswith("PeerFailure: another rank stopped")
+
+
+class FakeCuda:
+    """Stands in for torch.cuda on a machine with `count` GPUs: records set_device calls."""
+
+    def __init__(self, monkeypatch, count: int, world: int = 2, local_rank: int = 1):
+        from dpbench import distributed
+
+        self.set_devices: list[int] = []
+        monkeypatch.setattr(distributed, "_run_device_type", None)  # bind_device's record stays in this test
+        monkeypatch.setattr(distributed, "cuda_device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_devices.append)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+
+
+def test_cpu_ranks_never_set_a_cuda_device(monkeypatch):
+    from dpbench import distributed
+
+    cuda = FakeCuda(monkeypatch, count=1, local_rank=3)  # more CPU ranks than GPUs
+    distributed.bind_device(torch.device("cpu"))
+    assert cuda.set_devices == []
+
+
+def test_a_cuda_rank_binds_its_local_gpu_when_it_exists(monkeypatch):
+    from dpbench import distributed
+
+    cuda = FakeCuda(monkeypatch, count=2, local_rank=1)
+    distributed.bind_device(torch.device("cuda"))
+    assert cuda.set_devices == [1]
+    single = FakeCuda(monkeypatch, count=2, world=1, local_rank=0)  # one process (no torchrun): untouched
+    distributed.bind_device(torch.device("cuda"))
+    assert single.set_devices == []
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_a_cuda_rank_without_its_gpu_is_a_one_line_error(monkeypatch, count):
+    from dpbench import distributed
+    from dpbench.errors import UserError
+
+    cuda = FakeCuda(monkeypatch, count=count, local_rank=1)  # e.g. one visible GPU per task
+    with pytest.raises(UserError, match=f"local rank 1 needs GPU 1, but this process sees {count} GPU") as refused:
+        distributed.bind_device(torch.device("cuda"))
+    assert cuda.set_devices == [] and "\n" not in str(refused.value) and "device=cpu" in str(refused.value)
+
+
+def test_the_cli_leaves_the_process_group_however_it_ends(monkeypatch, tmp_path):
+    from dpbench import cli, distributed
+
+    monkeypatch.chdir(tmp_path)  # Hydra's run folder
+    left = []
+    monkeypatch.setattr(distributed, "shutdown", lambda: left.append(True))
+    monkeypatch.setattr(sys, "argv", ["dpbench", "privacy.epsilon=-1", "logger=none", "dataset=synthetic"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == cli.EXIT_BAD_INPUT and left == [True]
+
+
+def test_the_privacy_plan_fingerprint_holds_what_the_ranks_must_share(tiny_cfg):
+    from dpbench.run import setup
+
+    fingerprint = setup(tiny_cfg("algo=dpsgd", "privacy.sampling=shuffle")).privacy.fingerprint()
+    assert {"noise_multiplier", "clip_norm", "sample_rate", "clipping", "neighboring", "accountant", "algo", "steps",
+            "sampling", "batches_per_epoch", "delta"} <= set(fingerprint)
+    assert fingerprint["algo"]["name"] == "dpsgd" and fingerprint["steps"] == 3 and fingerprint["batches_per_epoch"] == 7
+
+
+def test_cuda_generators_are_restored_per_rank_and_only_onto_as_many_gpus(monkeypatch):
+    from dpbench import checkpoint, distributed
+
+    gpu_states = {"rank0": [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)],
+                  "rank1": [torch.tensor([3], dtype=torch.uint8), torch.tensor([4], dtype=torch.uint8)]}
+    restored: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    monkeypatch.setattr(distributed, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(distributed, "_run_device_type", "cuda")
+    per_rank, draws = [], []
+    for rank in (0, 1):  # what each rank's checkpoint entry holds
+        torch.manual_seed(10 + rank)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda rank=rank: gpu_states[f"rank{rank}"])
+        per_rank.append(checkpoint.rng_states())
+        draws.append(torch.rand(2))
+    assert per_rank[1]["cuda"] == gpu_states["rank1"]
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    assert checkpoint.restore_rank_rng_states(per_rank) == []
+    assert restored == [gpu_states["rank1"]] and torch.equal(torch.rand(2), draws[1])  # rank 1's, not rank 0's
+    monkeypatch.setattr(distributed, "cuda_device_count", lambda: 1)  # resumed where it sees one GPU
+    (note,) = checkpoint.restore_rank_rng_states(per_rank)
+    assert len(restored) == 1 and "CUDA RNG states of 2 GPU(s), this process sees 1" in note
+    monkeypatch.setattr(distributed, "_run_device_type", "cpu")  # a CPU run on a GPU node never asks CUDA
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("a CPU run initialised CUDA"))
+    assert checkpoint.rng_states()["cuda"] == []

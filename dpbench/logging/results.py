@@ -11,6 +11,8 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
   2  privacy.epsilon_is_upper_bound, requested_accountant, log_private_stats; versions extended.
   3  throughput.world_size (processes of a data-parallel run; samples_per_s counts all of them);
      resumed_from_step (the checkpoint step a resumed run continued from; null: one go).
+  4  privacy.bound (which bound epsilon is: poisson_subsampled_gaussian, or
+     full_batch_gaussian_per_epoch for shuffled batches) and privacy.batches_per_epoch (shuffled).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _OMIT_IF_NONE = "omit_if_none"
 
@@ -87,6 +89,8 @@ class PrivacyResults(Section):
     log_private_stats: bool | None = _only_when_known()
     ledger: list | None = None
     sampling: str | None = None
+    bound: str | None = _only_when_known()  # privacy.plan.BOUNDS: the bound epsilon is (private runs)
+    batches_per_epoch: int | None = _only_when_known()  # shuffled batches: one epoch's (its ledger's unit)
 
     @property
     def is_private(self) -> bool:

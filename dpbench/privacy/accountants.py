@@ -14,6 +14,8 @@ rdp, prv and pld give upper bounds on epsilon (`upper_bound = True`); gdp does n
 Mechanisms stated under replace-one (`privacy.neighboring=replace_one`) are accounted exactly by
 pld (dp-accounting's REPLACE_ONE relation) and through the conservative add/remove reduction
 `GaussianMechanism.add_remove_noise_multiplier` (sigma/2) by the Opacus-based accountants.
+The ledger of a shuffled run holds one q = 1 mechanism per epoch (`ShuffledLedger`): plain
+Gaussians, which every accountant composes (pld and prv tightly, rdp loosely).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from dpbench.errors import UserError
-from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger
 from dpbench.registry import Registry
 
 ACCOUNTANTS: Registry[type["Accountant"]] = Registry("accountant")
@@ -106,6 +108,11 @@ class PRVAccountant(Accountant):
 
         accountant = OpacusPRV()
         accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
+        with warnings.catch_warnings():  # q = 1 (shuffled epochs): PRV's log(1 - q) is -inf, harmlessly
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return self._prv_epsilon(accountant, ledger, delta)
+
+    def _prv_epsilon(self, accountant, ledger: Ledger, delta: float) -> float:
         try:
             # Upper bound of PRV's estimate; eps_error scales with the answer (spec pitfall 3).
             first = accountant.get_epsilon(delta, eps_error=0.01)
@@ -197,9 +204,13 @@ def calibrate_noise_multiplier(
     return high
 
 
-def planned_ledger(mechanisms_for_step: Callable[[int], list[GaussianMechanism]], steps: int) -> Ledger:
-    ledger = Ledger()
+def planned_ledger(
+    mechanisms_for_step: Callable[[int], list[GaussianMechanism]], steps: int, batches_per_epoch: int | None = None
+) -> Ledger:
+    """The ledger of a planned run: Poisson batches, or shuffled ones (`batches_per_epoch`), the
+    same accumulation the trainer does for the steps that run."""
+    ledger = new_ledger(batches_per_epoch)
     for step in range(steps):
-        ledger.extend(mechanisms_for_step(step))
+        ledger.add_step(mechanisms_for_step(step))
     return ledger
 

@@ -7,6 +7,9 @@ convention). Its `neighboring` field says which relation the guarantee is stated
 `add_remove` (default) or `replace_one` (substitution; the sum's sensitivity is then twice the
 bound, as in the DPZero paper). The trainer appends what each step actually ran; the accountant
 composes the ledger into epsilon.
+
+Shuffled fixed-size batches (`privacy.sampling=shuffle`) have no amplification by sampling: their
+ledger (`ShuffledLedger`) holds one full-batch mechanism per epoch instead (see its docstring).
 """
 
 from __future__ import annotations
@@ -101,6 +104,23 @@ class Ledger:
         for mechanism in mechanisms:
             self.add(mechanism)
 
+    def add_step(self, mechanisms: list[GaussianMechanism]) -> None:
+        """Record the releases of one training step (Poisson batches: each is its own mechanism)."""
+        self.extend(mechanisms)
+
+    def expanded(self) -> list[GaussianMechanism]:
+        """Every mechanism as often as it counts (for comparisons with `same_mechanisms`)."""
+        return [m for m, n in self.items() for _ in range(n)]
+
+    @classmethod
+    def from_records(cls, records: list[dict]) -> "Ledger":
+        """A plain ledger holding `as_records()` (results.json, checkpoints)."""
+        ledger = Ledger()
+        for record in records:
+            mechanism = GaussianMechanism(record["noise_multiplier"], record["sample_rate"], record["neighboring"])
+            ledger.add(mechanism, record["count"])
+        return ledger
+
     def __len__(self) -> int:
         return sum(self.counts.values())
 
@@ -115,3 +135,72 @@ class Ledger:
             {"noise_multiplier": m.noise_multiplier, "sample_rate": m.sample_rate, "neighboring": m.neighboring, "count": n}
             for m, n in self.items()
         ]
+
+
+def full_batch_mechanism(mechanisms: list[GaussianMechanism]) -> GaussianMechanism | None:
+    """One step's releases read by an example whose batch is known: one Gaussian at q = 1, stated
+    under replace-one (sensitivity 2C; see `ShuffledLedger` for why add/remove costs the same).
+
+    Gaussian releases of one batch compose into one Gaussian whose multiplier is that of the
+    whitened joint release, (sum sigma_j^-2)^-1/2 (`joint_noise_multiplier`). None: no release."""
+    if not mechanisms:
+        return None
+    if len(mechanisms) == 1:  # (sigma^-2)^-1/2 would round sigma in its last bit
+        return GaussianMechanism(mechanisms[0].noise_multiplier, 1.0, "replace_one")
+    sigma = joint_noise_multiplier([(m.noise_multiplier, 1.0) for m in mechanisms])
+    return GaussianMechanism(sigma, 1.0, "replace_one")
+
+
+class ShuffledLedger(Ledger):
+    """The ledger of fixed-size batches cut from a fresh random order of the data each epoch.
+
+    Bound (no amplification; Chua et al., "How Private are DP-SGD Implementations?", ICML 2024):
+    for any fixed sequence of orders, an example is in at most one batch of each epoch, and a step
+    whose batch does not hold it releases the same distribution on both neighbours (given the
+    past), so by adaptive composition the run costs one full-batch Gaussian per epoch: the
+    releases of the step that holds it. The order is unknown, so each epoch is charged its worst
+    step (smallest `full_batch_mechanism` multiplier; a partial epoch its worst step so far). The
+    shuffled run is a mixture over orders drawn independently of the data with the same weights
+    on both neighbours, and the hockey-stick divergence is jointly convex, so the bound for every
+    fixed order holds for the mixture.
+
+    Neighbours: replace-one (same size, one example differs) changes one batch of an epoch by a
+    replacement: the clipped sum moves by at most 2C. Add/remove-one shifts a fixed-size partition,
+    but coupling the orders (map an order of D + x to one of D by swapping x with the element in
+    the last position and deleting it: uniform to uniform) again changes at most one batch per
+    epoch by a replacement (x for the element that moved), provided that last position is never in
+    a batch: kB <= |D|, the smaller set's size. k = (n - 1) // B batches of B for a data set of n
+    meet it for both its neighbours, n - 1 and n + 1 (`dpbench.privacy.sampling.batches_per_epoch`).
+    Both relations therefore charge each epoch a replace-one Gaussian (sensitivity 2C).
+    """
+
+    def __init__(self, batches_per_epoch: int) -> None:
+        super().__init__()
+        if batches_per_epoch < 1:
+            raise ValueError(f"an epoch needs at least one batch, got {batches_per_epoch}")
+        self.batches_per_epoch = batches_per_epoch
+        self.steps = 0
+        self._epoch_charge: GaussianMechanism | None = None  # what the current epoch is charged
+
+    def add_step(self, mechanisms: list[GaussianMechanism]) -> None:
+        if self.steps % self.batches_per_epoch == 0:
+            self._epoch_charge = None  # a new epoch (a new order) begins
+        self.steps += 1
+        step = full_batch_mechanism(mechanisms)
+        charged = self._epoch_charge
+        if step is None or (charged is not None and step.noise_multiplier >= charged.noise_multiplier):
+            return
+        if charged is not None:  # this step is the epoch's worst so far: it replaces the charge
+            self.counts[charged] -= 1
+            if not self.counts[charged]:
+                del self.counts[charged]
+        self.add(step)
+        self._epoch_charge = step
+
+    def extend(self, mechanisms: list[GaussianMechanism]) -> None:
+        raise TypeError("a shuffled ledger is filled step by step: use add_step")
+
+
+def new_ledger(batches_per_epoch: int | None = None) -> Ledger:
+    """An empty ledger: Poisson batches (None) or shuffled batches of `batches_per_epoch` per epoch."""
+    return Ledger() if batches_per_epoch is None else ShuffledLedger(batches_per_epoch)

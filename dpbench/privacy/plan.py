@@ -6,6 +6,11 @@ one planning function `planned(step)` that both calibration and the per-step che
 trainer composes the mechanisms each step actually released into the ledger; `results()` is the
 `privacy` section of results.json, and every fact that changes what the reported epsilon means
 is written to the run's notes there, never only to the console.
+
+`privacy.sampling` picks the bound (`BOUNDS`): Poisson batches are subsampled Gaussians, one per
+step; shuffled fixed-size batches have no amplification and are charged one full-batch Gaussian
+per epoch (`dpbench.privacy.mechanisms.ShuffledLedger`, which says why and under which relation).
+Calibration, the per-step check and the trainer's ledger all compose through the same ledger.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
-from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, same_mechanisms, under_relation
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, under_relation
 from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.sampling import batches_per_epoch
 
 
 @dataclass
@@ -57,6 +63,13 @@ def neighboring(cfg) -> str:
     return str(cfg.privacy.get("neighboring", "add_remove"))
 
 
+# privacy.sampling -> the bound its epsilon is (results.json privacy.bound)
+BOUNDS = {
+    "poisson": "poisson_subsampled_gaussian",  # each step: a Poisson-subsampled Gaussian (amplification)
+    "shuffle": "full_batch_gaussian_per_epoch",  # each epoch: its worst step at q = 1 (no amplification)
+}
+
+
 # Releases no noise covers, made when privacy.log_private_stats=true (research default).
 UNNOISED_RELEASES = (
     "per-step training loss and its running mean (history/metrics train_loss, W&B train/*)",
@@ -80,10 +93,13 @@ class Calibration:
     sample_rate: float
     clip_norm: float
     neighboring: str
+    batches_per_epoch: int | None = None  # shuffled batches (None: Poisson)
 
     def ledger(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]]) -> Ledger:
         """The planned run's ledger, each step's mechanisms stated under the run's relation."""
-        return planned_ledger(lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps)
+        return planned_ledger(
+            lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps, self.batches_per_epoch
+        )
 
     def epsilon(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]], delta: float) -> float:
         return self.accountant.epsilon(self.ledger(mechanisms_for_step), delta)
@@ -106,6 +122,30 @@ class PrivacyPlan:
     planned: Callable[[int], list[GaussianMechanism]]  # mechanisms step i may release
     log_private_stats: bool
     notes: list[str] = field(default_factory=list)
+    sampling: str = "poisson"  # privacy.sampling: which bound (BOUNDS) epsilon is
+    batches_per_epoch: int | None = None  # shuffled batches per epoch (None: Poisson)
+    steps: int | None = None  # planned steps (what sigma was calibrated for)
+    algo_config: dict = field(default_factory=dict)  # the algo settings planning read (derived ones merged)
+
+    def new_ledger(self) -> Ledger:
+        """An empty ledger of this run's kind (the trainer's, calibration's and the audit's)."""
+        return new_ledger(self.batches_per_epoch)
+
+    def planned_ledger(self, steps: int) -> Ledger:
+        """The ledger the first `steps` steps of the plan compose to."""
+        return planned_ledger(self.planned, steps, self.batches_per_epoch)
+
+    def fingerprint(self) -> dict:
+        """What every rank of a data-parallel run must agree on (plain, comparable data)."""
+        setup = self.setup
+        return {
+            "noise_multiplier": setup.noise_multiplier, "clip_norm": setup.clip_norm, "sample_rate": setup.sample_rate,
+            "expected_batch_size": setup.expected_batch_size, "clipping": setup.clipping,
+            "clipping_gamma": setup.clipping_gamma, "neighboring": setup.neighboring, "secure_rng": setup.noise.secure,
+            "accountant": self.accountant.name, "delta": self.delta, "target_epsilon": self.target_epsilon,
+            "sampling": self.sampling, "batches_per_epoch": self.batches_per_epoch, "steps": self.steps,
+            "algo": self.algo_config,
+        }
 
     def check_step(self, step: int, ran: list[GaussianMechanism]) -> None:
         """Refuse to go on when a step released anything but its plan (calibration assumed it)."""
@@ -145,6 +185,9 @@ class PrivacyPlan:
             "neighboring": setup.neighboring,
             "log_private_stats": self.log_private_stats,
             "ledger": ledger.as_records(),
+            "sampling": self.sampling,
+            "bound": BOUNDS[self.sampling],
+            "batches_per_epoch": self.batches_per_epoch,
         }
 
     def recorded_notes(self) -> list[str]:
@@ -169,6 +212,8 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     accountant = build_accountant(cfg.accountant.name)
     sample_rate = cfg.train.batch_size / train_size
     clip_norm = float(p.clip_norm)
+    sampling = str(p.sampling)
+    per_epoch = batches_per_epoch(cfg, train_size)
     notes: list[str] = []
     derived: dict = {}
 
@@ -192,18 +237,20 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
             )
         target = float(p.epsilon)
         if algo_cls.calibrate_noise is not None:  # an algorithm that calibrates several noises itself
-            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation)
+            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation, per_epoch)
             sigma, derived = algo_cls.calibrate_noise(cfg.algo, calibration, target, float(p.delta))
         else:
             sigma = calibrate_noise_multiplier(
-                accountant, lambda s: planned_ledger(planned_for(s), steps), target, float(p.delta)
+                accountant, lambda s: planned_ledger(planned_for(s), steps, per_epoch), target, float(p.delta)
             )
     if p.delta >= 1 / train_size:
         notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
-    if p.sampling != "poisson":
+    if per_epoch is not None:
         notes.append(
-            "privacy.sampling=shuffle: the accountant's guarantee assumes Poisson sampling, so the reported "
-            "epsilon is not a proven bound for this run"
+            f"privacy.sampling=shuffle: epsilon is the bound for shuffled fixed-size batches without amplification: "
+            f"each example is in one of the {per_epoch} batches of each epoch, so each epoch is charged one full-batch "
+            "Gaussian (its least noisy step) at sensitivity 2C, whatever the order (Chua et al., ICML 2024); "
+            "the ledger lists these epoch mechanisms (sample_rate 1)"
         )
     log_private_stats = bool(p.get("log_private_stats", True))
     setup = PrivacySetup(
@@ -217,8 +264,10 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
         neighboring=relation,
         derived=derived,
     )
-    planned = planned_for(sigma, setup.algo_config(cfg.algo))
-    plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes)
+    algo_config = setup.algo_config(cfg.algo)
+    planned = planned_for(sigma, algo_config)
+    plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes, sampling, per_epoch,
+                       steps, OmegaConf.to_container(algo_config, resolve=True, enum_to_str=True))
     for note in algo_cls.privacy_notes(cfg.algo):
         plan.note(note)
     return plan

@@ -1,8 +1,13 @@
-"""Batch samplers: Poisson (what the accountants assume) and shuffled fixed-size batches.
+"""Batch samplers: Poisson and shuffled fixed-size batches.
 
 Poisson sampling uses Opacus's UniformWithReplacementSampler (each example joins each batch
 independently with probability q), driven by an entropy-seeded generator: amplification by
 subsampling assumes the adversary does not know which examples were drawn.
+
+Shuffled batches cut each epoch's random order into n // B batches of exactly B. Their epsilon
+assumes no amplification (`dpbench.privacy.mechanisms.ShuffledLedger`), only that each example is
+in one batch per epoch and the order does not depend on the data; private runs still draw the
+order from fresh entropy, like every other sample selection.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Iterator
 import torch
 
 from dpbench import distributed
+from dpbench.errors import UserError
 from dpbench.privacy.noise import entropy_seed
 
 
@@ -35,24 +41,65 @@ class PoissonBatches:
             yield from self._sampler
 
 
-class ShuffledBatches:
-    """Fixed-size batches from a reshuffled permutation each epoch (seeded, reproducible).
+def batches_per_epoch(cfg, train_size: int) -> int | None:
+    """Fixed-size batches in one shuffled epoch (None: Poisson sampling), the rest of the order
+    dropped: n // B under replace-one; (n - 1) // B under add/remove-one, so that every epoch
+    drops at least one example, which the add/remove bound needs (`ShuffledLedger`)."""
+    if cfg.privacy.sampling != "shuffle":
+        return None
+    batch_size = int(cfg.train.batch_size)
+    relation = str(cfg.privacy.get("neighboring", "add_remove"))
+    per_epoch = (train_size - 1) // batch_size if relation == "add_remove" else train_size // batch_size
+    if per_epoch < 1:
+        raise UserError(
+            f"privacy.sampling=shuffle with privacy.neighboring=add_remove needs train.batch_size below the {train_size} "
+            "training examples (each epoch must leave one out); lower it, or set privacy.neighboring=replace_one"
+        )
+    return per_epoch
 
-    The accountants' guarantee assumes Poisson sampling; a run with this sampler says so."""
+
+class ShuffledBatches:
+    """Fixed-size batches from a fresh permutation each epoch: `batches_per_epoch` batches of
+    exactly B (default n // B), the rest dropped, so an epoch holds each example at most once.
+
+    A checkpoint keeps the epoch in progress (`state_dict`): a resumed run finishes that epoch's
+    order before drawing a new one, so no example is in two batches of one accounted epoch."""
 
     name = "shuffle"
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int):
+    def __init__(self, num_samples: int, batch_size: int, seed: int | None = None, batches_per_epoch: int | None = None):
+        """`seed=None` (every private run): orders from fresh OS entropy; a non-private run may
+        pass the experiment seed so that it is reproducible."""
         self.num_samples = num_samples
         self.batch_size = batch_size
+        self.batches_per_epoch = num_samples // batch_size if batches_per_epoch is None else batches_per_epoch
+        if not 1 <= self.batches_per_epoch * batch_size <= num_samples:
+            raise ValueError(f"{self.batches_per_epoch} batches of {batch_size} do not fit {num_samples} examples")
+        self.seeded = seed is not None
         self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(entropy_seed() if seed is None else seed)
+        self._order: torch.Tensor | None = None  # this epoch's permutation
+        self._next = 0  # index of the next batch of the epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            order = torch.randperm(self.num_samples, generator=self.generator).tolist()
-            for start in range(0, self.num_samples - self.batch_size + 1, self.batch_size):
-                yield order[start : start + self.batch_size]
+        while True:  # the trainer decides when to stop
+            if self._order is None or self._next >= self.batches_per_epoch:
+                self._order, self._next = torch.randperm(self.num_samples, generator=self.generator), 0
+            start = self._next * self.batch_size
+            self._next += 1
+            yield self._order[start : start + self.batch_size].tolist()
+
+    def state_dict(self) -> dict:
+        """The epoch in progress (and, for a seeded sampler, the generator that draws the next)."""
+        return {"order": self._order, "next": self._next, "generator": self.generator.get_state() if self.seeded else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        order = state["order"]
+        if order is not None and (order.numel() != self.num_samples or not 0 <= state["next"] <= self.batches_per_epoch):
+            raise ValueError(f"the stored epoch order covers {order.numel()} examples, this run has {self.num_samples}")
+        self._order, self._next = order, int(state["next"])
+        if self.seeded and state.get("generator") is not None:
+            self.generator.set_state(state["generator"])
 
 
 class ShardedBatches:
@@ -71,15 +118,24 @@ class ShardedBatches:
             indices = distributed.broadcast_object(next(batches) if batches is not None else None)
             yield list(indices)[self.rank :: self.world_size]
 
+    def state_dict(self) -> dict | None:
+        """Rank 0's sampler state (rank 0 writes checkpoints; the others never draw)."""
+        return self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None
 
-def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, private: bool = True):
-    if kind == "poisson":  # private runs never draw their sample from a seed
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state)
+
+
+def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, private: bool = True,
+                  batches_per_epoch: int | None = None):
+    """The run's sampler (private runs never draw their batches from a seed); `batches_per_epoch`:
+    shuffled batches per epoch (`batches_per_epoch(cfg, n)`; None: n // B)."""
+    if kind == "poisson":
         sampler = PoissonBatches(num_samples, batch_size / num_samples, None if private else seed)
     elif kind == "shuffle":
-        sampler = ShuffledBatches(num_samples, batch_size, seed)
+        sampler = ShuffledBatches(num_samples, batch_size, None if private else seed, batches_per_epoch)
     else:
-        from dpbench.errors import UserError
-
         raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")
     if distributed.is_distributed():
         return ShardedBatches(sampler, distributed.rank(), distributed.world_size())

@@ -1,0 +1,56 @@
+"""One rank of a 2-process gloo run whose rank 1 fails (tests/test_distributed.py): it trains a tiny
+DP-SGD with the Trainer, rank 1 fails at step 2, and each rank writes what it raised to
+<out>/rank<r>.txt before its process exits non-zero with it.
+
+`where` picks the failure: "after_collectives" (a callback, once the step's collectives are done:
+the ranks must stop together at that step) or "inside_step" (before the step's first collective,
+while rank 0 waits in it: rank 1 gives up after a short patience and closes the group)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from algorithm_helpers import build_algorithm
+
+from dpbench import distributed
+from dpbench.privacy.sampling import ShardedBatches, ShuffledBatches
+from dpbench.trainer import Callback, Trainer, TrainerConfig
+
+FAILING_STEP = 2  # 1-based: the second step
+
+
+class FailOnRankOne(Callback):
+    def on_step(self, trainer, result) -> None:
+        if distributed.rank() == 1 and trainer.state.step == FAILING_STEP:
+            raise RuntimeError("injected failure after the step's collectives")
+
+
+def run(rank: int, world: int, port: int, out: str, where: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    distributed.init_from_environment()
+    distributed.STEP_PATIENCE_S = 10.0  # rank 1's wait for rank 0 (stuck inside the step in "inside_step")
+    algorithm, task, _ = build_algorithm("dpsgd", sigma=1.0, clip=1.0, batch=32.0)
+    callbacks = []
+    if where == "after_collectives":
+        callbacks.append(FailOnRankOne())
+    elif rank == 1:
+        step = algorithm.step
+
+        def failing_step(batches, step_index):
+            if step_index == FAILING_STEP - 1:
+                raise RuntimeError("injected failure before the step's collectives")
+            return step(batches, step_index)
+
+        algorithm.step = failing_step
+    sampler = ShardedBatches(ShuffledBatches(task.train_size, 32), rank, world)
+    trainer = Trainer(task, algorithm, sampler, TrainerConfig(steps=5, eval_every=0), callbacks=callbacks)
+    try:
+        trainer.fit()
+    except Exception as error:
+        (Path(out) / f"rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+        raise  # the process exits non-zero
+    (Path(out) / f"rank{rank}.txt").write_text("completed")
