@@ -39,6 +39,25 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     `tail_clip` reproduces the paper/issue model (sensitivity c1, the tail set treated as
     post-processing of the noisy scores); it is not a proven bound and results.json says which
     was used.
+  * Threshold selection (`algo.tail_selection=threshold`, our variant): sensitivity c1, proven.
+    The extra c1 - c2 above comes only from the rank rule (one example's presence moves the top-p
+    boundary for the others). Instead, an example is tail iff its own score exceeds a threshold
+    tau_t that is public at step t: tau_t is a function of the score releases of steps < t only
+    (tau_0 = +inf: no tail before anything is released). Then:
+      - score release (step t): a histogram of the batch's exact scores over SCORE_BIN_EDGES
+        (fixed, data-independent bins in [0, 1]) + N(0, sigma_tr^2) per bin. Adding or removing
+        one example moves one count by 1: a fixed-dimension Gaussian mechanism with L2
+        sensitivity 1 on the Poisson batch (unlike a per-example score vector, whose length
+        reveals the batch size). tau_{t+1} is the top-p point of an exponential moving average
+        of the released histograms: post-processing of public releases.
+      - gradient release (step t): given tau_t (public), every example's threshold c_i is a
+        function of that example alone, so adding example x leaves every other example's clipped
+        gradient unchanged and adds x's own, of norm <= c1. Sensitivity c1, noise sigma_dp*c1:
+        noise multiplier sigma_dp.
+    Both are subsampled Gaussian mechanisms on the step's batch, composed adaptively by the
+    accountant exactly as for rank selection. The per-example score noise is then unnecessary
+    (membership is no release), so none is drawn. The realised tail fraction varies around p
+    (results.json: algorithm.mean_tail_fraction).
 
 The subspace lives on the model's device (its generator too): drawn there once per step, never
 copied per physical chunk. When d_id x k exceeds MAX_PROJECTION_ELEMENTS (cnn5's 357k parameters
@@ -67,6 +86,12 @@ from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
 
 MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
+
+# Threshold selection: the released score histogram's bins. A score of a d-dim gradient in a
+# random k-dim subspace is about k/d, so the bins are log-spaced (1e-6 .. 1, 24 bins, x1.78 each)
+# plus one bin for [0, 1e-6). Few bins: each carries N(0, sigma_tr^2), and the tail mass sums them.
+SCORE_BIN_EDGES = torch.cat([torch.zeros(1), torch.logspace(-6, 0, 25, dtype=torch.float64).float()])
+HISTOGRAM_DECAY = 0.95  # EMA of the released histograms (a ~20-step window): averages their noise down
 
 
 def split_noise_multipliers(sigma: float, score_fraction: float) -> tuple[float, float]:
@@ -257,8 +282,39 @@ def tail_to_body_ratio(cfg, body_clip: float) -> float:
     return ratio
 
 
+def score_histogram(scores: torch.Tensor) -> torch.Tensor:
+    """[len(SCORE_BIN_EDGES) - 1] counts of scores in [0, 1] per bin (1 is in the last bin)."""
+    edges = SCORE_BIN_EDGES.to(scores.device)
+    index = (torch.bucketize(scores.float().clamp(0, 1), edges, right=True) - 1).clamp(0, len(edges) - 2)
+    return torch.bincount(index, minlength=len(edges) - 1).to(scores.dtype if scores.is_floating_point() else torch.float32)
+
+
+def histogram_threshold(histogram: torch.Tensor, tail_fraction: float) -> float:
+    """The score above which a fraction `tail_fraction` of the (noisy, averaged) histogram's mass
+    lies, log-interpolated inside its bin; +inf when the histogram holds no mass."""
+    counts = histogram.double().clamp_min(0).cpu()
+    total = float(counts.sum())
+    if total <= 0:
+        return math.inf
+    needed, edges = tail_fraction * total, SCORE_BIN_EDGES.double()
+    for b in range(len(counts) - 1, -1, -1):
+        if counts[b] >= needed and counts[b] > 0:
+            low, high, share = float(edges[b]), float(edges[b + 1]), needed / float(counts[b])
+            if low <= 0:
+                return high * (1 - share)
+            return math.exp(math.log(high) - share * (math.log(high) - math.log(low)))
+        needed -= float(counts[b])
+    return 0.0
+
+
+def tail_selection(cfg) -> str:
+    return str(cfg.get("tail_selection", "rank"))
+
+
 def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
     """L2 sensitivity of the clipped gradient sum in units of c2, for c1 = ratio * c2."""
+    if tail_selection(cfg) == "threshold":
+        return ratio  # c1: membership depends on each example and a public threshold only (proven)
     if cfg.gradient_sensitivity == "rank_coupled":
         return 2 * ratio - 1.0  # 2 c1 - c2: the added example (c1) and one other crossing the boundary
     if cfg.gradient_sensitivity == "tail_clip":
@@ -269,7 +325,8 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
-    checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
+    # public projection RNG; threshold selection: the average of the released score histograms
+    checkpoint_attributes = ("projection_generator", "tail_fraction_seen", "score_histogram_average")
 
     def __init__(self, model, task, cfg, lr, privacy):
         if not 0 < cfg.tail_fraction < 1:
@@ -293,6 +350,8 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, cfg.theta, self.projection_generator, device)
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
+        self.threshold_selection = tail_selection(cfg) == "threshold"
+        self.score_histogram_average: torch.Tensor | None = None  # EMA of released histograms (public)
 
     def _identification_indices(self, spec) -> list[int]:
         """Which trainable tensors feed the score: all | first | a list of name substrings."""
@@ -319,7 +378,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
                 "(algorithm.epsilon_tr, epsilon_dp: the paper's accounting); privacy.epsilon composes both and "
                 "is at most their sum"
             )
-        if cfg.gradient_sensitivity == "tail_clip":
+        if cfg.gradient_sensitivity == "tail_clip" and tail_selection(cfg) == "rank":
             notes.append(
                 "algo.gradient_sensitivity=tail_clip accounts the gradient release at sensitivity c1, which is "
                 "not a proven bound (a tail swap moved the clipped sum by 1.44 c1 in the audit); the reported "
@@ -371,7 +430,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             scores.append(self.example_scores(per_sample, basis))
             kept = per_sample if len(chunks) == 1 else None  # one chunk: reused in pass 2
             del per_sample
-        tail, thresholds = self.clip_thresholds(self.release_scores(scores))
+        if self.threshold_selection:
+            tail, thresholds = self.threshold_clip_thresholds(scores)
+        else:
+            tail, thresholds = self.clip_thresholds(self.release_scores(scores))
         if tally.count:
             self.last_tail = tail  # [B] bool, for diagnostics and tests
             self.tail_fraction_seen.append(tail.float().mean().item())
@@ -396,6 +458,23 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
         ((noisy,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
         return noisy
+
+    def current_threshold(self) -> float:
+        """tau_t: from the score histograms released before this step only (+inf before any)."""
+        if self.score_histogram_average is None:
+            return math.inf
+        return histogram_threshold(self.score_histogram_average, self.cfg.tail_fraction)
+
+    def threshold_clip_thresholds(self, scores: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Threshold selection: tail = exact score > tau_t (public), then the step's histogram
+        release (sensitivity 1), folded into the average that sets tau_{t+1}. Runs on every step."""
+        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
+        tail = scores_all > self.current_threshold()
+        ((noisy,),) = self.gaussian_release("scores", ReleasePart([score_histogram(scores_all)], 1.0, self.sigma_tr))
+        noisy = noisy.detach().float()
+        average = self.score_histogram_average
+        self.score_histogram_average = noisy if average is None else average.mul_(HISTOGRAM_DECAY).add_(noisy, alpha=1 - HISTOGRAM_DECAY)
+        return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
     def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tail mask (the top-p noisy scores) and [B] per-example thresholds: c1 tail, c2 body."""
@@ -446,7 +525,8 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             **self.epsilon_split_results(),
             "body_clip_c2": self.body_clip,
             "tail_clip_c1": self.tail_clip,
-            "gradient_sensitivity": self.cfg.gradient_sensitivity,
+            "gradient_sensitivity": "threshold_c1" if self.threshold_selection else self.cfg.gradient_sensitivity,
+            "tail_selection": tail_selection(self.cfg),
             "composed_epsilon": "privacy.epsilon (both mechanisms, composed by the accountant)",
             "score_dim": sum(self.params[i].numel() for i in self.identification),
             "score_subspace_blocks": None if self.subspaces is None else self.subspaces.blocks,  # > 1: V built in blocks
