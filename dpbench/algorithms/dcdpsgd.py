@@ -157,7 +157,7 @@ class SubWeibullSubspaces:
         self.device = torch.device(device) if device is not None else generator.device
         self.block_rows = dim if dim * k <= max_elements else max(1, max_elements // k)
         rows = self.block_rows
-        self.basis, self.signs = (torch.empty((rows, k), device=self.device) for _ in range(2))
+        self.basis, self.signs = (torch.empty((rows, k), device=self.device) for _ in range(2))  # signs: scratch
 
     @property
     def blocks(self) -> int:
@@ -169,10 +169,10 @@ class SubWeibullSubspaces:
         One uniform U per entry gives both the sign (U < 1/2) and the magnitude's uniform
         |2U - 1|, which are independent: one generator call, not two (randint was a fifth of a
         tanh-CNN step)."""
-        uniform = torch.rand(out.shape, generator=generator, out=out, device=self.device)
-        signs = torch.sign(uniform.sub_(0.5), out=self.signs[: out.shape[0]])
-        uniform.abs_().mul_(2).clamp_min_(1e-12).log_().neg_().pow_(self.theta)
-        return uniform.mul_(signs)
+        centred = torch.rand(out.shape, generator=generator, out=out, device=self.device).sub_(0.5)
+        magnitude = torch.abs(centred, out=self.signs[: out.shape[0]])  # |U - 1/2|: uniform on [0, 1/2]
+        magnitude.mul_(2).clamp_min_(1e-12).log_().neg_().pow_(self.theta)
+        return torch.copysign(magnitude, centred, out=out)  # the sign of U - 1/2
 
     def draw(self) -> "DenseBasis | BlockBasis":
         if self.blocks == 1:
@@ -256,13 +256,15 @@ def subspace_scores(identification_grads: torch.Tensor, basis: "torch.Tensor | D
     already at most 1, and clamping makes the bound hold whatever V is. `basis=None` is the
     paper's "k = None" (no subspace identification; V = I): every non-zero gradient scores 1.
     """
-    norms = identification_grads.norm(dim=1, keepdim=True)
+    norms = identification_grads.norm(dim=1)
     if basis is None:
-        return (norms[:, 0] > 0).float()
-    unit = torch.where(norms > 0, identification_grads / norms.clamp_min(1e-30), torch.zeros_like(identification_grads))
-    unit = torch.nan_to_num(unit, nan=0.0, posinf=0.0, neginf=0.0)
-    projected = basis.project(unit) if isinstance(basis, (DenseBasis, BlockBasis)) else unit @ basis.to(unit.dtype)
-    return projected.pow(2).sum(dim=1).clamp(0.0, 1.0).to(unit.dtype)
+        return (norms > 0).float()
+    # ||V^T g||^2 / ||g||^2: the same as scoring g/||g||, without materialising the unit rows
+    # (three [B, d] temporaries were a third of the scoring time); 0/0 and overflow score 0
+    projected = basis.project(identification_grads) if isinstance(basis, (DenseBasis, BlockBasis)) \
+        else identification_grads @ basis.to(identification_grads.dtype)
+    energy = projected.double().pow(2).sum(dim=1) / norms.double().pow(2)
+    return torch.nan_to_num(energy, nan=0.0, posinf=0.0, neginf=0.0).clamp(0.0, 1.0).to(identification_grads.dtype)
 
 
 def tail_count(batch_size: int, tail_fraction: float) -> int:
