@@ -86,5 +86,5 @@ def test_threshold_selection_releases_a_histogram_of_sensitivity_1_and_plans_c1(
     cfg = compose_config("algo=dcdpsgd", "algo.tail_selection=threshold").algo
     planned = dcdpsgd.DCDPSGD.planned_mechanisms(cfg, 1.0, 0.01, 0, 0.1)
     assert planned[1].noise_multiplier == pytest.approx(algorithm.sigma_dp)  # c1 sensitivity: sigma_dp itself
-    rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose_config("algo=dcdpsgd").algo, 1.0, 0.01, 0, 0.1)
+    rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose_config("algo=dcdpsgd", "algo.tail_selection=rank").algo, 1.0, 0.01, 0, 0.1)
     assert rank[1].noise_multiplier < planned[1].noise_multiplier  # rank selection pays 2 c1 - c2

@@ -32,7 +32,7 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
     boundary (the tail count and the ranking both change), and the per-example noisy scores are
-    not themselves a DP release under add/remove. The default
+    not themselves a DP release under add/remove. Under rank selection the default
     (`algo.gradient_sensitivity=rank_coupled`) therefore charges the unconditional worst case
     c1 + (c1 - c2) on the gradient release (the noise itself stays sigma_dp*c1), which needs no
     argument about the scores; the score mechanism is still charged, conservatively.
