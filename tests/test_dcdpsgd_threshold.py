@@ -88,3 +88,17 @@ def test_threshold_selection_releases_a_histogram_of_sensitivity_1_and_plans_c1(
     assert planned[1].noise_multiplier == pytest.approx(algorithm.sigma_dp)  # c1 sensitivity: sigma_dp itself
     rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose_config("algo=dcdpsgd", "algo.tail_selection=rank").algo, 1.0, 0.01, 0, 0.1)
     assert rank[1].noise_multiplier < planned[1].noise_multiplier  # rank selection pays 2 c1 - c2
+
+
+def test_the_released_histogram_average_survives_a_checkpoint():
+    """A resumed run continues with the same public threshold (the histogram average is checkpointed)."""
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_selection=threshold")
+    record_updates(algorithm)
+    images, labels = task.batch(list(range(16)))
+    for step in range(2):
+        algorithm.train_step([(images, labels)], step)
+    state = algorithm.state_dict()
+    resumed, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_selection=threshold")
+    assert resumed.current_threshold() == math.inf
+    resumed.load_state_dict(state)
+    assert resumed.current_threshold() == algorithm.current_threshold() < math.inf
