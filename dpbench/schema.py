@@ -113,6 +113,11 @@ class GradientSensitivity(Choice):  # DC-DPSGD
     tail_clip = "tail_clip"
 
 
+class TailSelection(Choice):  # DC-DPSGD: top-p of the batch's noisy scores, or a public threshold
+    rank = "rank"
+    threshold = "threshold"
+
+
 class BudgetSplit(Choice):  # DC-DPSGD: how the budget is shared by the score and gradient releases
     renyi = "renyi"
     epsilon = "epsilon"
@@ -312,6 +317,7 @@ class DCDPSGDOptions(AlgoOptions):
     score_noise_multiplier: Optional[float] = None
     score_params: Any = "all"  # all | first | a list of name substrings
     gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
+    tail_selection: TailSelection = TailSelection.rank
     momentum: float = 0.0
 
 

@@ -61,7 +61,8 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_2c1_minus_c2():
     """With the noise at 0 (so the tail set is the exact top-p), removing any one example changes
     the released sum by at most c1 + (c1 - c2): its own clipped gradient plus at most one other
     example crossing the tail boundary (the rank_coupled sensitivity)."""
-    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_fraction=0.2", clip=0.05, batch=1.0)
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_fraction=0.2", "algo.tail_selection=rank",
+                                         clip=0.05, batch=1.0)
     algorithm.sigma_tr = algorithm.sigma_dp = 0.0
     recorded = record_updates(algorithm)
     images, labels = _batch(task, 12)
@@ -87,7 +88,7 @@ def test_gradient_noise_has_std_sigma_dp_c1_over_b():
 
 
 def test_zero_score_noise_selects_the_exact_top_p(monkeypatch):
-    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=16", "algo.tail_fraction=0.2")
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=16", "algo.tail_fraction=0.2", "algo.tail_selection=rank")
     algorithm.sigma_tr = 0.0
     basis = sub_weibull_subspace(sum(p.numel() for p in algorithm.params), 16, 2.0, torch.Generator().manual_seed(3))
     monkeypatch.setattr(algorithm.subspaces, "draw", lambda: basis)
@@ -146,7 +147,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
     q, steps = 0.02, 300
     results = {}
     for mode in ("tail_clip", "rank_coupled"):
-        cfg = compose_config("algo=dcdpsgd", f"algo.gradient_sensitivity={mode}").algo
+        cfg = compose_config("algo=dcdpsgd", "algo.tail_selection=rank", f"algo.gradient_sensitivity={mode}").algo
 
         def ledger_for(sigma, cfg=cfg):
             return planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)

@@ -9,7 +9,7 @@ from algorithm_helpers import build_algorithm
 from conftest import compose
 
 from dpbench.algorithms import dcdpsgd
-from dpbench.algorithms.dcdpsgd import BlockBasis, SubWeibullSubspaces, orthonormalise, subspace_scores
+from dpbench.algorithms.dcdpsgd import BlockBasis, SubWeibullSubspaces, subspace_scores
 from dpbench.run import setup
 
 
@@ -21,12 +21,23 @@ def test_block_basis_is_the_orthonormal_basis_of_the_same_draw():
     dense = basis.dense()
     assert torch.allclose(dense.T @ dense, torch.eye(20), atol=1e-5)
     raw = torch.cat([subspaces.block(basis.seed, i).clone() for i in range(subspaces.blocks)])
-    reference = orthonormalise(raw)  # CholeskyQR2 of the whole draw: the same span
+    reference = torch.linalg.qr(raw)[0]  # Householder QR of the whole draw: the same span
     grads = torch.randn(16, 300, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 16)[:, None]
     scores = subspace_scores(grads, basis)
     assert scores.dtype == torch.float32 and scores.min() >= 0 and scores.max() <= 1
     assert torch.allclose(scores, subspace_scores(grads, reference), atol=1e-5)
     assert not torch.allclose(basis.dense(), subspaces.draw().dense())  # a fresh subspace every draw
+
+
+def test_dense_basis_scores_are_those_of_the_orthonormal_basis_of_the_same_draw():
+    subspaces = SubWeibullSubspaces(300, 20, 2.0, torch.Generator().manual_seed(0))
+    basis = subspaces.draw()
+    reference = torch.linalg.qr(basis.raw.clone())[0]
+    assert torch.allclose(basis.dense().T @ basis.dense(), torch.eye(20), atol=1e-5)
+    grads = torch.randn(16, 300, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 16)[:, None]
+    assert torch.allclose(subspace_scores(grads, basis), subspace_scores(grads, reference), atol=1e-5)
+    draws = torch.stack([SubWeibullSubspaces(1, 1, 1.0, torch.Generator().manual_seed(i)).draw().raw[0, 0] for i in range(2000)])
+    assert abs(draws.mean()) < 0.15 and draws.abs().mean().item() == pytest.approx(1.0, rel=0.1)  # Laplace(0, 1) at theta 1
 
 
 def test_subspace_and_its_generator_live_on_the_models_device_and_are_drawn_once_per_step(monkeypatch):

@@ -2,7 +2,7 @@
 
 Per step, on the logical Poisson batch:
   1. a fresh random subspace V (d_id x k, sub-Weibull(theta) entries with random signs,
-     orthonormalised by QR so V^T V = I); V is public, data-independent randomness;
+     orthonormalised (V = A W from A's Gram, so V^T V = I); V is public, data-independent randomness;
   2. score lambda_i = ||V^T g_i/||g_i||||^2 in [0, 1] of each unit-normalised per-sample gradient
      (restricted to `algo.score_params`), plus N(0, sigma_tr^2): sensitivity 1;
   3. the top-p fraction of noisy scores are "tail" and clipped to c1 (large), the rest "body",
@@ -32,13 +32,32 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
     boundary (the tail count and the ranking both change), and the per-example noisy scores are
-    not themselves a DP release under add/remove. The default
+    not themselves a DP release under add/remove. Under rank selection the default
     (`algo.gradient_sensitivity=rank_coupled`) therefore charges the unconditional worst case
     c1 + (c1 - c2) on the gradient release (the noise itself stays sigma_dp*c1), which needs no
     argument about the scores; the score mechanism is still charged, conservatively.
     `tail_clip` reproduces the paper/issue model (sensitivity c1, the tail set treated as
     post-processing of the noisy scores); it is not a proven bound and results.json says which
     was used.
+  * Threshold selection (`algo.tail_selection=threshold`, our variant): sensitivity c1, proven.
+    The extra c1 - c2 above comes only from the rank rule (one example's presence moves the top-p
+    boundary for the others). Instead, an example is tail iff its own score exceeds a threshold
+    tau_t that is public at step t: tau_t is a function of the score releases of steps < t only
+    (tau_0 = +inf: no tail before anything is released). Then:
+      - score release (step t): a histogram of the batch's exact scores over SCORE_BIN_EDGES
+        (fixed, data-independent bins in [0, 1]) + N(0, sigma_tr^2) per bin. Adding or removing
+        one example moves one count by 1: a fixed-dimension Gaussian mechanism with L2
+        sensitivity 1 on the Poisson batch (unlike a per-example score vector, whose length
+        reveals the batch size). tau_{t+1} is the top-p point of an exponential moving average
+        of the released histograms: post-processing of public releases.
+      - gradient release (step t): given tau_t (public), every example's threshold c_i is a
+        function of that example alone, so adding example x leaves every other example's clipped
+        gradient unchanged and adds x's own, of norm <= c1. Sensitivity c1, noise sigma_dp*c1:
+        noise multiplier sigma_dp.
+    Both are subsampled Gaussian mechanisms on the step's batch, composed adaptively by the
+    accountant exactly as for rank selection. The per-example score noise is then unnecessary
+    (membership is no release), so none is drawn. The realised tail fraction varies around p
+    (results.json: algorithm.mean_tail_fraction).
 
 The subspace lives on the model's device (its generator too): drawn there once per step, never
 copied per physical chunk. When d_id x k exceeds MAX_PROJECTION_ELEMENTS (cnn5's 357k parameters
@@ -67,6 +86,12 @@ from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
 
 MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
+
+# Threshold selection: the released score histogram's bins. A score of a d-dim gradient in a
+# random k-dim subspace is about k/d, so the bins are log-spaced (1e-6 .. 1, 24 bins, x1.78 each)
+# plus one bin for [0, 1e-6). Few bins: each carries N(0, sigma_tr^2), and the tail mass sums them.
+SCORE_BIN_EDGES = torch.cat([torch.zeros(1), torch.logspace(-6, 0, 25, dtype=torch.float64).float()])
+HISTOGRAM_DECAY = 0.95  # EMA of the released histograms (a ~20-step window): averages their noise down
 
 
 def split_noise_multipliers(sigma: float, score_fraction: float) -> tuple[float, float]:
@@ -132,23 +157,26 @@ class SubWeibullSubspaces:
         self.device = torch.device(device) if device is not None else generator.device
         self.block_rows = dim if dim * k <= max_elements else max(1, max_elements // k)
         rows = self.block_rows
-        self.basis, self.work, self.signs = (torch.empty((rows, k), device=self.device) for _ in range(3))
+        self.basis, self.signs = (torch.empty((rows, k), device=self.device) for _ in range(2))  # signs: scratch
 
     @property
     def blocks(self) -> int:
         return -(-self.dim // self.block_rows)
 
     def sub_weibull(self, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Fills `out` with i.i.d. symmetric sub-Weibull(theta) entries."""
-        magnitude = torch.rand(out.shape, generator=generator, out=out, device=self.device)
-        magnitude.clamp_min_(1e-12).log_().neg_().pow_(self.theta)
-        signs = torch.randint(0, 2, out.shape, generator=generator, out=self.signs[: out.shape[0]],
-                              device=self.device).mul_(2).sub_(1)
-        return magnitude.mul_(signs)
+        """Fills `out` with i.i.d. symmetric sub-Weibull(theta) entries.
 
-    def draw(self) -> "torch.Tensor | BlockBasis":
+        One uniform U per entry gives both the sign (U < 1/2) and the magnitude's uniform
+        |2U - 1|, which are independent: one generator call, not two (randint was a fifth of a
+        tanh-CNN step)."""
+        centred = torch.rand(out.shape, generator=generator, out=out, device=self.device).sub_(0.5)
+        magnitude = torch.abs(centred, out=self.signs[: out.shape[0]])  # |U - 1/2|: uniform on [0, 1/2]
+        magnitude.mul_(2).clamp_min_(1e-12).log_().neg_().pow_(self.theta)
+        return torch.copysign(magnitude, centred, out=out)  # the sign of U - 1/2
+
+    def draw(self) -> "DenseBasis | BlockBasis":
         if self.blocks == 1:
-            return orthonormalise(self.sub_weibull(self.basis, self.generator), self.work)
+            return DenseBasis(self.sub_weibull(self.basis, self.generator))
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device).item())
         return BlockBasis(self, seed)
 
@@ -160,11 +188,38 @@ class SubWeibullSubspaces:
         return self.sub_weibull(self.basis[:rows], generator)
 
 
-class BlockBasis:
-    """V = A W for a d x k draw A regenerated in row blocks: V^T V = I and span(V) = span(A).
+def whitening(gram: torch.Tensor) -> torch.Tensor:
+    """W = Q Lambda^-1/2 [k, rank] (fp64) for the Gram A^T A = Q Lambda Q^T, so that V = A W has
+    V^T V = I and spans span(A); directions with a negligible eigenvalue are dropped, so V stays
+    orthonormal even for a rank-deficient draw."""
+    eigenvalues, vectors = torch.linalg.eigh(gram.double())
+    kept = eigenvalues > eigenvalues.max() * gram.shape[0] * torch.finfo(torch.float32).eps
+    return vectors[:, kept] / eigenvalues[kept].sqrt()
 
-    W = Q Lambda^-1/2 from the k x k Gram A^T A = Q Lambda Q^T (fp64; directions with a negligible
-    eigenvalue are dropped, so V stays orthonormal even for a rank-deficient draw)."""
+
+class DenseBasis:
+    """V = A W for a d x k draw A held whole (see `whitening`).
+
+    Why not orthonormalise A itself: scores need only V^T u = W^T (A^T u), so one Gram (d k^2)
+    and a k x k eigendecomposition replace CholeskyQR2's two Grams and two d x k triangular solves
+    (~2.5x fewer flops; the basis was most of a tanh-CNN step). A is the subspaces' buffer:
+    overwritten by the next draw."""
+
+    def __init__(self, raw: torch.Tensor):
+        self.raw = raw
+        self.whitening = whitening(raw.T @ raw)
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """[b, d] -> [b, rank]: the coordinates V^T x of each row x in the orthonormal basis V."""
+        return (rows @ self.raw.to(rows.dtype)).double() @ self.whitening
+
+    def dense(self) -> torch.Tensor:
+        """V as one [d, rank] tensor (tests)."""
+        return (self.raw.double() @ self.whitening).float()
+
+
+class BlockBasis:
+    """V = A W (see `whitening`) for a d x k draw A regenerated in row blocks."""
 
     def __init__(self, subspaces: SubWeibullSubspaces, seed: int):
         self.subspaces, self.seed = subspaces, seed
@@ -172,9 +227,7 @@ class BlockBasis:
         for index in range(subspaces.blocks):
             block = subspaces.block(seed, index)
             gram += (block.T @ block).double()
-        eigenvalues, vectors = torch.linalg.eigh(gram)
-        kept = eigenvalues > eigenvalues.max() * subspaces.k * torch.finfo(torch.float32).eps
-        self.whitening = vectors[:, kept] / eigenvalues[kept].sqrt()  # [k, rank] fp64
+        self.whitening = whitening(gram)  # [k, rank] fp64
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """[b, d] -> [b, rank]: the coordinates V^T x of each row x in the orthonormal basis V."""
@@ -193,43 +246,25 @@ class BlockBasis:
 
 def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Generator) -> torch.Tensor:
     """One [dim, k] draw of `SubWeibullSubspaces` (a new tensor)."""
-    return SubWeibullSubspaces(dim, k, theta, generator).draw().clone()
+    return SubWeibullSubspaces(dim, k, theta, generator).draw().dense()
 
 
-def orthonormalise(matrix: torch.Tensor, work: torch.Tensor | None = None) -> torch.Tensor:
-    """Orthonormal basis [d, k] of the columns' span (basis^T basis = I), in place: the result is
-    `matrix` itself (with `work`, a buffer of the same shape, as scratch).
-
-    CholeskyQR2 (two passes of Q = A R^-1 with R^T R = A^T A): matrix-multiply bound, ~10x
-    faster than Householder QR for tall d x k matrices on CPU; falls back to QR when the Gram
-    matrix is numerically singular.
-    """
-    work = torch.empty_like(matrix) if work is None else work
-    source, target = matrix, work
-    for _ in range(2):
-        factor, info = torch.linalg.cholesky_ex(source.T @ source)
-        if info.item() != 0:
-            matrix.copy_(torch.linalg.qr(source)[0])  # same span: source is matrix or its first pass
-            return matrix
-        torch.linalg.solve_triangular(factor.T, source, upper=True, left=False, out=target)
-        source, target = target, source
-    return matrix  # two swaps: the second pass wrote into matrix
-
-
-def subspace_scores(identification_grads: torch.Tensor, basis: "torch.Tensor | BlockBasis | None") -> torch.Tensor:
+def subspace_scores(identification_grads: torch.Tensor, basis: "torch.Tensor | DenseBasis | BlockBasis | None") -> torch.Tensor:
     """lambda_i = ||V^T g_i/||g_i||||^2 for [B, d_id] gradients: in [0, 1] (sensitivity 1).
 
     A zero gradient scores 0. The clamp only absorbs rounding: with V^T V = I the value is
     already at most 1, and clamping makes the bound hold whatever V is. `basis=None` is the
     paper's "k = None" (no subspace identification; V = I): every non-zero gradient scores 1.
     """
-    norms = identification_grads.norm(dim=1, keepdim=True)
+    norms = identification_grads.norm(dim=1)
     if basis is None:
-        return (norms[:, 0] > 0).float()
-    unit = torch.where(norms > 0, identification_grads / norms.clamp_min(1e-30), torch.zeros_like(identification_grads))
-    unit = torch.nan_to_num(unit, nan=0.0, posinf=0.0, neginf=0.0)
-    projected = basis.project(unit) if isinstance(basis, BlockBasis) else unit @ basis.to(unit.dtype)
-    return projected.pow(2).sum(dim=1).clamp(0.0, 1.0).to(unit.dtype)
+        return (norms > 0).float()
+    # ||V^T g||^2 / ||g||^2: the same as scoring g/||g||, without materialising the unit rows
+    # (three [B, d] temporaries were a third of the scoring time); 0/0 and overflow score 0
+    projected = basis.project(identification_grads) if isinstance(basis, (DenseBasis, BlockBasis)) \
+        else identification_grads @ basis.to(identification_grads.dtype)
+    energy = projected.double().pow(2).sum(dim=1) / norms.double().pow(2)
+    return torch.nan_to_num(energy, nan=0.0, posinf=0.0, neginf=0.0).clamp(0.0, 1.0).to(identification_grads.dtype)
 
 
 def tail_count(batch_size: int, tail_fraction: float) -> int:
@@ -257,8 +292,39 @@ def tail_to_body_ratio(cfg, body_clip: float) -> float:
     return ratio
 
 
+def score_histogram(scores: torch.Tensor) -> torch.Tensor:
+    """[len(SCORE_BIN_EDGES) - 1] counts of scores in [0, 1] per bin (1 is in the last bin)."""
+    edges = SCORE_BIN_EDGES.to(scores.device)
+    index = (torch.bucketize(scores.float().clamp(0, 1), edges, right=True) - 1).clamp(0, len(edges) - 2)
+    return torch.bincount(index, minlength=len(edges) - 1).to(scores.dtype if scores.is_floating_point() else torch.float32)
+
+
+def histogram_threshold(histogram: torch.Tensor, tail_fraction: float) -> float:
+    """The score above which a fraction `tail_fraction` of the (noisy, averaged) histogram's mass
+    lies, log-interpolated inside its bin; +inf when the histogram holds no mass."""
+    counts = histogram.double().clamp_min(0).cpu()
+    total = float(counts.sum())
+    if total <= 0:
+        return math.inf
+    needed, edges = tail_fraction * total, SCORE_BIN_EDGES.double()
+    for b in range(len(counts) - 1, -1, -1):
+        if counts[b] >= needed and counts[b] > 0:
+            low, high, share = float(edges[b]), float(edges[b + 1]), needed / float(counts[b])
+            if low <= 0:
+                return high * (1 - share)
+            return math.exp(math.log(high) - share * (math.log(high) - math.log(low)))
+        needed -= float(counts[b])
+    return 0.0
+
+
+def tail_selection(cfg) -> str:
+    return str(cfg.get("tail_selection", "rank"))
+
+
 def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
     """L2 sensitivity of the clipped gradient sum in units of c2, for c1 = ratio * c2."""
+    if tail_selection(cfg) == "threshold":
+        return ratio  # c1: membership depends on each example and a public threshold only (proven)
     if cfg.gradient_sensitivity == "rank_coupled":
         return 2 * ratio - 1.0  # 2 c1 - c2: the added example (c1) and one other crossing the boundary
     if cfg.gradient_sensitivity == "tail_clip":
@@ -269,7 +335,8 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 @ALGORITHMS.register("dcdpsgd")
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
-    checkpoint_attributes = ("projection_generator", "tail_fraction_seen")  # public projection RNG
+    # public projection RNG; threshold selection: the average of the released score histograms
+    checkpoint_attributes = ("projection_generator", "tail_fraction_seen", "score_histogram_average")
 
     def __init__(self, model, task, cfg, lr, privacy):
         if not 0 < cfg.tail_fraction < 1:
@@ -293,6 +360,8 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.subspaces = None if k is None else SubWeibullSubspaces(dim, k, cfg.theta, self.projection_generator, device)
         self.tail_fraction_seen: list[float] = []
         self.last_tail: torch.Tensor | None = None
+        self.threshold_selection = tail_selection(cfg) == "threshold"
+        self.score_histogram_average: torch.Tensor | None = None  # EMA of released histograms (public)
 
     def _identification_indices(self, spec) -> list[int]:
         """Which trainable tensors feed the score: all | first | a list of name substrings."""
@@ -319,7 +388,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
                 "(algorithm.epsilon_tr, epsilon_dp: the paper's accounting); privacy.epsilon composes both and "
                 "is at most their sum"
             )
-        if cfg.gradient_sensitivity == "tail_clip":
+        if cfg.gradient_sensitivity == "tail_clip" and tail_selection(cfg) == "rank":
             notes.append(
                 "algo.gradient_sensitivity=tail_clip accounts the gradient release at sensitivity c1, which is "
                 "not a proven bound (a tail swap moved the clipped sum by 1.44 c1 in the audit); the reported "
@@ -371,7 +440,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             scores.append(self.example_scores(per_sample, basis))
             kept = per_sample if len(chunks) == 1 else None  # one chunk: reused in pass 2
             del per_sample
-        tail, thresholds = self.clip_thresholds(self.release_scores(scores))
+        if self.threshold_selection:
+            tail, thresholds = self.threshold_clip_thresholds(scores)
+        else:
+            tail, thresholds = self.clip_thresholds(self.release_scores(scores))
         if tally.count:
             self.last_tail = tail  # [B] bool, for diagnostics and tests
             self.tail_fraction_seen.append(tail.float().mean().item())
@@ -396,6 +468,23 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
         ((noisy,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
         return noisy
+
+    def current_threshold(self) -> float:
+        """tau_t: from the score histograms released before this step only (+inf before any)."""
+        if self.score_histogram_average is None:
+            return math.inf
+        return histogram_threshold(self.score_histogram_average, self.cfg.tail_fraction)
+
+    def threshold_clip_thresholds(self, scores: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Threshold selection: tail = exact score > tau_t (public), then the step's histogram
+        release (sensitivity 1), folded into the average that sets tau_{t+1}. Runs on every step."""
+        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
+        tail = scores_all > self.current_threshold()
+        ((noisy,),) = self.gaussian_release("scores", ReleasePart([score_histogram(scores_all)], 1.0, self.sigma_tr))
+        noisy = noisy.detach().float()
+        average = self.score_histogram_average
+        self.score_histogram_average = noisy if average is None else average.mul_(HISTOGRAM_DECAY).add_(noisy, alpha=1 - HISTOGRAM_DECAY)
+        return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
     def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tail mask (the top-p noisy scores) and [B] per-example thresholds: c1 tail, c2 body."""
@@ -446,7 +535,8 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             **self.epsilon_split_results(),
             "body_clip_c2": self.body_clip,
             "tail_clip_c1": self.tail_clip,
-            "gradient_sensitivity": self.cfg.gradient_sensitivity,
+            "gradient_sensitivity": "threshold_c1" if self.threshold_selection else self.cfg.gradient_sensitivity,
+            "tail_selection": tail_selection(self.cfg),
             "composed_epsilon": "privacy.epsilon (both mechanisms, composed by the accountant)",
             "score_dim": sum(self.params[i].numel() for i in self.identification),
             "score_subspace_blocks": None if self.subspaces is None else self.subspaces.blocks,  # > 1: V built in blocks
