@@ -317,7 +317,7 @@ class DCDPSGDOptions(AlgoOptions):
     score_noise_multiplier: Optional[float] = None
     score_params: Any = "all"  # all | first | a list of name substrings
     gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
-    tail_selection: TailSelection = TailSelection.rank
+    tail_selection: TailSelection = TailSelection.threshold
     momentum: float = 0.0
 
 

@@ -23,7 +23,7 @@ from dpbench.tasks.image import ImageClassificationTask, ldam_margins, public_cl
 
 # --- 1. DC-DPSGD with an absolute algo.tail_clip ------------------------------------------------
 def _gradient_multiplier(*overrides, clip=0.1, sigma=1.0):
-    cfg = compose([f"privacy.clip_norm={clip}", "algo=dcdpsgd", *overrides]).algo
+    cfg = compose([f"privacy.clip_norm={clip}", "algo=dcdpsgd", "algo.tail_selection=rank", *overrides]).algo
     return dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, 0.01, 0, clip)[1].noise_multiplier
 
 
@@ -42,7 +42,7 @@ def test_tail_clip_not_above_body_clip_is_a_user_error(tail_clip):
 
 
 def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path):
-    cfg = compose(TINY + ["algo=dcdpsgd", "privacy.clip_norm=0.1", "algo.tail_clip=1.0",
+    cfg = compose(TINY + ["algo=dcdpsgd", "algo.tail_selection=rank", "privacy.clip_norm=0.1", "algo.tail_clip=1.0",
                           "privacy.noise_multiplier=1.0", "train.steps=5", "accountant=pld"])
     results = run_job(cfg, tmp_path, show_progress=False)
     q = results["privacy"]["sample_rate"]
@@ -59,7 +59,7 @@ def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path)
 
 # --- 2. DC-DPSGD two-pass clipping with dropout --------------------------------------------------
 def test_two_pass_dcdpsgd_clips_each_recomputed_gradient_to_its_threshold(monkeypatch):
-    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", clip=0.01)
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_selection=rank", clip=0.01)
     torch.manual_seed(0)
     algorithm.model.insert(1, nn.Dropout(0.5))  # recomputed per-sample gradients now differ
     contributions, thresholds = [], []
@@ -164,7 +164,8 @@ def test_prv_fallback_names_the_accountant_that_computed_epsilon(tmp_path, monke
 
 
 def test_meaning_changing_choices_are_noted_in_results(tmp_path):
-    results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.gradient_sensitivity=tail_clip", "privacy.sampling=shuffle"]),
+    results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.tail_selection=rank", "algo.gradient_sensitivity=tail_clip",
+                                  "privacy.sampling=shuffle"]),
                       tmp_path, show_progress=False)
     notes = " ".join(results["notes"])
     assert "tail_clip" in notes and "not a proven bound" in notes and "sampling=shuffle" in notes
