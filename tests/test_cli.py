@@ -1,28 +1,19 @@
 """The console script as a user runs it: W&B files, multirun resume, one-line errors, divergence."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, compose
+from helpers.cli import dpbench
+from helpers.config import TINY, compose
+from helpers.wandb_records import exit_code, summary
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import RunResults, read_results
 from dpbench.run import run_job, validate
 
 
-def dpbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
-    return subprocess.run(
-        [sys.executable, "-m", "dpbench.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
+@pytest.mark.slow  # W&B's service process
 def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch):
-    from wandb_records import exit_code, summary
-
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
     results = run_job(cfg, tmp_path, show_progress=False)
@@ -43,6 +34,7 @@ def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow  # the console script
 def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"]
@@ -91,6 +83,7 @@ def test_unreachable_epsilon_is_a_user_error(tiny_cfg, tmp_path):
         run_job(tiny_cfg("privacy.epsilon=1e-9", "train.steps=50"), tmp_path, show_progress=False)
 
 
+@pytest.mark.slow  # the console script
 def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
     result = dpbench(*TINY, "privacy.epsilon=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2
@@ -145,6 +138,7 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # the console script
 def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     result = dpbench("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -156,6 +150,7 @@ def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     assert "1 job(s) of the grid failed" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # the console script
 def test_hydra_errors_and_missing_subcommands_exit_2_with_one_line(tmp_path):
     completion = dpbench("--shell-completion", cwd=tmp_path)
     assert completion.returncode == 2 and "Traceback" not in completion.stderr
@@ -174,6 +169,7 @@ def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow  # the console script
 def test_version_and_help_describe_dpbench(tmp_path):
     from dpbench import __version__
 
@@ -185,6 +181,7 @@ def test_version_and_help_describe_dpbench(tmp_path):
     assert "dpbench-audit" in help_text.stdout
 
 
+@pytest.mark.slow  # the console script
 def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
     first = dpbench(*TINY, f"hydra.run.dir={run}", cwd=tmp_path)

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import REPO, compose
 
 from dpbench.logging.results import read_results
 from dpbench.run import run_job

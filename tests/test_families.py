@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, compose
-from test_language import assert_per_sample_grads_match
-from text_fixtures import write_dataset
+from helpers.config import REPO, compose
+from helpers.per_sample import assert_per_sample_grads_match
+from helpers.text_data import write_dataset
 from torch import nn
 
 from dpbench.algorithms.projected_adam import select_projected_modules
