@@ -4,7 +4,7 @@ import json
 
 import pytest
 from helpers.cli import dpbench
-from helpers.config import TINY, compose
+from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.wandb_records import exit_code, summary
 
 from dpbench.errors import DivergedError, UserError
@@ -15,7 +15,7 @@ from dpbench.run import run_job, validate
 @pytest.mark.slow  # W&B's service process
 def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb", *FIXED_SIGMA])
     results = run_job(cfg, tmp_path, show_progress=False)
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert exit_code(run_file) == 0  # W&B's service writes the file after finish() returns: wait for its end
@@ -29,7 +29,7 @@ def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch)
 
 
 def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
-    run_job(tiny_cfg(), tmp_path, show_progress=False)
+    run_job(tiny_cfg(*FIXED_SIGMA), tmp_path, show_progress=False)
     assert (tmp_path / "results.json").is_file()
     assert not (tmp_path / "wandb").exists()
 
@@ -37,7 +37,7 @@ def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
 @pytest.mark.slow  # the console script
 def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, *FIXED_SIGMA, f"hydra.sweep.dir={sweep}"]
     first = dpbench(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     files = sorted(sweep.glob("*/results.json"))
@@ -96,7 +96,7 @@ def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
 
 
 def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
-    results = run_job(tiny_cfg("privacy.delta=0.01"), tmp_path, show_progress=False)
+    results = run_job(tiny_cfg("privacy.delta=0.01", *FIXED_SIGMA), tmp_path, show_progress=False)
     assert any("not below 1/n" in note for note in results["notes"])
 
 
@@ -108,7 +108,7 @@ def test_shuffle_sampling_is_recorded_with_a_warning(tiny_cfg, tmp_path):
 
 def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):
     with pytest.raises(DivergedError, match="training loss became"):
-        run_job(tiny_cfg("algo=dpsgd", "train.lr=1e38", "train.steps=20", "train.eval_every=1"), tmp_path, show_progress=False)
+        run_job(tiny_cfg("algo=dpsgd", "train.lr=1e38", "train.steps=20", "train.eval_every=1", *FIXED_SIGMA), tmp_path, show_progress=False)
     results = read_results(tmp_path)
     assert results["status"] == "diverged"
     assert results["privacy"]["steps"] < 20
@@ -163,7 +163,7 @@ def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
 
     old = os.umask(0o022)
     try:
-        run_job(tiny_cfg(), tmp_path, show_progress=False)
+        run_job(tiny_cfg(*FIXED_SIGMA), tmp_path, show_progress=False)
     finally:
         os.umask(old)
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
@@ -184,14 +184,14 @@ def test_version_and_help_describe_dpbench(tmp_path):
 @pytest.mark.slow  # the console script
 def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
-    first = dpbench(*TINY, f"hydra.run.dir={run}", cwd=tmp_path)
+    first = dpbench(*TINY, *FIXED_SIGMA, f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     stamps = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     assert (run / ".hydra" / "overrides.yaml").is_file()
-    again = dpbench(*TINY, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
+    again = dpbench(*TINY, *FIXED_SIGMA, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
     assert "skipping" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == stamps
-    changed = dpbench(*TINY, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
+    changed = dpbench(*TINY, *FIXED_SIGMA, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
     assert changed.returncode == 0 and "another config (train.lr" in changed.stderr
     assert read_results(run)["config"]["train"]["lr"] == 0.05
 
@@ -201,7 +201,7 @@ def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
 
     from dpbench.cli import objective
 
-    cfg = tiny_cfg()
+    cfg = tiny_cfg(*FIXED_SIGMA)
     results = run_job(cfg, tmp_path, show_progress=False)
     assert objective(cfg, results) == results["metrics"]["test_accuracy"]
     with open_dict(cfg):
@@ -213,9 +213,9 @@ def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
 def test_python_api_runs_and_records_provenance(tmp_path):
     from dpbench.api import run
 
-    results = run(TINY, run_dir=tmp_path, show_progress=False)
+    results = run(TINY + FIXED_SIGMA, run_dir=tmp_path, show_progress=False)
     versions = results["versions"]
     assert {"timm", "transformers", "peft", "hydra_core", "wandb", "dp_accounting", "numpy", "git_commit", "command"} <= set(versions)
     assert versions["dp_accounting"] and versions["hydra_core"]
-    again = run(TINY + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
+    again = run(TINY + FIXED_SIGMA + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
     assert again["privacy"]["steps"] == 2  # another config: not the cached run

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from helpers.cli import dpbench
-from helpers.config import TINY, compose
+from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.wandb_records import exit_code
 
 from dpbench.cli import ERROR_FILE, failed_jobs
@@ -36,7 +36,7 @@ def wandb_sync_dry_run(folder) -> str:
 @pytest.mark.slow  # W&B's service process, and `wandb sync` in another
 def test_an_interrupted_offline_run_is_marked_failed_and_its_rerun_replaces_it(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb", *FIXED_SIGMA])
     wandb_dir = tmp_path / "wandb"
     unrelated = wandb_dir / "offline-run-20000101_000000-someone"  # not started by dpbench: never touched
     unrelated.mkdir(parents=True)
