@@ -144,6 +144,7 @@ def test_a_model_used_with_the_wrong_kind_of_dataset_is_a_user_error(sst2):
         build_model(compose(["model=roberta"]).model, DataSpec(num_classes=2))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_discovering_every_registry_does_not_import_transformers():
     # The default job (an image run) must not import transformers; the registries import every
     # module of their package on first lookup, so each module must keep it inside functions.

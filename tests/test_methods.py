@@ -237,7 +237,7 @@ QUADRATIC = ["dataset=quadratic", "model=quadratic", "dataset.dimension=50", "da
     ("dpgd0th", 0.1, 10.0, ["algo.smoothing=1e-4"]),
 ])
 def test_full_batch_methods_reduce_the_quadratic_gradient_norm(algo, lr, clip, extra, tmp_path):
-    cfg = compose([*OFFLINE, *QUADRATIC, f"algo={algo}", "train.batch_size=2000", f"train.lr={lr}",
+    cfg = compose([*QUADRATIC, f"algo={algo}", "train.batch_size=2000", f"train.lr={lr}",
                    f"privacy.clip_norm={clip}", *extra])
     results = run_job(cfg, tmp_path, show_progress=False)
     start = float(spectrum("log_d", 50).norm())  # ||A (0 - 1)||, about the initial gradient norm
@@ -271,7 +271,7 @@ def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
 
     finals = {}
     for algo, d, lr in [("dpsgd", 5, 0.1), ("dpsgd", 5, 0.5), ("dpsgd", 12, 0.5), ("dpzero", 5, 0.05), ("dpzero", 12, 0.05)]:
-        cfg = compose([*OFFLINE, *QUADRATIC, f"algo={algo}", f"dataset.dimension={d}", "dataset.train_size=200",
+        cfg = compose([*QUADRATIC, f"algo={algo}", f"dataset.dimension={d}", "dataset.train_size=200",
                        "dataset.test_size=200", "train.batch_size=200", "train.steps=5", "train.eval_every=5",
                        f"train.lr={lr}"])
         results = run_job(cfg, tmp_path / f"{algo}_{d}_{lr}", show_progress=False)
