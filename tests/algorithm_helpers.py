@@ -1,49 +1,9 @@
-"""Shared test helpers: tiny composed configs, algorithm instances on a tiny model, update recorders."""
+"""Old import path of tests/helpers/algorithms.py, kept only for the test files that still import
+it; new code imports `helpers`. Delete this file once nothing imports it."""
 
-from __future__ import annotations
-
-import torch
-from hydra import compose, initialize_config_dir
-from torch import nn
-
-from dpbench.algorithms import PrivacySetup, algorithm_class
-from dpbench.paths import config_dir
-from dpbench.privacy.noise import GaussianNoise
-from dpbench.schema import register
-from dpbench.tasks import build_task
+from helpers.algorithms import build_algorithm, record_updates, tiny_model  # noqa: F401
+from helpers.config import OFFLINE, compose
 
 
 def compose_config(*overrides: str):
-    register()  # the typed schemas conf/ names (dpbench/schema.py)
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=["logger=none", "device=cpu", *overrides])
-
-
-def tiny_model(in_features: int = 64, classes: int = 4) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, 8), nn.Tanh(), nn.Linear(8, classes))
-
-
-def build_algorithm(algo: str, *overrides: str, sigma: float = 1.0, clip: float = 1.0, batch: float = 32.0):
-    cfg = compose_config(f"algo={algo}", "dataset=synthetic", *overrides)
-    task = build_task(cfg, torch.device("cpu"))
-    model = tiny_model()
-    privacy = PrivacySetup(
-        noise_multiplier=sigma, clip_norm=clip, expected_batch_size=batch,
-        sample_rate=batch / task.train_size, noise=GaussianNoise("cpu"),
-    )
-    return algorithm_class(algo)(model, task, cfg.algo, 0.1, privacy), task, cfg
-
-
-def record_updates(algorithm, apply: bool = False) -> list[list[torch.Tensor]]:
-    """Replace apply_update with a recorder of the privatised gradients (optionally still applying)."""
-    recorded: list[list[torch.Tensor]] = []
-    original = algorithm.apply_update
-
-    def recorder(gradients):
-        recorded.append([g.detach().clone() for g in gradients])
-        if apply:
-            original(gradients)
-
-    algorithm.apply_update = recorder
-    return recorded
+    return compose([*OFFLINE, *overrides])

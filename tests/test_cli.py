@@ -1,30 +1,21 @@
 """The console script as a user runs it: W&B files, multirun resume, one-line errors, divergence."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, compose
+from helpers.cli import dpbench
+from helpers.config import FIXED_SIGMA, TINY, compose
+from helpers.wandb_records import exit_code, summary
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import RunResults, read_results
 from dpbench.run import run_job, validate
 
 
-def dpbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
-    return subprocess.run(
-        [sys.executable, "-m", "dpbench.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
+@pytest.mark.slow  # W&B's service process
 def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch):
-    from wandb_records import exit_code, summary
-
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb", *FIXED_SIGMA])
     results = run_job(cfg, tmp_path, show_progress=False)
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert exit_code(run_file) == 0  # W&B's service writes the file after finish() returns: wait for its end
@@ -38,14 +29,15 @@ def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch)
 
 
 def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
-    run_job(tiny_cfg(), tmp_path, show_progress=False)
+    run_job(tiny_cfg(*FIXED_SIGMA), tmp_path, show_progress=False)
     assert (tmp_path / "results.json").is_file()
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow  # the console script
 def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, *FIXED_SIGMA, f"hydra.sweep.dir={sweep}"]
     first = dpbench(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     files = sorted(sweep.glob("*/results.json"))
@@ -91,6 +83,7 @@ def test_unreachable_epsilon_is_a_user_error(tiny_cfg, tmp_path):
         run_job(tiny_cfg("privacy.epsilon=1e-9", "train.steps=50"), tmp_path, show_progress=False)
 
 
+@pytest.mark.slow  # the console script
 def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
     result = dpbench(*TINY, "privacy.epsilon=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2
@@ -103,7 +96,7 @@ def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
 
 
 def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
-    results = run_job(tiny_cfg("privacy.delta=0.01"), tmp_path, show_progress=False)
+    results = run_job(tiny_cfg("privacy.delta=0.01", *FIXED_SIGMA), tmp_path, show_progress=False)
     assert any("not below 1/n" in note for note in results["notes"])
 
 
@@ -116,7 +109,7 @@ def test_shuffle_sampling_is_recorded_with_its_bound(tiny_cfg, tmp_path):
 
 def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):
     with pytest.raises(DivergedError, match="training loss became"):
-        run_job(tiny_cfg("algo=dpsgd", "train.lr=1e38", "train.steps=20", "train.eval_every=1"), tmp_path, show_progress=False)
+        run_job(tiny_cfg("algo=dpsgd", "train.lr=1e38", "train.steps=20", "train.eval_every=1", *FIXED_SIGMA), tmp_path, show_progress=False)
     results = read_results(tmp_path)
     assert results["status"] == "diverged"
     assert results["privacy"]["steps"] < 20
@@ -146,6 +139,7 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # the console script
 def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     result = dpbench("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -157,6 +151,7 @@ def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     assert "1 job(s) of the grid failed" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # the console script
 def test_hydra_errors_and_missing_subcommands_exit_2_with_one_line(tmp_path):
     completion = dpbench("--shell-completion", cwd=tmp_path)
     assert completion.returncode == 2 and "Traceback" not in completion.stderr
@@ -169,12 +164,13 @@ def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
 
     old = os.umask(0o022)
     try:
-        run_job(tiny_cfg(), tmp_path, show_progress=False)
+        run_job(tiny_cfg(*FIXED_SIGMA), tmp_path, show_progress=False)
     finally:
         os.umask(old)
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow  # the console script
 def test_version_and_help_describe_dpbench(tmp_path):
     from dpbench import __version__
 
@@ -186,16 +182,17 @@ def test_version_and_help_describe_dpbench(tmp_path):
     assert "dpbench-audit" in help_text.stdout
 
 
+@pytest.mark.slow  # the console script
 def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
-    first = dpbench(*TINY, f"hydra.run.dir={run}", cwd=tmp_path)
+    first = dpbench(*TINY, *FIXED_SIGMA, f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     stamps = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     assert (run / ".hydra" / "overrides.yaml").is_file()
-    again = dpbench(*TINY, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
+    again = dpbench(*TINY, *FIXED_SIGMA, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
     assert "skipping" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == stamps
-    changed = dpbench(*TINY, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
+    changed = dpbench(*TINY, *FIXED_SIGMA, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
     assert changed.returncode == 0 and "another config (train.lr" in changed.stderr
     assert read_results(run)["config"]["train"]["lr"] == 0.05
 
@@ -205,7 +202,7 @@ def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
 
     from dpbench.cli import objective
 
-    cfg = tiny_cfg()
+    cfg = tiny_cfg(*FIXED_SIGMA)
     results = run_job(cfg, tmp_path, show_progress=False)
     assert objective(cfg, results) == results["metrics"]["test_accuracy"]
     with open_dict(cfg):
@@ -217,9 +214,9 @@ def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
 def test_python_api_runs_and_records_provenance(tmp_path):
     from dpbench.api import run
 
-    results = run(TINY, run_dir=tmp_path, show_progress=False)
+    results = run(TINY + FIXED_SIGMA, run_dir=tmp_path, show_progress=False)
     versions = results["versions"]
     assert {"timm", "transformers", "peft", "hydra_core", "wandb", "dp_accounting", "numpy", "git_commit", "command"} <= set(versions)
     assert versions["dp_accounting"] and versions["hydra_core"]
-    again = run(TINY + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
+    again = run(TINY + FIXED_SIGMA + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
     assert again["privacy"]["steps"] == 2  # another config: not the cached run

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import FIXED_SIGMA, REPO, compose
 
 from dpbench.logging.results import read_results
 from dpbench.run import run_job
@@ -71,7 +71,7 @@ def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
     if compose([f"model={model}"]).model.get("task_kind", "image") != "image":
         pytest.skip("not an image model")
     heavy = ["train.batch_size=4"] if model in ("resnet9", "resnet18") else []  # millions of parameters
-    results = run_job(tiny_cfg(f"model={model}", "algo=dpsgd", *heavy), tmp_path, show_progress=False)
+    results = run_job(tiny_cfg(f"model={model}", "algo=dpsgd", *heavy, *FIXED_SIGMA), tmp_path, show_progress=False)
     check_results(results)
 
 

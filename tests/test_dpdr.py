@@ -5,7 +5,8 @@ from __future__ import annotations
 import dp_accounting as dpa
 import pytest
 import torch
-from algorithm_helpers import build_algorithm, compose_config, record_updates
+from helpers.algorithms import build_algorithm, record_updates
+from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms.dpdr import DPDR, clip_alpha, decompose, effective_noise_multiplier
 from dpbench.privacy.accountants import RDPAccountant, planned_ledger
@@ -79,7 +80,7 @@ def _dp_accounting_epsilon(events, delta):
 
 @pytest.mark.parametrize("sigma,ratio,steps,s", [(0.7, 2.0, 300, 50), (1.1, 1.5, 1000, 200)])
 def test_ledger_is_one_joint_mechanism_per_decomposition_step(sigma, ratio, steps, s):
-    cfg = compose_config("algo=dpdr", f"algo.alpha_ratio={ratio}", f"algo.decomposition_steps={s}").algo
+    cfg = compose([*OFFLINE, "algo=dpdr", f"algo.alpha_ratio={ratio}", f"algo.decomposition_steps={s}"]).algo
     q = 0.005
     ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_eff = (sigma**-2 + (ratio * sigma) ** -2) ** -0.5  # independent of the module's helper
@@ -93,9 +94,9 @@ def test_ledger_is_one_joint_mechanism_per_decomposition_step(sigma, ratio, step
 def test_paper_accounting_reproduces_the_digest_overrun():
     """DPDR Table 2, MNIST eps=8: sigma_perp=0.59, sigma_alpha=0.8, sigma_g=0.59, B=256, 20 epochs.
     Jointly accounted, the run spends ~8.47 (spec §4.4), not the claimed 8."""
-    cfg = compose_config(
-        "algo=dpdr", "algo.paper_accounting=true", "algo.sigma_perp=0.59", "algo.sigma_alpha=0.8"
-    ).algo
+    cfg = compose([
+        *OFFLINE, "algo=dpdr", "algo.paper_accounting=true", "algo.sigma_perp=0.59", "algo.sigma_alpha=0.8"
+    ]).algo
     q = 256 / 60000
     steps = int(20 / q)
     ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, 0.59, q, step, 1.0), steps)

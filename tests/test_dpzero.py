@@ -1,31 +1,29 @@
 """DPZero / MeZO: the estimator against a hand-made two-point estimate, exact restore of the
 weights, the sensitivity bound, a statistical noise audit, noise independent of the direction
-seed, the ledger and epsilon against dp-accounting, and end-to-end CLI runs."""
+seed, the ledger and epsilon against dp-accounting, and end-to-end runs."""
 
 from __future__ import annotations
 
 import copy
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.config import TINY, compose
 from omegaconf import OmegaConf
 from scipy import stats
 from torch import nn
 
 from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.algorithms.dpzero import SEED_STRIDE
+from dpbench.logging.results import read_results
 from dpbench.privacy.accountants import build_accountant
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.privacy.noise import GaussianNoise
+from dpbench.run import run_job
 from dpbench.tasks import Task
 
-ROOT = Path(__file__).resolve().parents[1]
 LAMBDA = 1e-3
 
 
@@ -220,20 +218,17 @@ def test_replace_one_reduction_is_conservative_and_pld_is_exact():
         assert eps > build_accountant(name).epsilon(add_remove, delta)
 
 
-def run_cli(tmp_path, *overrides):
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "dpbench.cli", "logger=none", "dataset=synthetic", "train.steps=6",
-               "train.batch_size=32", "train.eval_every=3", f"hydra.run.dir={out}", *overrides]
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
-    return json.loads((out / "results.json").read_text())
+def run(tmp_path, *overrides) -> dict:
+    """A 6-step run on the synthetic dataset, in this process; its results.json as written."""
+    run_job(compose([*TINY, "train.steps=6", "train.eval_every=3", *overrides]), tmp_path, show_progress=False)
+    return read_results(tmp_path)
 
 
-def test_cli_dpzero_ledger_and_epsilon_match_dp_accounting(tmp_path):
+def test_dpzero_ledger_and_epsilon_match_dp_accounting(tmp_path):
     from dp_accounting.rdp import RdpAccountant
     import dp_accounting as dpa
 
-    results = run_cli(tmp_path, "algo=dpzero", "privacy.epsilon=3", "privacy.clip_norm=5")
+    results = run(tmp_path, "algo=dpzero", "privacy.epsilon=3", "privacy.clip_norm=5")
     privacy, memory = results["privacy"], results["memory"]
     assert results["status"] == "completed" and results["algo"] == "dpzero"
     assert memory["per_sample_grad_bytes"] == 0 and memory["optimizer_state_bytes"] == 0
@@ -247,11 +242,11 @@ def test_cli_dpzero_ledger_and_epsilon_match_dp_accounting(tmp_path):
     assert math.isfinite(results["metrics"]["train_loss"])
 
 
-def test_cli_mezo_and_replace_one(tmp_path):
-    mezo = run_cli(tmp_path / "mezo", "algo=mezo", "train.lr=1e-3")
+def test_mezo_and_replace_one(tmp_path):
+    mezo = run(tmp_path / "mezo", "algo=mezo", "train.lr=1e-3")
     assert mezo["privacy"]["epsilon"] is None and mezo["privacy"]["ledger"] == []
     assert mezo["memory"]["per_sample_grad_bytes"] == 0 and mezo["memory"]["optimizer_state_bytes"] == 0
-    replace = run_cli(tmp_path / "replace", "algo=dpzero", "privacy.neighboring=replace_one", "accountant=pld")
+    replace = run(tmp_path / "replace", "algo=dpzero", "privacy.neighboring=replace_one", "accountant=pld")
     privacy = replace["privacy"]
     assert privacy["neighboring"] == "replace_one"
     assert privacy["ledger"][0]["neighboring"] == "replace_one"

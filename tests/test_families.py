@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, compose
-from test_language import assert_per_sample_grads_match
-from text_fixtures import write_dataset
+from helpers.config import REPO, compose
+from helpers.per_sample import assert_per_sample_grads_match
+from helpers.text_data import write_dataset
 from torch import nn
 
 from dpbench.algorithms.projected_adam import select_projected_modules
@@ -144,6 +144,7 @@ def test_a_model_used_with_the_wrong_kind_of_dataset_is_a_user_error(sst2):
         build_model(compose(["model=roberta"]).model, DataSpec(num_classes=2))
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_discovering_every_registry_does_not_import_transformers():
     # The default job (an image run) must not import transformers; the registries import every
     # module of their package on first lookup, so each module must keep it inside functions.

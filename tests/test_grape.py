@@ -8,76 +8,13 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from omegaconf import OmegaConf
+from helpers.config import TINY, compose
+from helpers.projected import TensorTask, build, image_task, tiny_vit  # test_fastdp.py imports them from here too
 from torch import nn
 
-from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.algorithms.projected_adam import project, select_projected_modules
-from dpbench.models.vit import DPViT
-from dpbench.privacy.noise import GaussianNoise
-from dpbench.tasks import Task
-
-
-class TensorTask(Task):
-    """Fixed tensors; `weights` scales each example's loss (a huge weight = a huge gradient)."""
-
-    def __init__(self, inputs, labels, weights=None, loss="ce"):
-        self.inputs, self.labels = inputs, labels
-        self.weights = torch.ones(len(labels)) if weights is None else weights
-        self.loss = loss
-        self.train_size = len(labels)
-
-    def batch(self, indices):
-        index = torch.as_tensor(indices, dtype=torch.long)
-        return self.inputs[index], self.labels[index], self.weights[index]
-
-    def batch_size(self, batch):
-        return int(batch[1].shape[0])
-
-    def per_sample_loss(self, model, batch):
-        x, y, w = batch
-        out = model(x)
-        if self.loss == "ce":
-            return w * F.cross_entropy(out, y, reduction="none")
-        return w * (out - y).pow(2).reshape(out.shape[0], -1).sum(1)
-
-    def evaluate(self, model):
-        return {"accuracy": 0.0}
-
-
-def algo_cfg(name, **overrides):
-    base = {"name": name, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-    if name in ("grape", "galore_naive", "galore"):
-        base.update(rank=4, update_interval=3, projected_modules=None)
-    if name == "grape":
-        base.update(projector="gaussian", projection_seed=1234)
-    base.update(overrides)
-    return OmegaConf.create(base)
-
-
-def privacy(sigma=0.0, clip=1.0, batch=8.0):
-    return PrivacySetup(
-        noise_multiplier=sigma, clip_norm=clip, expected_batch_size=batch, sample_rate=0.1, noise=GaussianNoise()
-    )
-
-
-def tiny_vit(seed=0):
-    torch.manual_seed(seed)
-    return DPViT(
-        img_size=8, patch_size=2, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2,
-        mlp_ratio=3.0, global_pool="token",
-    )
-
-
-def image_task(n=12, seed=0, weights=None):
-    g = torch.Generator().manual_seed(seed)
-    return TensorTask(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g), weights)
-
-
-def build(name, model, task, lr=1e-2, sigma=0.0, clip=1.0, batch=8.0, **cfg):
-    cls = algorithm_class(name)
-    return cls(model, task, algo_cfg(name, **cfg), lr, privacy(sigma, clip, batch) if cls.private else None)
+from dpbench.logging.results import read_results
+from dpbench.run import run_job
 
 
 # --- projected per-sample gradients ------------------------------------------------------------
@@ -328,21 +265,9 @@ def test_naive_galore_uses_top_r_singular_vectors_of_the_noisy_gradient_refreshe
 
 
 @pytest.mark.parametrize("name", ["grape", "galore_naive", "galore"])
-def test_cli_run_writes_results(name, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    run_dir = tmp_path / name
-    completed = subprocess.run(
-        [sys.executable, "-m", "dpbench.cli", f"algo={name}", "dataset=synthetic", "logger=none",
-         "train.steps=4", "train.batch_size=32", "train.eval_every=2", f"hydra.run.dir={run_dir}"],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    results = json.loads((run_dir / "results.json").read_text())
+def test_a_run_writes_results(name, tmp_path):
+    run_job(compose([*TINY, f"algo={name}", "train.steps=4"]), tmp_path, show_progress=False)
+    results = read_results(tmp_path)
     assert results["status"] == "completed" and results["algo"] == name
     assert results["privacy"]["private"] == (name != "galore")
     assert results["algorithm"]["projected_layers"] and results["memory"]["optimizer_state_bytes"] > 0

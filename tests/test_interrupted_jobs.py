@@ -9,8 +9,9 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY, compose
-from wandb_records import exit_code
+from helpers.cli import dpbench
+from helpers.config import FIXED_SIGMA, TINY, compose
+from helpers.wandb_records import exit_code
 
 from dpbench.cli import ERROR_FILE, failed_jobs
 from dpbench.logging.wandb_logger import UNFINISHED_MARKER, LoggerCallback
@@ -32,9 +33,10 @@ def wandb_sync_dry_run(folder) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow  # W&B's service process, and `wandb sync` in another
 def test_an_interrupted_offline_run_is_marked_failed_and_its_rerun_replaces_it(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb"])
+    cfg = compose([o for o in TINY if not o.startswith("logger")] + ["logger=wandb", *FIXED_SIGMA])
     wandb_dir = tmp_path / "wandb"
     unrelated = wandb_dir / "offline-run-20000101_000000-someone"  # not started by dpbench: never touched
     unrelated.mkdir(parents=True)
@@ -74,17 +76,13 @@ def test_failed_jobs_are_the_error_files_written_since_the_grid_started(tmp_path
     assert len(failed_jobs(tmp_path, old - 10)) == 2
 
 
+@pytest.mark.slow  # the console script, and joblib's worker processes
 @pytest.mark.skipif(not joblib_launcher_installed(),
                     reason="hydra-joblib-launcher is not installed (pip install 'dpbench[parallel]')")
 def test_a_grid_run_by_worker_processes_reports_its_failed_jobs_and_exits_1(tmp_path):
     sweep = tmp_path / "sweep"
-    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "dpbench.cli", "-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
-         "privacy.epsilon=-1,-2", *TINY, f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    done = dpbench("-m", "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2", "privacy.epsilon=-1,-2", *TINY,
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert "Joblib.Parallel" in done.stdout + done.stderr  # the jobs ran in worker processes
     assert done.returncode == 1, done.stderr[-2000:]
     assert len(list(sweep.glob(f"*/{ERROR_FILE}"))) == 2  # the grid went on past the first failure

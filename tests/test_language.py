@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose
-from text_fixtures import rows, write_dataset
+from helpers.config import compose
+from helpers.per_sample import assert_per_sample_grads_match
+from helpers.text_data import rows, write_dataset
 
 from dpbench.data.text import k_shot_split, sample_subset
 from dpbench.errors import UserError
@@ -112,28 +113,6 @@ def task_and_model(root: Path, model: str, dataset: str, *extra):
     torch.manual_seed(0)
     task = build_task(cfg, CPU)
     return task, task.build_model(cfg.model).train()
-
-
-def assert_per_sample_grads_match(task, model, n: int = 3):
-    """Opacus per-sample gradients (batched, padded) == autograd on each example alone."""
-    from dpbench.privacy.per_sample import PerSampleGradients
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    reference = []
-    for i in range(n):
-        loss = task.per_sample_loss(model, task.batch([i])).sum()
-        reference.append(torch.autograd.grad(loss, params, allow_unused=True))
-    engine = PerSampleGradients(model)
-    try:
-        per_sample = engine.backward_per_sample(task.per_sample_loss(model, task.batch(list(range(n)))))
-    finally:
-        engine.detach()
-    for index, param in enumerate(params):
-        for i in range(n):
-            expected = reference[i][index]
-            expected = torch.zeros_like(param) if expected is None else expected
-            torch.testing.assert_close(per_sample[index][i], expected, rtol=1e-4, atol=1e-5)
-    return params
 
 
 def test_roberta_per_sample_grads_with_tied_embeddings(workspace):

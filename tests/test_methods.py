@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from algorithm_helpers import build_algorithm, compose_config, record_updates
+from helpers.algorithms import build_algorithm, record_updates, tiny_model
+from helpers.config import OFFLINE, TINY, compose
 from scipy import stats
 
 from dpbench.algorithms import PrivacySetup, algorithm_class
@@ -46,9 +47,8 @@ def clipped_mean(per_example: list[list[torch.Tensor]], bound: float, batch: flo
 
 # --- SGD --------------------------------------------------------------------------------------
 def test_sgd_step_is_torch_sgd_on_the_mean_loss_over_physical_chunks():
-    cfg = compose_config("algo=sgd", "dataset=synthetic", "algo.momentum=0.9", "algo.weight_decay=0.01")
+    cfg = compose([*OFFLINE, "algo=sgd", "dataset=synthetic", "algo.momentum=0.9", "algo.weight_decay=0.01"])
     task = build_task(cfg, torch.device("cpu"))
-    from algorithm_helpers import tiny_model
 
     model, reference = tiny_model(), tiny_model()
     algorithm = algorithm_class("sgd")(model, task, cfg.algo, 0.1, None)
@@ -138,17 +138,17 @@ def test_bad_options_fail_with_the_fix():
         build_algorithm("diff", "algo.difference_clip=0")
     with pytest.raises(UserError, match="restart_interval"):
         build_algorithm("diff2", "algo.restart_interval=0")
-    cfg = compose_config("algo=sgd", "algo.nesterov=true")
+    cfg = compose([*OFFLINE, "algo=sgd", "algo.nesterov=true"])
     with pytest.raises(UserError, match="momentum"):
         algorithm_class("sgd")(torch.nn.Linear(2, 2), None, cfg.algo, 0.1, None)
 
 
 # --- DPGD-0th ---------------------------------------------------------------------------------
 def quadratic_algorithm(algo: str, *overrides, sigma=1.0, clip=1.0, batch=8.0, lr=0.1):
-    cfg = compose_config(
-        "dataset=quadratic", "model=quadratic", f"algo={algo}", "dataset.dimension=6",
-        "dataset.train_size=40", "dataset.test_size=40", *overrides,
-    )
+    cfg = compose([
+        *OFFLINE, "dataset=quadratic", "model=quadratic", f"algo={algo}", "dataset.dimension=6",
+        "dataset.train_size=40", "dataset.test_size=40", *overrides
+    ])
     task = build_task(cfg, torch.device("cpu"))
     model = task.build_model(cfg.model)
     privacy = PrivacySetup(sigma, clip, batch, batch / task.train_size, GaussianNoise("cpu"))
@@ -220,7 +220,7 @@ def test_quadratic_evaluation_matches_brute_force_and_the_per_sample_gradient():
 
 
 def test_quadratic_needs_its_model():
-    cfg = compose_config("dataset=quadratic", "dataset.dimension=3")
+    cfg = compose([*OFFLINE, "dataset=quadratic", "dataset.dimension=3"])
     with pytest.raises(UserError, match="model=quadratic"):
         build_task(cfg, torch.device("cpu")).build_model(cfg.model)
 
@@ -237,8 +237,8 @@ QUADRATIC = ["dataset=quadratic", "model=quadratic", "dataset.dimension=50", "da
     ("dpgd0th", 0.1, 10.0, ["algo.smoothing=1e-4"]),
 ])
 def test_full_batch_methods_reduce_the_quadratic_gradient_norm(algo, lr, clip, extra, tmp_path):
-    cfg = compose_config(*QUADRATIC, f"algo={algo}", "train.batch_size=2000", f"train.lr={lr}",
-                         f"privacy.clip_norm={clip}", *extra)
+    cfg = compose([*QUADRATIC, f"algo={algo}", "train.batch_size=2000", f"train.lr={lr}",
+                   f"privacy.clip_norm={clip}", *extra])
     results = run_job(cfg, tmp_path, show_progress=False)
     start = float(spectrum("log_d", 50).norm())  # ||A (0 - 1)||, about the initial gradient norm
     assert results["privacy"]["sample_rate"] == 1.0
@@ -249,8 +249,8 @@ def test_full_batch_methods_reduce_the_quadratic_gradient_norm(algo, lr, clip, e
 
 @pytest.mark.parametrize("algo", ["diff", "diff2", "sgd"])
 def test_first_order_methods_learn_digits(algo, tmp_path):
-    cfg = compose_config("model=cnn", f"algo={algo}", "train.steps=60", "train.eval_every=60", "train.batch_size=128",
-                         "train.lr=0.5", "privacy.clip_norm=1.0", "algo.difference_clip=0.5" if algo != "sgd" else "seed=0")
+    cfg = compose([*OFFLINE, "model=cnn", f"algo={algo}", "train.steps=60", "train.eval_every=60", "train.batch_size=128",
+                   "train.lr=0.5", "privacy.clip_norm=1.0", "algo.difference_clip=0.5" if algo != "sgd" else "seed=0"])
     results = run_job(cfg, tmp_path, show_progress=False)
     # chance is 0.1; private noise is unseeded: diff2 ranged 0.28-0.71 over 7 runs, so 2x chance
     assert results["metrics"]["test_accuracy"] > 0.2, results["metrics"]
@@ -260,9 +260,9 @@ def test_first_order_methods_learn_digits(algo, tmp_path):
 def test_opt_13b_preset_names_its_checkpoint():
     from dpbench.models.language import _source
 
-    assert _source(compose_config("model=opt", "model.size=13b", "dataset=boolq").model) == "facebook/opt-13b"
+    assert _source(compose([*OFFLINE, "model=opt", "model.size=13b", "dataset=boolq"]).model) == "facebook/opt-13b"
     with pytest.raises(UserError, match="6.7b, 13b"):
-        _source(compose_config("model=opt", "model.size=30b", "dataset=boolq").model)
+        _source(compose([*OFFLINE, "model=opt", "model.size=30b", "dataset=boolq"]).model)
 
 
 # --- DPZero Figs. 1-2: error vs d --------------------------------------------------------------------
@@ -271,9 +271,9 @@ def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
 
     finals = {}
     for algo, d, lr in [("dpsgd", 5, 0.1), ("dpsgd", 5, 0.5), ("dpsgd", 12, 0.5), ("dpzero", 5, 0.05), ("dpzero", 12, 0.05)]:
-        cfg = compose_config(*QUADRATIC, f"algo={algo}", f"dataset.dimension={d}", "dataset.train_size=200",
-                             "dataset.test_size=200", "train.batch_size=200", "train.steps=5", "train.eval_every=5",
-                             f"train.lr={lr}")
+        cfg = compose([*QUADRATIC, f"algo={algo}", f"dataset.dimension={d}", "dataset.train_size=200",
+                       "dataset.test_size=200", "train.batch_size=200", "train.steps=5", "train.eval_every=5",
+                       f"train.lr={lr}"])
         results = run_job(cfg, tmp_path / f"{algo}_{d}_{lr}", show_progress=False)
         key = (algo, d)
         finals[key] = min(finals.get(key, math.inf), results["metrics"]["test_accuracy"])
@@ -286,7 +286,6 @@ def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
 
 @pytest.mark.parametrize("algo", ["sgd", "adam"])
 def test_non_private_runs_are_reproducible_from_the_seed(algo, tmp_path):
-    from conftest import TINY, compose
 
     from dpbench.run import run_job
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from algorithm_helpers import compose_config
+from helpers.config import FIXED_SIGMA, OFFLINE, compose  # calibration: tested in test_dcdpsgd/test_dpdr
 from omegaconf import OmegaConf
 
 from dpbench.data import load_dataset
@@ -76,7 +76,7 @@ def skip_md5(monkeypatch):
 
 
 def _dataset_cfg(name: str, tmp_path: Path, **extra):
-    cfg = compose_config(f"dataset={name}", f"dataset.data_dir={tmp_path}", "dataset.download=false").dataset
+    cfg = compose([*OFFLINE, f"dataset={name}", f"dataset.data_dir={tmp_path}", "dataset.download=false"]).dataset
     return OmegaConf.merge(cfg, extra)
 
 
@@ -136,7 +136,7 @@ def test_long_tail_profile_matches_the_paper_counts():
 def test_ldam_margins_and_loss():
     margins = ldam_margins(torch.tensor([5000, 500, 50]), 0.5)
     assert margins.tolist() == pytest.approx([0.5 * (5000 / n) ** 0.25 / (5000 / 50) ** 0.25 for n in (5000, 500, 50)])
-    cfg = compose_config("dataset=synthetic", "+dataset.loss=ldam", "model=cnn")
+    cfg = compose([*OFFLINE, "dataset=synthetic", "+dataset.loss=ldam", "model=cnn"])
     from dpbench.tasks import build_task
 
     task = build_task(cfg, torch.device("cpu"))
@@ -170,7 +170,6 @@ def test_resnet18_has_groupnorm_only():
 # --- end to end on synthetic data ---------------------------------------------------------------
 SMALL = ["dataset=synthetic", "train.steps=2", "train.batch_size=8", "train.eval_every=2", "dataset.test_size=16",
          "dataset.train_size=64"]
-FIXED_SIGMA = ["privacy.noise_multiplier=1.0"]  # calibration is tested in test_dcdpsgd/test_dpdr
 
 
 @pytest.mark.parametrize("overrides", [
@@ -183,7 +182,7 @@ FIXED_SIGMA = ["privacy.noise_multiplier=1.0"]  # calibration is tested in test_
     ["algo=dpdr", "model=cnn", "algo.paper_accounting=true", "privacy.noise_multiplier=0.6", "algo.sigma_perp=0.6", "algo.sigma_alpha=0.8", "algo.claimed_epsilon=8"],
 ])
 def test_new_configs_run_end_to_end(tmp_path, overrides):
-    cfg = compose_config(*SMALL, *overrides)
+    cfg = compose([*OFFLINE, *SMALL, *overrides])
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results["status"] == "completed" and results["privacy"]["epsilon"] > 0
     if cfg.algo.name == "dcdpsgd":
@@ -199,16 +198,16 @@ EXPERIMENTS = sorted(
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_configs_compose(experiment):
-    real = compose_config(f"experiment={experiment}")
+    real = compose([*OFFLINE, f"experiment={experiment}"])
     assert real.dataset.name != "synthetic" and real.algo.name in ("dcdpsgd", "dpdr")
     assert real.name == experiment and real.model.name in ("tanh_cnn", "cnn5", "resnet9", "resnet18")
     # the baselines of the paper's tables run on the same experiment config
-    assert compose_config(f"experiment={experiment}", "algo=dpsgd", "privacy.clipping=psac").algo.name == "dpsgd"
+    assert compose([*OFFLINE, f"experiment={experiment}", "algo=dpsgd", "privacy.clipping=psac"]).algo.name == "dpsgd"
 
 
 @pytest.mark.parametrize("experiment", ["dcdpsgd_imagenette_lt", "dpdr_svhn"])
 def test_experiment_configs_run_on_synthetic(tmp_path, experiment):
-    cfg = compose_config(f"experiment={experiment}", *SMALL, "train.steps=1", "dataset.channels=3",
-                         "dataset.image_size=16", "train.physical_batch_size=null", "model.name=cnn", *FIXED_SIGMA)
+    cfg = compose([*OFFLINE, f"experiment={experiment}", *SMALL, "train.steps=1", "dataset.channels=3",
+                   "dataset.image_size=16", "train.physical_batch_size=null", "model.name=cnn", *FIXED_SIGMA])
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results["status"] == "completed"

@@ -6,7 +6,7 @@ import re
 import shlex
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import REPO, compose
 
 FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}

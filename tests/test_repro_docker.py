@@ -8,7 +8,7 @@ import subprocess
 
 
 import pytest
-from conftest import REPO
+from helpers.config import REPO
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

@@ -5,7 +5,7 @@ import copy
 import json
 
 import pytest
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 from rich.console import Console
 
 from dpbench.logging.console import summary_table

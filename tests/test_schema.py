@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY, compose
+from helpers.cli import dpbench
+from helpers.config import TINY, compose
 from omegaconf import OmegaConf
-from test_cli import dpbench
 
 from dpbench.errors import UserError
 from dpbench.paths import config_dir
@@ -128,6 +128,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow  # the console script
 @pytest.mark.parametrize("overrides,message", BAD, ids=[o[-1] for o, _ in BAD])
 def test_cli_schema_errors_are_one_line_and_exit_2(tmp_path, overrides, message):
     result = dpbench(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

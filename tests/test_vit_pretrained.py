@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose
+from helpers.config import compose
 from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
