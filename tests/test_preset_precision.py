@@ -57,7 +57,9 @@ def stand_in(name: str, algo: str, text_data: Path):
     model = preset["model"]
     if model.get("task_kind") == "language":
         swap = [f"model.dtype={model['dtype']}", "model.size=tiny", "model.path=null",
-                f"dataset.path={text_data / preset['dataset']['name']}", "dataset.k_shot=4", "dataset.num_train=24",
+                # shuffled batches under add/remove leave one example out per epoch: more than a batch
+                f"dataset.path={text_data / preset['dataset']['name']}",
+                f"dataset.k_shot={8 if preset['privacy']['sampling'] == 'shuffle' else 4}", "dataset.num_train=24",
                 "dataset.num_dev=4", "dataset.num_test=4", "dataset.max_new_tokens=3"]
     elif preset["dataset"]["name"] == "quadratic":
         swap = ["dataset.train_size=64", "dataset.test_size=16"]

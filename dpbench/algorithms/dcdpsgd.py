@@ -302,18 +302,18 @@ def score_histogram(scores: torch.Tensor) -> torch.Tensor:
 def histogram_threshold(histogram: torch.Tensor, tail_fraction: float) -> float:
     """The score above which a fraction `tail_fraction` of the (noisy, averaged) histogram's mass
     lies, log-interpolated inside its bin; +inf when the histogram holds no mass."""
-    counts = histogram.double().clamp_min(0).cpu()
-    total = float(counts.sum())
+    counts = histogram.double().clamp_min(0).tolist()  # one host sync; the rest is plain Python
+    total = sum(counts)
     if total <= 0:
         return math.inf
-    needed, edges = tail_fraction * total, SCORE_BIN_EDGES.double()
+    needed, edges = tail_fraction * total, SCORE_BIN_EDGES.double().tolist()
     for b in range(len(counts) - 1, -1, -1):
         if counts[b] >= needed and counts[b] > 0:
-            low, high, share = float(edges[b]), float(edges[b + 1]), needed / float(counts[b])
+            low, high, share = edges[b], edges[b + 1], needed / counts[b]
             if low <= 0:
                 return high * (1 - share)
             return math.exp(math.log(high) - share * (math.log(high) - math.log(low)))
-        needed -= float(counts[b])
+        needed -= counts[b]
     return 0.0
 
 
