@@ -58,7 +58,7 @@ def neighbouring_tasks(adversary_weight: float = 300.0, batch: int = BATCH):
 
 @functools.cache
 def algo_config(name, engine):
-    overrides = [f"algo.per_sample={engine}"] if name in ENGINES else []
+    overrides = [f"algo.per_sample={engine}"] if engine in ("ghost", "bk") or name in ("dpadam", "dpsgd", "grape") else []
     overrides += ["algo.tail_selection=rank"] if engine == "rank" else []  # DC-DPSGD's paper rule
     overrides += ["algo.target_modules=[qkv,fc1]"] if name == "dplora" else []
     return compose_config(f"algo={name}", "dataset=synthetic", *overrides)
