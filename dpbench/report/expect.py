@@ -1,5 +1,7 @@
 """`report.expect`: the orderings a preset states and `dpbench-report --check` asserts, e.g.
 "grape >= dpadam - 5" or "grape.per_sample_grad_mib < 0.5 * dpadam.per_sample_grad_mib".
+A name is a method: the algorithm, with its per-example engine appended when that is not the
+default (`dpadam` materialises per-example gradients, `dpadam_ghost`, `dpadam_bk`).
 
 Expressions are parsed with `ast` and evaluated by a small walker that allows only algorithm
 names, `.quantity`, numbers, + - * / and comparisons (never Python's eval: presets are data).
@@ -14,12 +16,12 @@ from collections import defaultdict
 from dpbench.errors import UserError
 from dpbench.report.formatting import fmt_eps
 from dpbench.report.groups import Group, cells
-from dpbench.report.load import MIB
+from dpbench.report.load import MIB, method_name
 
 QUANTITIES = {
     "accuracy": None,   # the chosen metric, in %
     "final": "final", "best": "best",
-    "peak_mib": "peak_mib", "run_mib": "run_mib", "samples_per_s": "samples_per_s", "epsilon": "epsilon",
+    "peak_mib": "peak_mib", "run_mib": "run_mib", "own_mib": "own_mib", "samples_per_s": "samples_per_s", "epsilon": "epsilon",
     "per_sample_grad_mib": "per_sample_grad_bytes", "optimizer_state_mib": "optimizer_state_bytes",
 }
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -31,7 +33,7 @@ def evaluate(expression: str, cell: list[Group], metric: str) -> tuple[bool, str
     A bare algorithm name is its mean accuracy (the report's metric, %)."""
     by_algo: dict[str, list[Group]] = defaultdict(list)
     for g in cell:
-        by_algo[g.first.algo].append(g)
+        by_algo[method_name(g.first)].append(g)
     shown: list[str] = []
 
     def value(algo: str, quantity: str) -> float:

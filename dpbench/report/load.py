@@ -11,6 +11,7 @@ from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
 
 MIB = 2**20
+DEFAULT_ENGINE = "materialize"   # algo.per_sample when a method name carries no engine
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -66,8 +67,10 @@ class RunRow:
     final: float | None = None
     best: float | None = None
     batch_size: int | None = None
+    train_size: int | None = None         # n, from the sample rate q = B / n of a private run
     peak_mib: float | None = None         # absolute peak (max reserved on CUDA, peak RSS on the CPU)
     run_mib: float | None = None          # peak minus the resident size at the start of the run
+    own_mib: float | None = None          # the run's own peak: allocated on CUDA, peak - start on the CPU
     memory_kind: str | None = None
     per_sample_grad_bytes: int | None = None
     optimizer_state_bytes: int | None = None
@@ -88,12 +91,41 @@ class RunRow:
         return [f.name for f in fields(self)]
 
 
+def _has_engines(algo: str | None) -> bool:
+    """Whether the algorithm has a choice of per-example engine (algo.per_sample) at all."""
+    from dpbench.schema import ALGO_SCHEMAS  # the typed options of every algorithm
+
+    schema = ALGO_SCHEMAS.get(algo)
+    return schema is None or "per_sample" in {f.name for f in fields(schema)}
+
+
+def method_name(row: RunRow) -> str:
+    """'grape', 'dpadam' (materialised), 'dpadam_ghost', 'dpadam_bk', ..."""
+    engine = row.algo_config.get("per_sample")
+    if engine and engine != DEFAULT_ENGINE and _has_engines(row.algo):
+        return f"{row.algo}_{engine}"
+    return str(row.algo)
+
+
+def own_peak_bytes(results: RunResults) -> int | None:
+    """The run's own peak memory, comparable across methods on one device: on a GPU the allocator's
+    maximum (`cuda_max_allocated`, else the reserved peak); on the CPU the peak resident size minus
+    the resident size at the start of the run (the interpreter, torch and the data are not the run's).
+    The rule of dpbench/benchmarks/table.py."""
+    memory = results.memory
+    if memory.peak_bytes is None:
+        return None
+    if (memory.kind or "").startswith("cuda"):
+        return memory.cuda_max_allocated if memory.cuda_max_allocated is not None else memory.peak_bytes
+    return memory.peak_bytes - memory.start_bytes if memory.start_bytes is not None else None
+
+
 def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
     """One flat record per results.json; every key may be missing in old files (then None)."""
     config = results.config or {}
     figures, privacy = results.summary(), results.privacy
     private = figures["privacy/private"]
-    peak, start = figures["memory/peak_bytes"], figures["memory/start_bytes"]
+    peak, start, own = figures["memory/peak_bytes"], figures["memory/start_bytes"], own_peak_bytes(results)
     return RunRow(
         path=str(path.parent.relative_to(folder)) or ".",
         algo=results.algo or (config.get("algo") or {}).get("name"),
@@ -113,8 +145,10 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
         final=figures["test/accuracy"],
         best=figures["test/best_accuracy"],
         batch_size=(config.get("train") or {}).get("batch_size"),
+        train_size=round(privacy.expected_batch_size / privacy.sample_rate) if privacy.expected_batch_size and privacy.sample_rate else None,
         peak_mib=peak / MIB if peak is not None else None,
         run_mib=(peak - start) / MIB if peak is not None and start is not None else None,
+        own_mib=own / MIB if own is not None else None,
         memory_kind=figures["memory/kind"],
         per_sample_grad_bytes=figures["memory/per_sample_grad_bytes"],
         optimizer_state_bytes=figures["memory/optimizer_state_bytes"],
