@@ -126,3 +126,15 @@ def test_accuracy_plot_has_error_bars_and_a_non_private_line(tmp_path: Path):
     assert main([str(tmp_path)]) == 0
     assert (tmp_path / "accuracy_vs_epsilon.png").stat().st_size > 1000
     assert not (tmp_path / "memory_vs_batch.png").exists()               # one batch size: no memory curve
+
+
+def test_runs_whose_epsilon_is_not_a_proven_bound_are_flagged():
+    """DC-DPSGD's paper-accounting row (tail_clip) notes that its ε is not a proven bound; the
+    report flags it beside the sound rows. A shuffled run of schema 4 has a proven bound."""
+    from dpbench.logging.results import RunResults
+    from dpbench.report.load import unproven_bound
+
+    paper = RunResults.from_json({"status": "completed", "notes": [
+        "algo.gradient_sensitivity=tail_clip: the paper's model, not a proven bound"]})
+    sound = RunResults.from_json({"status": "completed", "notes": ["privacy.log_private_stats=true: ..."]})
+    assert unproven_bound(paper) and not unproven_bound(sound)

@@ -1,0 +1,25 @@
+"""dpbench-report: tables of a folder of runs beside the papers' numbers, the ordering check of the
+mini presets (`report.expect`), and plots.
+
+    load.py        results.json -> one RunRow per run (through the RunResults contract)
+    groups.py      which runs are averaged (they differ only in the seed), mean ± SE, comparison cells
+    paper.py       the paper's number beside ours (dpbench/papers/)
+    expect.py      report.expect: the small, safe expression evaluator behind --check
+    tables.py      the paper-style table and its renderings (rich, markdown, csv, latex)
+    plots.py       matplotlib figures
+    cli.py         the console script `dpbench-report` (main)
+"""
+
+from dpbench.report.expect import check, evaluate
+from dpbench.report.groups import Group, group_runs, ratios
+from dpbench.report.load import RunRow, load_rows
+
+__all__ = ["Group", "RunRow", "check", "evaluate", "group_runs", "load_rows", "main", "ratios"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script `dpbench-report` (dpbench.report.cli.main; imported on call, so that
+    `python -m dpbench.report.cli` runs the module once)."""
+    from dpbench.report.cli import main as cli_main
+
+    return cli_main(argv)

@@ -1,0 +1,153 @@
+"""`dpbench-report DIR`: the runs under DIR as a paper-style table (mean ± SE over seeds, the paper's
+number beside ours), the ordering check of a mini table, and plots.
+
+    dpbench-report outputs/multirun/dpgrape_t6_mini                      # paper/table from the preset
+    dpbench-report outputs/multirun/x --paper dpgrape:T6 --metric best --format markdown
+    dpbench-report outputs/multirun/dpgrape_t6_mini --check               # exit 1 if report.expect fails
+    dpbench-report outputs/multirun/bench_mini --leaderboard --format html   # dpbench's own benchmark
+
+Runs are averaged only when their resolved configs differ in nothing but the seed (`seed`,
+`dataset.data_seed`) and ran the same number of steps; otherwise they stay separate rows and a
+note names the key that differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dpbench.errors import UserError
+from dpbench.logging.console import console
+from dpbench.logging.results import RESULTS_FILE
+from dpbench.report.expect import check
+from dpbench.report.formatting import fmt
+from dpbench.report.groups import group_runs, ratios
+from dpbench.report.html import page, write_page
+from dpbench.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
+from dpbench.report.load import load_rows
+from dpbench.report.paper import caption, paper_ref
+from dpbench.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
+from dpbench.report.tables import FORMATS, build_table, choose_metric, render
+from dpbench.report.wandb_export import log_leaderboard
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dpbench-report", description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="folder searched recursively for results.json")
+    parser.add_argument("--paper", default=None, help="paper table to put beside ours, e.g. dpgrape:T6 (default: the preset's report.paper/table)")
+    parser.add_argument("--metric", choices=("final", "best"), default=None, help="final or best test accuracy (default: the preset's report.metric, else final)")
+    parser.add_argument("--format", choices=FORMATS + ("html",), default="rich",
+                        help="html (with --leaderboard): a self-contained page, leaderboard.html in --out")
+    parser.add_argument("--leaderboard", action="store_true",
+                        help="per task and ε, methods ranked by accuracy with memory and speed beside DP-Adam's and Adam's, "
+                             "the Pareto frontier, the fairness statement; figures as PNG and SVG")
+    parser.add_argument("--wandb", action="store_true", help="with --leaderboard: log it as a W&B Table plus its figures (offline unless WANDB_MODE says otherwise)")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless every ordering in report.expect holds")
+    parser.add_argument("--out", type=Path, default=None, help="where the figures (and leaderboard.html) go (default: the folder)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        return _report(args)
+    except UserError as error:
+        console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+        return 2
+
+
+def _report(args) -> int:
+    if not args.folder.is_dir():
+        raise UserError(f"{args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>")
+    rows = load_rows(args.folder)
+    if not rows:
+        raise UserError(f"no {RESULTS_FILE} under {args.folder}; run `dpbench -m ...` first")
+    groups, notes = group_runs(rows)
+    metric = choose_metric(groups, args.metric)
+    if args.leaderboard:
+        return _leaderboard(args, groups, metric)
+    if args.format == "html" or args.wandb:
+        raise UserError(f"--{'format html' if args.format == 'html' else 'wandb'} is for the leaderboard: add --leaderboard")
+    ref = paper_ref(groups, args.paper)
+    title = f"dpbench results ({metric} test accuracy)"
+    if ref is not None:
+        title += f" beside {ref.paper} {ref.table}" + (f" column {ref.column}" if ref.column else "")
+        title += f": {caption(ref)}"
+    header, body = build_table(groups, metric, ref)
+    rendered = render(header, body, args.format, title)
+    if args.format == "rich":
+        console.print(rendered)
+    else:
+        print(rendered)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+    for r in ratios(rows):
+        console.print(
+            f"grape/dpadam at batch {r['batch_size']}: peak memory {fmt(r['peak_mib'], '.3f')} "
+            f"(run's own {fmt(r['run_mib'], '.3f')}), "
+            f"per-sample grads {fmt(r['per_sample_grad_bytes'], '.3f')}, throughput {fmt(r['samples_per_s'], '.3f')}",
+            soft_wrap=True,
+        )
+    if not args.no_plots:
+        out = args.out or args.folder
+        out.mkdir(parents=True, exist_ok=True)
+        for made in (plot_memory(groups, out / "memory_vs_batch.png"), plot_throughput(groups, out / "throughput_vs_batch.png"),
+                     plot_accuracy_vs_epsilon(groups, metric, out / "accuracy_vs_epsilon.png")):
+            if made is not None:
+                console.print(f"[dim]plot: {made}[/]")
+    if args.check:
+        return _check(groups, metric)
+    return 0
+
+
+def _leaderboard(args, groups, metric: str) -> int:
+    boards = build_boards(groups, metric)
+    fair = fairness(boards)
+    out = args.out or args.folder
+    figures = leaderboard_figures(boards) if (not args.no_plots or args.format == "html" or args.wandb) else {}
+    if args.format in ("rich", "markdown", "latex"):
+        for board in boards:
+            header, body = board_table(board)
+            rendered = render(header, body, args.format, f"{board.title} ({board.memory_kind})", numeric=NUMERIC)
+            if args.format == "rich":
+                console.print(rendered)
+            else:
+                print(rendered + "\n")
+    elif args.format == "csv":
+        print(render(*csv_table(boards), "csv", ""))
+    if args.format in ("rich", "markdown"):
+        text = fairness_markdown(fair)
+        if args.format == "rich":
+            console.print(text, soft_wrap=True, markup=False)
+        else:
+            print(text)
+    for line in headline(boards):
+        console.print(line, soft_wrap=True, markup=False)
+    if figures and not args.no_plots:
+        out.mkdir(parents=True, exist_ok=True)
+        for task, named in figures.items():
+            for name, kinds in named.items():
+                for kind, data in kinds.items():
+                    path = out / f"leaderboard_{task_slug(task)}_{name}.{kind}"
+                    path.write_bytes(data)
+                console.print(f"[dim]plot: {out / f'leaderboard_{task_slug(task)}_{name}'}.png|svg[/]", soft_wrap=True)
+    if args.format == "html":
+        title = f"dpbench leaderboard: {args.folder.resolve().name}"
+        made = write_page(out / "leaderboard.html", page(boards, fair, figures, title, notes=[]))
+        console.print(f"page: {made}", soft_wrap=True)
+    if args.wandb:
+        sync = log_leaderboard(boards, figures, out, args.folder.resolve().name)
+        console.print(f"W&B: the leaderboard is logged{f'; upload it with: {sync}' if sync else ''}", soft_wrap=True)
+    if args.check:
+        return _check(groups, metric)
+    return 0
+
+
+def _check(groups, metric: str) -> int:
+    passed, lines = check(groups, metric)
+    console.print("ordering check:" if passed else "[bold red]ordering check failed:[/]")
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

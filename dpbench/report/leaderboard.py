@@ -1,0 +1,296 @@
+"""`dpbench-report --leaderboard DIR`: dpbench's own benchmark table.
+
+Per task (dataset, model) and target ε, every method ranked by accuracy (mean ± SE over seeds),
+with its own peak memory and throughput beside DP-Adam's (per-example gradients materialised) and
+non-private Adam's, the ε it spent, its steps, and whether it lies on the accuracy-vs-memory Pareto
+frontier of the private methods. Non-private runs are the ceiling of every ε of their task.
+
+A method is the algorithm plus its per-example engine when that is not the default
+(`dpadam_ghost`, `dpadam_bk`: load.method_name); `report.expect` names methods the same way.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from dpbench.report.formatting import fmt, fmt_any, fmt_eps
+from dpbench.report.groups import Group, accuracy_percent
+from dpbench.report.load import method_name
+from dpbench.report.tables import flags
+
+PRIVATE_REFERENCE = "dpadam"     # DP-Adam materialising every per-example gradient
+PUBLIC_REFERENCE = "adam"        # non-private Adam
+HEADER = ["rank", "method", "accuracy %", "seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam",
+          "samples/s", "speed ÷ DP-Adam", "ε spent", "steps", "Pareto", "flags"]
+NUMERIC = ("seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam", "samples/s", "speed ÷ DP-Adam", "steps")
+PARETO_MARK = "★"
+CEILING = "ceiling"
+
+
+@dataclass
+class Entry:
+    """One method on one board: the statistics of its seeds."""
+
+    method: str
+    group: Group
+    accuracy: float | None = None       # %, mean over seeds
+    accuracy_se: float | None = None
+    rank: int | None = None             # among the private methods of the board (None: the ceiling)
+    pareto: bool = False
+    memory_ratio_private: float | None = None   # own peak ÷ DP-Adam's
+    memory_ratio_public: float | None = None    # own peak ÷ Adam's
+    speed_ratio: float | None = None            # samples/s ÷ DP-Adam's
+
+    @property
+    def private(self) -> bool:
+        return self.group.first.private
+
+    @property
+    def own_mib(self) -> float | None:
+        return self.group.mean("own_mib")
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.group.mean("samples_per_s")
+
+    @property
+    def epsilon(self) -> float | None:
+        return self.group.mean("epsilon") if self.private else None
+
+
+@dataclass
+class Board:
+    """The leaderboard of one task at one target ε (None: a task with non-private runs only)."""
+
+    dataset: str | None
+    model: str | None
+    epsilon: float | None
+    metric: str
+    metric_name: str
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def task(self) -> str:
+        return f"{self.dataset} · {self.model}"
+
+    @property
+    def title(self) -> str:
+        return f"{self.task} · ε = {fmt_eps(self.epsilon)}"
+
+    @property
+    def memory_kind(self) -> str:
+        kinds = {e.group.first.memory_kind or "" for e in self.entries}
+        if any(k.startswith("cuda") for k in kinds):
+            return "own peak = torch.cuda.max_memory_allocated"
+        return "own peak = peak resident size minus the resident size at the start of the run"
+
+    def reference(self, method: str) -> Entry | None:
+        return next((e for e in self.entries if e.method == method), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _dominated(e: Entry, others: list[Entry]) -> bool:
+    return any(o.accuracy >= e.accuracy and o.own_mib <= e.own_mib and (o.accuracy > e.accuracy or o.own_mib < e.own_mib)
+               for o in others if o is not e)
+
+
+def _labels(groups: list[Group]) -> dict[int, str]:
+    """Method names; groups of one method that differ in more than the engine get their setting added."""
+    names = {id(g): method_name(g.first) for g in groups}
+    by_name = defaultdict(list)
+    for g in groups:
+        by_name[names[id(g)]].append(g)
+    for name, same in by_name.items():
+        if len(same) > 1:
+            for g in same:
+                shown = {k: v for k, v in g.setting.items() if k != "algo.per_sample" and not k.startswith("run.")}
+                names[id(g)] = f"{name} ({', '.join(f'{k}={fmt_any(v)}' for k, v in shown.items())})"
+    return names
+
+
+def build_boards(groups: list[Group], metric: str) -> list[Board]:
+    """One board per task and target ε; non-private groups join every ε of their task."""
+    by_task: dict[tuple, list[Group]] = defaultdict(list)
+    for g in groups:
+        by_task[(g.first.dataset, g.first.model)].append(g)
+    boards = []
+    for (dataset, model), members in sorted(by_task.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        public = [g for g in members if not g.first.private]
+        epsilons = sorted({g.first.target_epsilon for g in members if g.first.private}, key=lambda e: (e is None, e or 0.0))
+        metric_name = next((g.first.metric_name for g in members if g.first.metric_name), "accuracy")
+        for eps in epsilons or [None]:
+            on_board = [g for g in members if g.first.private and g.first.target_epsilon == eps] + public
+            names = _labels(on_board)
+            board = Board(dataset, model, eps, metric, metric_name)
+            for g in on_board:
+                mean, se = accuracy_percent(g, metric)
+                board.entries.append(Entry(names[id(g)], g, mean, se))
+            _rank(board)
+            boards.append(board)
+    return boards
+
+
+def _rank(board: Board) -> None:
+    """Order (ceiling first, then private methods by accuracy), ratios and the Pareto frontier."""
+    private = [e for e in board.entries if e.private]
+    ordered = sorted(private, key=lambda e: (e.accuracy is None, -(e.accuracy or 0.0), e.method))
+    previous, rank = None, 0
+    for position, e in enumerate(ordered, start=1):
+        if e.accuracy is not None:
+            rank = rank if previous is not None and e.accuracy == previous else position  # ties share a rank
+            e.rank, previous = rank, e.accuracy
+    known = [e for e in private if e.accuracy is not None and e.own_mib is not None]
+    for e in known:
+        e.pareto = not _dominated(e, known)
+    public = sorted((e for e in board.entries if not e.private), key=lambda e: e.method)
+    board.entries = public + ordered
+    dp_adam, adam = board.reference(PRIVATE_REFERENCE), board.reference(PUBLIC_REFERENCE)
+    for e in board.entries:
+        e.memory_ratio_private = _ratio(e.own_mib, dp_adam.own_mib if dp_adam else None)
+        e.memory_ratio_public = _ratio(e.own_mib, adam.own_mib if adam else None)
+        e.speed_ratio = _ratio(e.samples_per_s, dp_adam.samples_per_s if dp_adam else None)
+
+
+def pareto_front(board: Board) -> list[Entry]:
+    """The frontier's entries by increasing memory (each more accurate than the one before)."""
+    return sorted((e for e in board.entries if e.pareto), key=lambda e: e.own_mib)
+
+
+def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
+    body = []
+    for e in board.entries:
+        accuracy = fmt(e.accuracy, ".1f") + ("" if e.accuracy_se is None else f" ± {e.accuracy_se:.1f}")
+        body.append([
+            CEILING if not e.private else fmt_any(e.rank), e.method, accuracy, str(len(e.group.rows)),
+            fmt(e.own_mib, ".1f"), fmt(e.memory_ratio_private, ".2f"), fmt(e.memory_ratio_public, ".2f"),
+            fmt(e.samples_per_s, ".1f"), fmt(e.speed_ratio, ".2f"),
+            fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), PARETO_MARK if e.pareto else "", flags(e.group),
+        ])
+    header = list(HEADER)
+    header[2] = f"{board.metric} {board.metric_name} % (mean ± SE)"
+    return header, body
+
+
+def csv_table(boards: list[Board]) -> tuple[list[str], list[list[str]]]:
+    """All boards as one table (dataset, model and target ε as columns)."""
+    header, body = ["dataset", "model", "target ε"], []
+    for board in boards:
+        board_header, rows = board_table(board)
+        body += [[str(board.dataset), str(board.model), fmt_eps(board.epsilon)] + row for row in rows]
+    return header + (board_table(boards[0])[0] if boards else HEADER), body
+
+
+def records(boards: list[Board]) -> tuple[list[str], list[list]]:
+    """All boards with numbers as numbers (None where unknown): the W&B Table, sortable."""
+    columns = ["dataset", "model", "target_epsilon", "rank", "method", "accuracy_pct", "accuracy_se_pct", "seeds",
+               "own_peak_mib", "memory_vs_dpadam", "memory_vs_adam", "samples_per_s", "speed_vs_dpadam",
+               "epsilon_spent", "steps", "pareto", "private", "flags"]
+    data = [[b.dataset, b.model, b.epsilon, e.rank, e.method, e.accuracy, e.accuracy_se, len(e.group.rows), e.own_mib,
+             e.memory_ratio_private, e.memory_ratio_public, e.samples_per_s, e.speed_ratio, e.epsilon,
+             e.group.first.steps, e.pareto, e.private, flags(e.group)] for b in boards for e in b.entries]
+    return columns, data
+
+
+# ---------------------------------------------------------------- fairness: what is equal, where values come from
+
+
+@dataclass
+class Fairness:
+    """What the methods of a task share and what each does its own way, read from their configs."""
+
+    task: str
+    equal: list[tuple[str, str]]                 # (what, value)
+    differing: list[tuple[str, dict[str, str]]]  # (what, {value: methods})
+    sources: list[tuple[str, str, str, str, str]]  # (method, lr, C, steps, where the values come from)
+
+
+def _config(key: str):
+    return lambda r: r.config.get(key)
+
+
+# What the fairness statement compares: (label, how to read it from a run, whether only private
+# runs carry it). Unknown values (None: an old file, a key this task does not have) are left out.
+SHARED = [
+    ("dataset", lambda r: r.dataset, False),
+    ("training examples", lambda r: r.train_size, False),
+    ("test examples", lambda r: r.config.get("dataset.num_test") or r.config.get("dataset.test_size"), False),
+    ("model", lambda r: r.model, False),
+    ("weights", _config("model.dtype"), False),
+    ("precision", _config("train.precision"), False),
+    ("batch size (logical)", lambda r: r.batch_size, False),
+    ("physical batch", lambda r: r.config.get("train.physical_batch_size") or r.batch_size, False),
+    ("steps", lambda r: r.steps, False),
+    ("δ", _config("privacy.delta"), True),
+    ("accountant", lambda r: r.accountant, True),
+    ("sampling", lambda r: r.sampling, True),
+    ("neighbouring relation", _config("privacy.neighboring"), True),
+    ("clipping rule", lambda r: r.clipping, True),
+    ("device", lambda r: r.device, False),
+]
+
+
+def fairness(boards: list[Board]) -> list[Fairness]:
+    """Per task: the settings every method shares (target ε is equal on each board by construction),
+    those that differ (with the methods on each side), and each method's hyperparameters and source."""
+    by_task: dict[str, list[Board]] = defaultdict(list)
+    for board in boards:
+        by_task[board.task].append(board)
+    out = []
+    for task, task_boards in by_task.items():
+        entries: dict[str, Entry] = {}
+        for board in task_boards:
+            for e in board.entries:
+                entries.setdefault(e.method, e)
+        seeds = {m: ", ".join(sorted({fmt_any(r.seed) for b in task_boards for x in b.entries if x.method == m for r in x.group.rows}))
+                 for m in entries}
+        equal, differing = [], []
+        for label, read, private_only in SHARED + [("seeds", None, False)]:
+            values: dict[str, list[str]] = defaultdict(list)
+            for method, e in sorted(entries.items()):
+                value = seeds[method] if read is None else read(e.group.first)  # seeds: of every board
+                if value is not None and (e.private or not private_only):
+                    values[fmt_any(value)].append(method)
+            if len(values) == 1:
+                equal.append((label, next(iter(values))))
+            elif values:
+                differing.append((label, {v: ", ".join(ms) for v, ms in values.items()}))
+        equal.insert(1, ("target ε", ", ".join(fmt_eps(b.epsilon) for b in task_boards) + " (one board each; non-private runs: ∞)"))
+        sources = []
+        for method, e in sorted(entries.items()):
+            r = e.group.first
+            source = r.config.get(f"paper_setting.source.{r.algo}") or "not recorded (the run's own config)"
+            clip = fmt_any(r.config.get("privacy.clip_norm")) if e.private else "—"
+            sources.append((method, fmt_any(r.config.get("train.lr")), clip, fmt_any(r.steps), str(source)))
+        out.append(Fairness(task, equal, differing, sources))
+    return out
+
+
+def fairness_markdown(items: list[Fairness]) -> str:
+    lines = []
+    for item in items:
+        lines += [f"**Fairness: {item.task}**", "", "Held equal across methods: "
+                  + "; ".join(f"{what} {value}" for what, value in item.equal) + "."]
+        if item.differing:
+            lines += ["", "Differs between methods (by design; the sources below say why):"]
+            for what, sides in item.differing:
+                lines.append(f"- {what}: " + "; ".join(f"{value} ({methods})" for value, methods in sides.items()))
+        lines += ["", "| method | lr | C | steps | hyperparameters from |", "|---|---|---|---|---|"]
+        lines += [f"| {m} | {lr} | {c} | {steps} | {source.replace('|', '/')} |" for m, lr, c, steps, source in item.sources]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def headline(boards: list[Board]) -> list[str]:
+    """One line per board: the most accurate private method and the Pareto frontier."""
+    lines = []
+    for b in boards:
+        best = next((e for e in b.entries if e.rank == 1), None)
+        front = ", ".join(e.method for e in pareto_front(b))
+        if best is not None:
+            lines.append(f"{b.title}: most accurate private method {best.method} ({fmt(best.accuracy, '.1f')}%); "
+                         f"accuracy-vs-memory Pareto frontier: {front or '—'}")
+    return lines
