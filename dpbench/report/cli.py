@@ -106,7 +106,11 @@ def _leaderboard(args, groups, metric: str) -> int:
     if args.format in ("rich", "markdown", "latex"):
         for board in boards:
             header, body = board_table(board)
-            rendered = render(header, body, args.format, f"{board.title} ({board.memory_kind})", numeric=NUMERIC)
+            if args.format == "rich":  # the terminal is narrow: leave out columns with nothing in them
+                keep = [i for i, _ in enumerate(header) if any(row[i] for row in body)]
+                header, body = [header[i] for i in keep], [[row[i] for i in keep] for row in body]
+            rendered = render(header, body, args.format, f"{board.title} ({board.memory_kind})", numeric=NUMERIC,
+                              narrow=True)
             if args.format == "rich":
                 console.print(rendered)
             else:
