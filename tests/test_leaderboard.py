@@ -42,7 +42,7 @@ SOURCES = {"dpzero": "DPZero paper: 10x the first-order steps", "grape": "DP-GRA
 EXPECT = ["grape.own_mib < dpadam.own_mib", "dpadam_ghost.own_mib < dpadam.own_mib", "adam > grape"]
 
 
-def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expect=EXPECT) -> None:
+def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expect=EXPECT, size: str = "micro") -> None:
     algo, engine, accuracies, own_mib, speed, steps, lr, clip = METHODS[method]
     private = algo != "adam"
     accuracy = accuracies[seed] - (0.0 if epsilon is None else 0.125 / epsilon)  # less accurate at small ε
@@ -60,7 +60,7 @@ def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expec
         config={
             "seed": seed, "name": "bench_fake",
             "algo": {"name": algo, **({"per_sample": engine} if engine else {})},
-            "model": {"name": "vit", "size": "micro"}, "dataset": {"name": "digits"},
+            "model": {"name": "vit", "size": size}, "dataset": {"name": "digits"},
             "privacy": {"epsilon": epsilon or 8.0, "delta": 1e-5, "clip_norm": clip or 1.0, "clipping": "flat",
                         "sampling": "poisson", "neighboring": "add_remove"},
             "train": {"batch_size": 256, "steps": steps, "lr": lr, "precision": "fp32"},
@@ -156,6 +156,17 @@ def test_html_page_is_self_contained_with_every_method_epsilon_and_figure(bench,
     for figure in FIGURES:  # and the figures as files, PNG and SVG
         assert (out / f"leaderboard_digits_vit-micro_{figure}.png").stat().st_size > 10_000
         assert (out / f"leaderboard_digits_vit-micro_{figure}.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_figures_of_every_task_are_written_even_when_its_name_has_a_dot(bench, tmp_path):
+    for seed in (0, 1):
+        for method in ("adam", "grape"):
+            write_run(bench, method, seed, None if method == "adam" else 8.0, size="1.3b")
+    out = tmp_path / "figures"
+    assert main([str(bench), "--leaderboard", "--format", "csv", "--out", str(out)]) == 0
+    for task in ("digits_vit-micro", "digits_vit-1.3b"):
+        for figure in FIGURES:
+            assert (out / f"leaderboard_{task}_{figure}.png").is_file() and (out / f"leaderboard_{task}_{figure}.svg").is_file()
 
 
 def _browser() -> str | None:

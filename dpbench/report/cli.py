@@ -106,7 +106,11 @@ def _leaderboard(args, groups, metric: str) -> int:
     if args.format in ("rich", "markdown", "latex"):
         for board in boards:
             header, body = board_table(board)
-            rendered = render(header, body, args.format, f"{board.title} ({board.memory_kind})", numeric=NUMERIC)
+            if args.format == "rich":  # the terminal is narrow: leave out columns with nothing in them
+                keep = [i for i, _ in enumerate(header) if any(row[i] for row in body)]
+                header, body = [header[i] for i in keep], [[row[i] for i in keep] for row in body]
+            rendered = render(header, body, args.format, f"{board.title} ({board.memory_kind})", numeric=NUMERIC,
+                              narrow=True)
             if args.format == "rich":
                 console.print(rendered)
             else:
@@ -122,16 +126,10 @@ def _leaderboard(args, groups, metric: str) -> int:
     for line in headline(boards):
         console.print(line, soft_wrap=True, markup=False)
     if figures and not args.no_plots:
-        out.mkdir(parents=True, exist_ok=True)
-        for task, named in figures.items():
-            for name, kinds in named.items():
-                for kind, data in kinds.items():
-                    path = out / f"leaderboard_{task_slug(task)}_{name}.{kind}"
-                    path.write_bytes(data)
-                console.print(f"[dim]plot: {out / f'leaderboard_{task_slug(task)}_{name}'}.png|svg[/]", soft_wrap=True)
+        _write_figures(figures, out)
     if args.format == "html":
         title = f"dpbench leaderboard: {args.folder.resolve().name}"
-        made = write_page(out / "leaderboard.html", page(boards, fair, figures, title, notes=[]))
+        made = write_page(out / "leaderboard.html", page(boards, fair, figures, title))
         console.print(f"page: {made}", soft_wrap=True)
     if args.wandb:
         sync = log_leaderboard(boards, figures, out, args.folder.resolve().name)
@@ -139,6 +137,17 @@ def _leaderboard(args, groups, metric: str) -> int:
     if args.check:
         return _check(groups, metric)
     return 0
+
+
+def _write_figures(figures: dict, out: Path) -> None:
+    """leaderboard_<task>_<figure>.png and .svg in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for task, named in figures.items():
+        for name, kinds in named.items():
+            stem = out / f"leaderboard_{task_slug(task)}_{name}"
+            for kind, data in kinds.items():
+                Path(f"{stem}.{kind}").write_bytes(data)  # not with_suffix: 'opt-1.3b' has a dot
+            console.print(f"[dim]plot: {stem}.png|svg[/]", soft_wrap=True)
 
 
 def _check(groups, metric: str) -> int:

@@ -19,7 +19,7 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f2f2f2; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.pareto td { background: #eef6ff; } tr.ceiling td { color: #555; font-style: italic; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
-figcaption, .meta, .note { color: #555; font-size: 0.9em; }
+figcaption, .meta { color: #555; font-size: 0.9em; }
 """
 IMAGE_CHECK = """
 window.addEventListener("load", function () {
@@ -71,8 +71,7 @@ def _figure(name: str, task: str, png: bytes) -> str:
             f"<figcaption>{_e(CAPTIONS.get(name, name))}</figcaption></figure>")
 
 
-def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[str, dict[str, bytes]]],
-         title: str, notes: list[str]) -> str:
+def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[str, dict[str, bytes]]], title: str) -> str:
     """The whole page. `figures`: {task: {figure name: {'png': bytes, ...}}} (plots.leaderboard_figures)."""
     tasks = list(dict.fromkeys(b.task for b in boards))
     fair = {item.task: item for item in fairness}
@@ -97,8 +96,6 @@ def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[
                 out.append(_figure(name, task, kinds["png"]))
         if task in fair:
             out.append(_fairness(fair[task]))
-    if notes:
-        out.append("<h2>Notes</h2><ul>" + "".join(f'<li class="note">{_e(n)}</li>' for n in notes) + "</ul>")
     out += [f"<script>{IMAGE_CHECK}</script>", "</body>", "</html>"]
     return "\n".join(out) + "\n"
 

@@ -85,12 +85,16 @@ def latex_escape(text: str) -> str:
             .replace("±", r"$\pm$").replace("ε", r"$\varepsilon$").replace("∞", r"$\infty$").replace("Δ", r"$\Delta$"))
 
 
-def render(header: list[str], body: list[list[str]], fmt: str, title: str, numeric: tuple[str, ...] = NUMERIC_COLUMNS):
-    """The table as a rich Table (fmt='rich') or as text (markdown, csv, latex)."""
+def render(header: list[str], body: list[list[str]], fmt: str, title: str, numeric: tuple[str, ...] = NUMERIC_COLUMNS,
+           narrow: bool = False):
+    """The table as a rich Table (fmt='rich') or as text (markdown, csv, latex). `narrow`: each column
+    of the terminal table only as wide as its cells and the longest word of its header (the
+    headers wrap), so that many columns fit."""
     if fmt == "rich":
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column, justify="right" if column in numeric else "left")
+        table = Table(title=title, pad_edge=not narrow)
+        for i, column in enumerate(header):
+            width = max([len(row[i]) for row in body] + [len(word) for word in column.split()]) if narrow else None
+            table.add_column(column, justify="right" if column in numeric else "left", max_width=width, min_width=width)
         for row in body:
             table.add_row(*row)
         return table
