@@ -83,7 +83,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.per_sample import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 
 MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
 

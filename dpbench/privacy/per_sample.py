@@ -19,13 +19,7 @@ from torch import nn
 
 from dpbench.precision import unscaled_per_example
 from dpbench.privacy.bookkeeping import backward_through_layers, track_entry_params
-from dpbench.privacy.clipping import (  # noqa: F401  (re-exported: the clipping rules' old home)
-    CLIP_FACTORS,
-    clip_factors,
-    clipped_sum,
-    per_sample_norms,
-    sum_rows_per_example,
-)
+from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 

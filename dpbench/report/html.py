@@ -51,7 +51,7 @@ def _table(board: Board) -> str:
 
 
 def _fairness(item: Fairness) -> str:
-    out = [f"<h3>Fairness: what is equal, where each method's values come from</h3>",
+    out = ["<h3>Fairness: what is equal, where each method's values come from</h3>",
            "<p>Held equal across methods: " + "; ".join(f"<b>{_e(what)}</b> {_e(value)}" for what, value in item.equal) + ".</p>"]
     if item.differing:
         out.append("<p>Differs between methods (by design; the sources below say why):</p><ul>")
