@@ -26,6 +26,7 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
+from dpbench.paths import RUN_INVARIANT_KEYS
 from dpbench.precision import Precision, require_native_bf16
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
@@ -132,18 +133,13 @@ def versions(device: torch.device) -> dict:
     }
 
 
-# Config keys that do not change what a run computes: a stored run that differs only in these
-# is reused on resume.
-RESUME_IGNORED_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every")
-
-
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
     keys = sorted(set(stored) | set(current))
     out = []
     for key in keys:
         dotted = f"{prefix}{key}"
-        if dotted in RESUME_IGNORED_KEYS:
+        if dotted in RUN_INVARIANT_KEYS:
             continue
         a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
         if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):

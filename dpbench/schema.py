@@ -406,6 +406,10 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
     from hydra.core.config_store import ConfigStore
 
+    from dpbench.paths import excluded_from_dirname
+
+    # conf/config.yaml names a grid's job folders without the keys that do not change a run
+    OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
     store = ConfigStore.instance()
     for name, schema in SCHEMAS.items():
         node = OmegaConf.structured(schema)
