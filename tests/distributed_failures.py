@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import torch
-from algorithm_helpers import build_algorithm
+from helpers.algorithms import build_algorithm
 
 from dpbench import distributed
 from dpbench.privacy.sampling import ShardedBatches, ShuffledBatches

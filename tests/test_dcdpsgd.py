@@ -7,10 +7,11 @@ import math
 import dp_accounting as dpa
 import pytest
 import torch
-from algorithm_helpers import build_algorithm, compose_config, record_updates
+from helpers.algorithms import build_algorithm, record_updates, sub_weibull_subspace
+from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
-from dpbench.algorithms.dcdpsgd import split_noise_multipliers, sub_weibull_subspace, subspace_scores, tail_mask
+from dpbench.algorithms.dcdpsgd import split_noise_multipliers, subspace_scores, tail_mask
 from dpbench.privacy.accountants import RDPAccountant, calibrate_noise_multiplier, planned_ledger
 from dpbench.privacy.clipping import clip_factors, per_sample_norms
 
@@ -125,9 +126,9 @@ def _dp_accounting_epsilon(events, delta):
 def test_ledger_composes_both_mechanisms_like_dp_accounting(sigma, fraction, steps):
     # tail_clip: the gradient release's multiplier is sigma_dp itself (rank_coupled rescales it,
     # tested in test_calibration_meets_the_target_and_rank_coupled_costs_more)
-    cfg = compose_config(
+    cfg = compose([*OFFLINE, 
         "algo=dcdpsgd", f"algo.score_budget_fraction={fraction}", "algo.gradient_sensitivity=tail_clip"
-    ).algo
+    ]).algo
     q = 0.01
     ledger = planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_tr, sigma_dp = sigma / math.sqrt(fraction), sigma / math.sqrt(1 - fraction)
@@ -147,7 +148,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
     q, steps = 0.02, 300
     results = {}
     for mode in ("tail_clip", "rank_coupled"):
-        cfg = compose_config("algo=dcdpsgd", "algo.tail_selection=rank", f"algo.gradient_sensitivity={mode}").algo
+        cfg = compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=rank", f"algo.gradient_sensitivity={mode}"]).algo
 
         def ledger_for(sigma, cfg=cfg):
             return planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 import torch.nn.functional as F
-from algorithm_helpers import compose_config, tiny_model
+from helpers.algorithms import tiny_model
+from helpers.config import OFFLINE, compose
 from conftest import REPO
 
 from dpbench.algorithms.dcdpsgd import DCDPSGD, gradient_mechanism, noise_multipliers
@@ -29,7 +30,7 @@ STEPS, Q, DELTA, EPSILON = 100, 0.05, 1e-5, 8.0
 
 
 def _epsilon_split_cfg(fraction: float):
-    cfg = compose_config("algo=dcdpsgd", "algo.budget_split=epsilon", f"algo.score_epsilon_fraction={fraction}").algo
+    cfg = compose([*OFFLINE, "algo=dcdpsgd", "algo.budget_split=epsilon", f"algo.score_epsilon_fraction={fraction}"]).algo
     return cfg
 
 
@@ -66,14 +67,14 @@ def test_epsilon_split_refuses_incomplete_or_mixed_settings():
     cfg = _epsilon_split_cfg(0.5)
     with pytest.raises(UserError, match="score_noise_multiplier"):
         noise_multipliers(cfg, 1.3)  # given sigma_dp without sigma_tr
-    assert noise_multipliers(compose_config("algo=dcdpsgd", "algo.budget_split=epsilon",
-                                            "algo.score_noise_multiplier=2.5").algo, 1.3) == (2.5, 1.3)
+    assert noise_multipliers(compose([*OFFLINE, "algo=dcdpsgd", "algo.budget_split=epsilon",
+                                            "algo.score_noise_multiplier=2.5"]).algo, 1.3) == (2.5, 1.3)
     with pytest.raises(UserError, match="budget_split=epsilon"):
-        noise_multipliers(compose_config("algo=dcdpsgd", "algo.score_noise_multiplier=2.5").algo, 1.3)
+        noise_multipliers(compose([*OFFLINE, "algo=dcdpsgd", "algo.score_noise_multiplier=2.5"]).algo, 1.3)
     with pytest.raises(UserError, match="score_epsilon_fraction"):
         noise_multipliers(_epsilon_split_cfg(1.0), 1.3)
     with pytest.raises(Exception, match="budget_split"):  # the schema refuses it at composition
-        compose_config("algo=dcdpsgd", "algo.budget_split=halves")
+        compose([*OFFLINE, "algo=dcdpsgd", "algo.budget_split=halves"])
 
 
 def _cli(tmp_path, *overrides: str) -> dict:
@@ -119,7 +120,7 @@ def _ldam_drw_reference(class_counts, beta: float) -> np.ndarray:
 
 
 def test_drw_weights_follow_the_effective_number_formula_on_the_public_profile():
-    profile_cfg = compose_config("dataset=cifar10_lt").dataset
+    profile_cfg = compose([*OFFLINE, "dataset=cifar10_lt"]).dataset
     counts = public_class_counts(profile_cfg, 10, 12406)
     exact = [int(5000 * 0.01 ** (c / 9)) for c in range(10)]  # LDAM-DRW's IMBALANCECIFAR10 sizes
     assert torch.allclose(counts, torch.tensor(exact, dtype=torch.float32), rtol=6e-3)
@@ -128,7 +129,7 @@ def test_drw_weights_follow_the_effective_number_formula_on_the_public_profile()
     assert np.allclose(weights.numpy(), _ldam_drw_reference(np.array(exact), 0.9999), rtol=1e-2)
     assert weights.sum().item() == pytest.approx(10) and bool((weights.diff() > 0).all())  # rarer: heavier
     assert torch.allclose(class_balanced_weights(counts, 0.0), torch.ones(10))  # LDAM-DRW's first stage
-    balanced = compose_config("dataset=digits").dataset
+    balanced = compose([*OFFLINE, "dataset=digits"]).dataset
     assert torch.allclose(class_balanced_weights(public_class_counts(balanced, 10, 1437), 0.9999), torch.ones(10))
 
 
@@ -136,7 +137,7 @@ DRW_DIGITS = ["dataset=digits", "+dataset.imbalance_factor=0.1", "+dataset.drw_e
 
 
 def test_drw_weights_do_not_depend_on_the_labels(monkeypatch):
-    cfg = compose_config(*DRW_DIGITS)
+    cfg = compose([*OFFLINE, *DRW_DIGITS])
     first = build_task(cfg, torch.device("cpu")).drw.class_weights
     original = image_task.load_dataset
 
@@ -152,7 +153,7 @@ def test_drw_weights_do_not_depend_on_the_labels(monkeypatch):
 
 
 def test_drw_changes_nothing_before_its_epoch_and_weights_each_loss_after():
-    cfg = compose_config(*DRW_DIGITS)
+    cfg = compose([*OFFLINE, *DRW_DIGITS])
     task = build_task(cfg, torch.device("cpu"))
     model = tiny_model(classes=10)
     batch = task.batch(list(range(40)))
@@ -175,7 +176,7 @@ def test_drw_switches_on_in_a_run_at_its_epoch(tmp_path):
     from dpbench.run import fit, setup
 
     torch.set_num_threads(1)
-    cfg = compose_config(*TINY_DIGITS, "+dataset.imbalance_factor=0.1", "+dataset.drw_epoch=2")
+    cfg = compose([*OFFLINE, *TINY_DIGITS, "+dataset.imbalance_factor=0.1", "+dataset.drw_epoch=2"])
     job = setup(cfg)
     drw, seen = job.task.drw, []
     original = drw.weights

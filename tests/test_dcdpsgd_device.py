@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_helpers import build_algorithm
+from helpers.algorithms import build_algorithm
 from conftest import compose
 
 from dpbench.algorithms import dcdpsgd

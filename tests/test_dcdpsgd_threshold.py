@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from algorithm_helpers import build_algorithm, compose_config, record_updates
+from helpers.algorithms import build_algorithm, record_updates
+from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import SCORE_BIN_EDGES, histogram_threshold, score_histogram
@@ -83,10 +84,10 @@ def test_threshold_selection_releases_a_histogram_of_sensitivity_1_and_plans_c1(
     assert score_parts[0].values[0].shape == (len(SCORE_BIN_EDGES) - 1,) and score_parts[0].values[0].sum() == 16
     assert grad_name == "gradient" and grad_parts[0].sensitivity == pytest.approx(algorithm.tail_clip)
     assert grad_mech.noise_multiplier == pytest.approx(algorithm.sigma_dp)
-    cfg = compose_config("algo=dcdpsgd", "algo.tail_selection=threshold").algo
+    cfg = compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=threshold"]).algo
     planned = dcdpsgd.DCDPSGD.planned_mechanisms(cfg, 1.0, 0.01, 0, 0.1)
     assert planned[1].noise_multiplier == pytest.approx(algorithm.sigma_dp)  # c1 sensitivity: sigma_dp itself
-    rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose_config("algo=dcdpsgd", "algo.tail_selection=rank").algo, 1.0, 0.01, 0, 0.1)
+    rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=rank"]).algo, 1.0, 0.01, 0, 0.1)
     assert rank[1].noise_multiplier < planned[1].noise_multiplier  # rank selection pays 2 c1 - c2
 
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from algorithm_helpers import tiny_model
+from helpers.algorithms import tiny_model
 from conftest import REPO
 from distributed_worker import ALGORITHMS_COMPARED, LOGICAL_BATCHES, NOISE_COORDINATES, run
 from scipy import stats

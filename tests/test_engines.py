@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, compose
-from test_grape import TensorTask, build, image_task, tiny_vit
+from helpers.projected import TensorTask, build, image_task, tiny_vit
 from torch import nn
 
 from dpbench.errors import UserError

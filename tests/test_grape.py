@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from helpers.config import TINY, compose
-from helpers.projected import TensorTask, build, image_task, tiny_vit  # test_fastdp.py imports them from here too
+from helpers.projected import TensorTask, build, image_task, tiny_vit
 from torch import nn
 
 from dpbench.algorithms.projected_adam import project, select_projected_modules

@@ -8,8 +8,8 @@ import functools
 
 import pytest
 import torch
-from algorithm_helpers import compose_config
-from test_grape import TensorTask
+from helpers.projected import TensorTask
+from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import algorithm_class
 from dpbench.host_syncs import count_host_syncs
@@ -34,7 +34,7 @@ def vit(depth):
 def config(name, engine):
     overrides = [f"algo.per_sample={engine}"] if name in WITH_ENGINES else []
     overrides += ["algo.target_modules=[qkv,fc1]"] if name in ("dplora", "lora") else []
-    return compose_config(f"algo={name}", "dataset=synthetic", *overrides)
+    return compose([*OFFLINE, f"algo={name}", "dataset=synthetic", *overrides])
 
 
 def syncs_per_step(name, engine, depth, precision="fp32"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_helpers import build_algorithm
+from helpers.algorithms import build_algorithm
 
 from dpbench.algorithms import ALGORITHMS, import_all
 

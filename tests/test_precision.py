@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_helpers import build_algorithm, tiny_model
+from helpers.algorithms import build_algorithm, tiny_model
 from conftest import TINY, compose
 
 from dpbench.errors import UserError

@@ -17,7 +17,7 @@ import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf, open_dict
-from text_fixtures import write_dataset
+from helpers.text_data import write_dataset
 
 from dpbench.api import compose
 from dpbench.paths import config_dir

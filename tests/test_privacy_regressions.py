@@ -8,7 +8,7 @@ import dp_accounting as dpa
 import pytest
 import torch
 from conftest import TINY, compose
-from algorithm_helpers import build_algorithm
+from helpers.algorithms import build_algorithm
 from torch import nn
 
 from dpbench.algorithms import dcdpsgd

@@ -13,13 +13,13 @@ import functools
 
 import pytest
 import torch
-from test_grape import TensorTask
+from helpers.projected import TensorTask
+from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import algorithm_class
 from dpbench.errors import UserError
 from dpbench.precision import Precision
 from dpbench.privacy.plan import PrivacySetup
-from algorithm_helpers import compose_config
 
 from dpbench.models.vit import DPViT
 
@@ -61,7 +61,7 @@ def algo_config(name, engine):
     overrides = [f"algo.per_sample={engine}"] if engine in ("ghost", "bk") or name in ("dpadam", "dpsgd", "grape") else []
     overrides += ["algo.tail_selection=rank"] if engine == "rank" else []  # DC-DPSGD's paper rule
     overrides += ["algo.target_modules=[qkv,fc1]"] if name == "dplora" else []
-    return compose_config(f"algo={name}", "dataset=synthetic", *overrides)
+    return compose([*OFFLINE, f"algo={name}", "dataset=synthetic", *overrides])
 
 
 def released(name, engine, precision, examples, task):

@@ -9,7 +9,7 @@ Per step, on the logical Poisson batch:
      clipped to c2 (small); c2 = privacy.clip_norm, c1 = algo.tail_clip_ratio * c2;
   4. clipped sum + N(0, (sigma_dp c1)^2), divided by the expected batch size; plain SGD.
 
-Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md):
+Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not hold):
   * the gradient release has sensitivity c1 (the larger threshold), so ONE noise vector of std
     sigma_dp*c1 goes on the sum; the paper's per-sample noise over-noises, the code's mixture
     noise under-noises by ~7x;
@@ -24,7 +24,7 @@ Privacy (corrected versions of the paper's pitfalls P1/P12, see spec/dcdpsgd.md)
     epsilon: the paper's eps = eps_tr + eps_dp (Tables 3-5 write 2+6, 4+4, 6+2), eps_tr = f eps
       with f = `algo.score_epsilon_fraction`. Each mechanism is calibrated alone (`calibrate_noise`)
       to (its share, delta/2): basic composition then gives (eps_tr + eps_dp, delta), where the
-      paper's Theorem 5.1 claims delta while each half spends delta (pitfall P12). The accountant
+      paper's Theorem 5.1 claims delta while each half spends delta. The accountant
       still composes the two exact mechanisms, so privacy.epsilon (<= eps_tr + eps_dp) is what ran;
       the algorithm's results give the paper-style eps_tr and eps_dp. privacy.noise_multiplier is
       then sigma_dp; sigma_tr reaches planning and the algorithm as algo.score_noise_multiplier
@@ -140,7 +140,7 @@ class SubWeibullSubspaces:
     """Draws a fresh [dim, k] orthonormal basis of the span of i.i.d. symmetric sub-Weibull(theta)
     vectors at every call, on `device`, into buffers allocated once.
 
-    The paper names no generator (pitfall P5): we use a Weibull with shape 1/theta (tail
+    The paper names no generator: we use a Weibull with shape 1/theta (tail
     P(|X|>t) = exp(-t^(1/theta)), i.e. sub-Weibull with index theta) with random signs, so the
     entries are centred; inverse-CDF sampling keeps the public generator explicit.
     Why buffers: fresh d x k tensors every step (tens of MB) are below glibc's adaptive mmap
@@ -242,11 +242,6 @@ class BlockBasis:
     def dense(self) -> torch.Tensor:
         """V as one [d, rank] tensor (tests)."""
         return self.project(torch.eye(self.subspaces.dim, device=self.subspaces.device)).float()
-
-
-def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Generator) -> torch.Tensor:
-    """One [dim, k] draw of `SubWeibullSubspaces` (a new tensor)."""
-    return SubWeibullSubspaces(dim, k, theta, generator).draw().dense()
 
 
 def subspace_scores(identification_grads: torch.Tensor, basis: "torch.Tensor | DenseBasis | BlockBasis | None") -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Step 0 and steps >= s (`algo.decomposition_steps`) are DP-SGD (C_g = privacy.clip_norm, sigma_g).
 Steps 1..s-1 (the paper's 2..s) decompose each per-sample gradient, per parameter tensor l
-("layer": weight and bias are separate layers, pitfall 5), on the unit base b_l:
+("layer": weight and bias are separate layers, as in the authors' code), on the unit base b_l:
     alpha_il = <g_il, b_l>,  g_perp_il = g_il - alpha_il b_l
 clip g_perp_i by C_perp (whole-model norm) and the m-vector alpha_i by C_alpha (its L2 norm,
 so negative alpha is clipped too: the paper's max(1, alpha/C) is not), add independent noise
@@ -11,7 +11,7 @@ expected batch size, reconstruct g~_l = alpha~_l b_l + g~_perp_l, take an SGD st
 b_l = g~_l / ||g~_l||. b starts from step 0's noisy gradient (the text), not w_0/||w_0|| (the
 pseudo-code). b is post-processing of earlier releases.
 
-Accounting (spec pitfall 1): both releases of a decomposition step read the same sampled batch,
+Accounting: both releases of a decomposition step read the same sampled batch,
 so they are ONE subsampled Gaussian mechanism with sigma_eff = (sigma_perp^-2 + sigma_alpha^-2)^-1/2
 (whitened, the pair has sensitivity sqrt(sigma_perp^-2 + sigma_alpha^-2)). The paper's sigmas
 look calibrated as two separate mechanisms, which under-counts.

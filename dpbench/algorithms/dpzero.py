@@ -11,7 +11,7 @@ Privacy: each example contributes one scalar clipped to [-C, C], so the clipped 
 sensitivity C under add/remove and 2C under replace-one; the direction z is public
 (post-processing). The noise comes from `PrivacySetup.noise` (entropy-seeded), never from the
 direction seed: the reference code draws it right after `torch.manual_seed(seed)`, which makes it
-recomputable from the seed (spec pitfall 2) -- not reproduced here.
+recomputable from the seed -- not reproduced here.
 
 Memory: no autograd graph, no gradients, no optimizer state, z never stored. Where MeZO adds
 +lam z, -2 lam z, +lam z to the weights in place (which does not restore fp32 weights bit for bit

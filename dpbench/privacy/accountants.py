@@ -123,7 +123,7 @@ class PRVAccountant(Accountant):
 
     def _prv_epsilon(self, accountant, ledger: Ledger, delta: float) -> float:
         try:
-            # Upper bound of PRV's estimate; eps_error scales with the answer (spec pitfall 3).
+            # Upper bound of PRV's estimate; eps_error scales with the answer, so a fixed one is too coarse for small epsilons.
             first = accountant.get_epsilon(delta, eps_error=0.01)
             if first < 1.0:
                 return float(accountant.get_epsilon(delta, eps_error=0.01 * max(first, 0.05)))

@@ -5,8 +5,8 @@ of its tokens; the training loss is cross-entropy over the candidates with logit
 (MeZO's `train_as_classification`). An example is K rows (one per candidate), laid out
 example-major; the per-sample-gradient engine sums the K rows' gradients, so the privacy unit
 and the clipping are per example, not per row.
-Generation (SQuAD, DROP): the loss is the mean NLL of the gold answer's tokens (pitfall 10 of the
-DPZero digest: per example, never a batch mean); evaluation decodes greedily (<= 50 new tokens,
+Generation (SQuAD, DROP): the loss is the mean NLL of the gold answer's tokens (per example, never a
+batch mean: a batch mean would mix examples inside one clipped term); evaluation decodes greedily (<= 50 new tokens,
 stopping at a newline) and scores SQuAD F1 against every gold answer.
 """
 

@@ -8,5 +8,6 @@
     helpers.text_data     fixture text datasets in the hub's field layout
     helpers.wandb_records the records of an offline W&B run file
 
-Test modules import helpers, never each other.
+Test modules import helpers, never each other (distributed_worker.py and distributed_failures.py
+are the scripts torchrun starts, not test modules).
 """
