@@ -9,9 +9,9 @@ is written.
 What a checkpoint holds (torch.save of plain containers and tensors, read back with
 `weights_only=True`): the trainer's step counter, privacy ledger, history, window loss and
 throughput counters; the epoch in progress of a shuffled sampler; every rank's seeded RNG states
-(torch, CUDA, numpy, random; restored per rank); and the algorithm's
-`state_dict()` (trainable parameters and buffers, optimizer state, the attributes its class lists
-in `checkpoint_attributes`). Frozen parameters are not stored: they are rebuilt from the config
+(torch, CUDA, numpy, random; restored per rank); and the algorithm's state, `algorithm_state()`
+(trainable parameters and buffers, optimizer state, the attributes its class lists in
+`checkpoint_attributes`: an algorithm only declares what to keep, this module saves it). Frozen parameters are not stored: they are rebuilt from the config
 and seed, and a fingerprint of them is checked on load. The entropy-seeded privacy noise and
 Poisson sampler are NOT restored: a resumed run draws fresh, independent randomness, which is what
 the accountant assumes of every step anyway. A shuffled run's epoch in progress is restored so
@@ -298,3 +298,52 @@ def check_frozen(model: torch.nn.Module, stored: dict[str, list[float]]) -> None
     for name, values in stored.items():
         if not np.allclose(rebuilt[name], values, rtol=1e-5, atol=1e-6):
             raise CheckpointMismatch(f"the rebuilt frozen parameter {name} differs from the checkpointed run's")
+
+
+def _attribute(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def algorithm_state(algorithm) -> dict:
+    """What continuing a run needs of an `Algorithm`: trainable parameters and buffers (frozen
+    parameters are rebuilt from config and seed; their fingerprint is kept), a torch `optimizer`'s
+    state and the attributes its class lists in `checkpoint_attributes`."""
+    model = algorithm.model
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer = getattr(algorithm, "optimizer", None)
+    if "_frozen_fingerprint" not in vars(algorithm):  # frozen parameters never change: computed once
+        algorithm._frozen_fingerprint = frozen_fingerprint(model)
+    return {
+        "parameters": {n: pack(p, names) for n, p in model.named_parameters() if p.requires_grad},
+        "buffers": {n: pack(b, names) for n, b in model.named_buffers()},
+        "frozen": algorithm._frozen_fingerprint,
+        "optimizer": pack(optimizer.state_dict(), names) if isinstance(optimizer, torch.optim.Optimizer) else None,
+        "attributes": {a: pack(_attribute(algorithm, a), names) for a in algorithm.checkpointed_attributes()},
+    }
+
+
+def load_algorithm_state(algorithm, state: dict) -> None:
+    """Restore `algorithm_state()` into a freshly built algorithm (CheckpointMismatch if it does not fit)."""
+    model = algorithm.model
+    parameters = dict(model.named_parameters())
+    stored = {**state["parameters"], **state["buffers"]}
+    current = {**{n: p for n, p in parameters.items() if p.requires_grad}, **dict(model.named_buffers())}
+    if set(stored) != set(current) or any(stored[n].shape != current[n].shape for n in current):
+        raise CheckpointMismatch("its trained parameters or buffers differ in name or shape")
+    check_frozen(model, state["frozen"])
+    with torch.no_grad():
+        for name, tensor in current.items():
+            tensor.copy_(stored[name])
+    optimizer = getattr(algorithm, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state["optimizer"])
+    needed = algorithm.checkpointed_attributes()
+    if set(state["attributes"]) != set(needed):
+        raise CheckpointMismatch(f"it holds {sorted(state['attributes'])}, {type(algorithm).__name__} needs {sorted(needed)}")
+    device = next(iter(parameters.values())).device if parameters else torch.device("cpu")
+    for dotted, saved in state["attributes"].items():
+        owner, _, name = dotted.rpartition(".")
+        target = _attribute(algorithm, owner) if owner else algorithm
+        setattr(target, name, unpack(saved, getattr(target, name), device, parameters))

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from dpbench import distributed
 from dpbench.algorithms import Algorithm, StepResult
-from dpbench.checkpoint import CheckpointMismatch, rank_rng_states, restore_rank_rng_states
+from dpbench.checkpoint import (
+    CheckpointMismatch, algorithm_state, load_algorithm_state, rank_rng_states, restore_rank_rng_states,
+)
 from dpbench.errors import DivergedError
 from dpbench.metering import Throughput
 from dpbench.privacy.mechanisms import Ledger, same_mechanisms
@@ -186,14 +188,14 @@ class Trainer:
             "throughput": [throughput.steps, throughput.examples, throughput.measured_time],
             "rng": rank_rng_states() if generators is None else generators,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "algorithm": self.algorithm.state_dict(),
+            "algorithm": algorithm_state(self.algorithm),
         }
 
     def load_state_dict(self, saved: dict) -> None:
         """Continue from `state_dict()`: the ledger goes on from the checkpoint's (never reset)."""
         if not 0 < saved["step"] <= self.config.steps:
             raise CheckpointMismatch(f"it stopped at step {saved['step']} of a run of {self.config.steps} steps")
-        self.algorithm.load_state_dict(saved["algorithm"])
+        load_algorithm_state(self.algorithm, saved["algorithm"])
         state = self.state
         state.step, state.train_loss, state.best_accuracy = saved["step"], saved["train_loss"], saved["best_accuracy"]
         state.history = list(saved["history"])

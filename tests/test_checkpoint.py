@@ -15,7 +15,9 @@ import torch
 from conftest import REPO, TINY, compose
 
 from dpbench.algorithms import ALGORITHMS, Algorithm, import_all
-from dpbench.checkpoint import CHECKPOINT_FILE, EXIT_PREEMPTED, CheckpointMismatch, restore_rng_states, rng_states
+from dpbench.checkpoint import (
+    CHECKPOINT_FILE, EXIT_PREEMPTED, CheckpointMismatch, algorithm_state, load_algorithm_state, restore_rng_states, rng_states,
+)
 from dpbench.errors import UserError
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.run import run_job, setup
@@ -98,7 +100,7 @@ def test_every_algorithm_continues_from_its_state_dict_exactly(algo, monkeypatch
     for i in range(k):
         job.algorithm.train_step(batch(i), i)
     buffer = io.BytesIO()
-    torch.save({"algorithm": job.algorithm.state_dict(), "rng": rng_states()}, buffer)
+    torch.save({"algorithm": algorithm_state(job.algorithm), "rng": rng_states()}, buffer)
     before = {n: p.detach().clone() for n, p in job.algorithm.model.named_parameters()}
     job.algorithm.train_step(batch(k), k)
     expected = {n: p.detach().clone() for n, p in job.algorithm.model.named_parameters()}
@@ -106,7 +108,7 @@ def test_every_algorithm_continues_from_its_state_dict_exactly(algo, monkeypatch
 
     fresh = setup(cfg)
     saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    fresh.algorithm.load_state_dict(saved["algorithm"])
+    load_algorithm_state(fresh.algorithm, saved["algorithm"])
     restore_rng_states(saved["rng"])
     fresh.algorithm.train_step(batch(k), k)
     got = dict(fresh.algorithm.model.named_parameters())
@@ -120,14 +122,14 @@ def test_every_algorithm_continues_from_its_state_dict_exactly(algo, monkeypatch
 def test_frozen_parameters_are_fingerprinted_not_stored():
     cfg = compose(TINY + ["algo=lora", "device=cpu"])
     job = setup(cfg)
-    state = job.algorithm.state_dict()
+    state = algorithm_state(job.algorithm)
     frozen = [n for n, p in job.algorithm.model.named_parameters() if not p.requires_grad]
     assert frozen and set(state["frozen"]) == set(frozen) and not set(frozen) & set(state["parameters"])
     fresh = setup(cfg)
     with torch.no_grad():
         dict(fresh.algorithm.model.named_parameters())[frozen[0]].add_(1e-2)  # e.g. a changed weights file
     with pytest.raises(CheckpointMismatch, match="frozen parameter"):
-        fresh.algorithm.load_state_dict(state)
+        load_algorithm_state(fresh.algorithm, state)
 
 
 # --- signals ------------------------------------------------------------------------------------------

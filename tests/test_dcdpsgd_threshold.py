@@ -12,6 +12,7 @@ from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import SCORE_BIN_EDGES, histogram_threshold, score_histogram
+from dpbench.checkpoint import algorithm_state, load_algorithm_state
 
 
 def _released_sum(algorithm, images, labels, recorded):
@@ -98,8 +99,8 @@ def test_the_released_histogram_average_survives_a_checkpoint():
     images, labels = task.batch(list(range(16)))
     for step in range(2):
         algorithm.train_step([(images, labels)], step)
-    state = algorithm.state_dict()
+    state = algorithm_state(algorithm)
     resumed, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_selection=threshold")
     assert resumed.current_threshold() == math.inf
-    resumed.load_state_dict(state)
+    load_algorithm_state(resumed, state)
     assert resumed.current_threshold() == algorithm.current_threshold() < math.inf

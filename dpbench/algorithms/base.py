@@ -212,7 +212,7 @@ class Algorithm(ABC):
         """Largest per-example working set held at once (0: none formed)."""
         return 0
 
-    # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------------
+    # --- checkpoints: dpbench/checkpoint.py saves and restores what these name ---------------------
     # State that lives in attributes, as dotted names (tensors, generators, dicts keyed by
     # parameters, containers of them); each class adds its own, collected along the MRO.
     checkpoint_attributes: ClassVar[tuple[str, ...]] = ()
@@ -220,49 +220,6 @@ class Algorithm(ABC):
     def checkpointed_attributes(self) -> list[str]:
         names = [a for cls in reversed(type(self).__mro__) for a in vars(cls).get("checkpoint_attributes", ())]
         return list(dict.fromkeys(names))
-
-    def state_dict(self) -> dict:
-        """What continuing this run needs: trainable parameters and buffers (frozen parameters are
-        rebuilt from config and seed; their fingerprint is kept), a torch `optimizer`'s state and
-        the `checkpoint_attributes`."""
-        from dpbench.checkpoint import frozen_fingerprint, pack
-
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        optimizer = getattr(self, "optimizer", None)
-        if "_frozen_fingerprint" not in vars(self):  # frozen parameters never change: computed once
-            self._frozen_fingerprint = frozen_fingerprint(self.model)
-        return {
-            "parameters": {n: pack(p, names) for n, p in self.model.named_parameters() if p.requires_grad},
-            "buffers": {n: pack(b, names) for n, b in self.model.named_buffers()},
-            "frozen": self._frozen_fingerprint,
-            "optimizer": pack(optimizer.state_dict(), names) if isinstance(optimizer, torch.optim.Optimizer) else None,
-            "attributes": {a: pack(_attribute(self, a), names) for a in self.checkpointed_attributes()},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` into this freshly built algorithm (CheckpointMismatch if it does not fit)."""
-        from dpbench.checkpoint import CheckpointMismatch, check_frozen, unpack
-
-        parameters = dict(self.model.named_parameters())
-        stored = {**state["parameters"], **state["buffers"]}
-        current = {**{n: p for n, p in parameters.items() if p.requires_grad}, **dict(self.model.named_buffers())}
-        if set(stored) != set(current) or any(stored[n].shape != current[n].shape for n in current):
-            raise CheckpointMismatch("its trained parameters or buffers differ in name or shape")
-        check_frozen(self.model, state["frozen"])
-        with torch.no_grad():
-            for name, tensor in current.items():
-                tensor.copy_(stored[name])
-        optimizer = getattr(self, "optimizer", None)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer.load_state_dict(state["optimizer"])
-        if set(state["attributes"]) != set(self.checkpointed_attributes()):
-            raise CheckpointMismatch(f"it holds {sorted(state['attributes'])}, {type(self).__name__} needs "
-                                     f"{sorted(self.checkpointed_attributes())}")
-        device = next(iter(parameters.values())).device if parameters else torch.device("cpu")
-        for dotted, saved in state["attributes"].items():
-            owner, _, name = dotted.rpartition(".")
-            target = _attribute(self, owner) if owner else self
-            setattr(target, name, unpack(saved, getattr(target, name), device, parameters))
 
 
 def _halt_unless_finite(name: str, noisy: list[list[torch.Tensor]]) -> None:
@@ -272,12 +229,6 @@ def _halt_unless_finite(name: str, noisy: list[list[torch.Tensor]]) -> None:
     flags = [torch.isfinite(v).all() for values in noisy for v in values]
     if flags and not bool(torch.stack(flags).all()):
         raise DivergedError(f"the noisy {name} release is not finite: lower train.lr (the model diverged)")
-
-
-def _attribute(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
