@@ -2,17 +2,26 @@
 
 The YAML files stay what users read and edit (defaults and comments live there); each names its
 schema first in its defaults list (`- /algo_grape_schema@_here_`, then `- _self_`). Hydra then
-checks every value against the dataclasses below while it composes: an integer key rejects 1.5, a
-number rejects "abc", a choice rejects what it does not list, an undeclared key cannot be set (algorithm options:
-see `register`). A key the YAML omits takes the dataclass default; code receives typed values
-and casts nothing. A rejected value reaches the user as one line (`run_app`, `checked_composition`).
+checks every value against the dataclasses while it composes: an integer key rejects 1.5, a
+number rejects "abc", a choice rejects what it does not list, an undeclared key cannot be set
+(algorithm options: see `register`). A key the YAML omits takes the dataclass default; code
+receives typed values and casts nothing. A rejected value reaches the user as one line
+(`run_app`, `checked_composition`).
 
-Datasets and models are not typed here: their options differ per family (image sizes, hub
-names, tokenizer lengths, CNN widths) and each builder checks its own.
+Here: the top level (privacy, train, audit, ...) and the machinery. An algorithm's options live
+in its own file, registered with its class (`@ALGORITHMS.register("grape", options=GrapeOptions)`,
+a dataclass deriving from `AlgoOptions`); `register` stores every registered algorithm's options
+as `algo_<name>_schema`. Adding an algorithm is therefore its file in dpbench/algorithms/ and its
+conf/algo/<name>.yaml, nothing here. Choices are generated from the registry they select from
+(`Clipping` from the clipping rules, `AccountantName` from the accountants, ...), so a new entry
+is a new choice; hand-written choices remain only where no registry exists.
 
-Adding an algorithm: a dataclass deriving from `AlgoOptions`, an entry in `ALGO_SCHEMAS`, and
-the defaults lines in conf/algo/<name>.yaml (tests/test_schema.py fails until all three exist).
-Adding a key anywhere in conf/config.yaml or conf/algo/*.yaml: a field here as well.
+Datasets and models are not typed: their options differ per family (image sizes, hub names,
+tokenizer lengths, CNN widths) and each builder checks its own; their registries carry no
+options. Accountants have no options beyond their name (a choice of the accountant registry).
+
+Adding a key to conf/config.yaml: a field here as well; to conf/algo/<name>.yaml: a field of
+that algorithm's options dataclass.
 """
 
 from __future__ import annotations
@@ -24,9 +33,14 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from dpbench.precision import DTYPES
+from dpbench.privacy.accountants import ACCOUNTANTS
+from dpbench.privacy.clipping import CLIP_FACTORS
+from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
 
 
 class Choice(str, Enum):
@@ -44,41 +58,29 @@ class Choice(str, Enum):
         return repr(self.value)
 
 
-# Members are named as users type them; tests/test_schema.py keeps these in step with the
-# registries they mirror (the clipping rules, accountants, per-sample engines, ...).
-class Clipping(Choice):
-    automatic = "automatic"
-    flat = "flat"
-    psac = "psac"
+def choice_of(name: str, values: Iterable[str], module: str) -> type[Choice]:
+    """The Choice named `name` whose members are `values` (the names of a registry), defined in
+    `module` (as `Name = choice_of("Name", ..., __name__)` there: copies and pickles find it)."""
+    return Choice(name, [(value, value) for value in sorted(values)], module=module, qualname=name)
 
 
-class Sampling(Choice):
+# From the registries they select from: a rule, accountant or relation added there is a choice here.
+Clipping = choice_of("Clipping", CLIP_FACTORS, __name__)
+AccountantName = choice_of("AccountantName", ACCOUNTANTS.names(), __name__)
+Neighboring = choice_of("Neighboring", NEIGHBORING_RELATIONS, __name__)
+PrecisionName = choice_of("PrecisionName", DTYPES, __name__)  # the forward's autocast dtype
+
+
+# No registry to generate these from: members named as users type them.
+class Sampling(Choice):  # dpbench/privacy/sampling.py build_sampler
     poisson = "poisson"
     shuffle = "shuffle"
-
-
-class Neighboring(Choice):
-    add_remove = "add_remove"
-    replace_one = "replace_one"
 
 
 class Device(Choice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-class AccountantName(Choice):
-    gdp = "gdp"
-    pld = "pld"
-    prv = "prv"
-    rdp = "rdp"
-
-
-class PrecisionName(Choice):  # the forward's autocast dtype
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 class WandbMode(Choice):
@@ -90,41 +92,6 @@ class WandbMode(Choice):
 class ReportMetric(Choice):
     best = "best"
     final = "final"
-
-
-class PerSample(Choice):  # how per-example gradients are formed
-    bk = "bk"
-    ghost = "ghost"
-    materialize = "materialize"
-
-
-class Direction(Choice):  # zeroth-order perturbations
-    gaussian = "gaussian"
-    sphere = "sphere"
-
-
-class Projector(Choice):  # DP-GRAPE
-    gaussian = "gaussian"
-    signed_permutation = "signed_permutation"
-
-
-class GradientSensitivity(Choice):  # DC-DPSGD
-    rank_coupled = "rank_coupled"
-    tail_clip = "tail_clip"
-
-
-class TailSelection(Choice):  # DC-DPSGD: top-p of the batch's noisy scores, or a public threshold
-    rank = "rank"
-    threshold = "threshold"
-
-
-class BudgetSplit(Choice):  # DC-DPSGD: how the budget is shared by the score and gradient releases
-    renyi = "renyi"
-    epsilon = "epsilon"
-
-
-def _adam_betas() -> List[float]:
-    return [0.9, 0.999]
 
 
 # ---------------------------------------------------------------------------- top level
@@ -226,180 +193,34 @@ class Config:
     paper_setting: Any = None  # lookup tables of paper presets (conf/experiment), read by interpolation
 
 
-# ---------------------------------------------------------------------------- algorithms
+# ---------------------------------------------------------------------------- the ConfigStore
 
 
-@dataclass
-class AdamOptions(AlgoOptions):
-    name: str = "adam"
-    betas: List[float] = field(default_factory=_adam_betas)
-    eps: float = 1.0e-8
-    weight_decay: float = 0.0
+def algo_schemas() -> dict[str, type[AlgoOptions]]:
+    """Algorithm name -> its options dataclass, as registered with the class (dpbench/algorithms/);
+    conf/algo/<name>.yaml names `algo_<name>_schema` in its defaults list."""
+    from dpbench.algorithms import ALGORITHMS  # the algorithms import this module: not at its top
+
+    schemas = {}
+    for name in ALGORITHMS.names():
+        options = ALGORITHMS.options(name)
+        if not (isinstance(options, type) and issubclass(options, AlgoOptions)):
+            raise TypeError(f"algorithm {name!r} needs its options: @ALGORITHMS.register({name!r}, "
+                            "options=<a dataclass deriving from dpbench.schema.AlgoOptions>)")
+        schemas[name] = options
+    return schemas
 
 
-@dataclass
-class DPAdamOptions(AdamOptions):
-    name: str = "dpadam"
-    per_sample: PerSample = PerSample.materialize
-
-
-@dataclass
-class SGDOptions(AlgoOptions):
-    name: str = "sgd"
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-
-
-@dataclass
-class DPSGDOptions(AlgoOptions):
-    name: str = "dpsgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    per_sample: PerSample = PerSample.materialize
-
-
-@dataclass
-class ProjectedAdamOptions(AlgoOptions):
-    """GaLore, naive DP-GaLore and DP-GRAPE: Adam in rank-r subspaces refreshed every F steps."""
-
-    name: str = "galore"
-    rank: int = 16
-    update_interval: int = 20
-    betas: List[float] = field(default_factory=_adam_betas)
-    eps: float = 1.0e-8
-    weight_decay: float = 0.0
-    projected_modules: Optional[List[str]] = None
-
-
-@dataclass
-class GrapeOptions(ProjectedAdamOptions):
-    name: str = "grape"
-    projector: Projector = Projector.gaussian
-    per_sample: PerSample = PerSample.materialize
-    projection_seed: Optional[int] = None
-
-
-@dataclass
-class LoRAOptions(AlgoOptions):
-    name: str = "lora"
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Optional[List[str]] = None
-    train_modules: Optional[List[str]] = None
-    betas: List[float] = field(default_factory=_adam_betas)
-    eps: float = 1.0e-8
-    weight_decay: float = 0.0
-
-
-@dataclass
-class ZerothOrderOptions(AlgoOptions):
-    """DPZero, MeZO and DPGD-0th: two-point estimates along random directions."""
-
-    name: str = "dpzero"
-    smoothing: float = 1.0e-3
-    direction: Direction = Direction.gaussian
-    weight_decay: float = 0.0
-
-
-@dataclass
-class DCDPSGDOptions(AlgoOptions):
-    name: str = "dcdpsgd"
-    subspace_dim: Optional[int] = 200
-    theta: float = 2.0
-    tail_fraction: float = 0.1
-    tail_clip_ratio: float = 10.0
-    tail_clip: Optional[float] = None
-    score_budget_fraction: float = 0.5
-    budget_split: BudgetSplit = BudgetSplit.renyi
-    score_epsilon_fraction: float = 0.5
-    score_noise_multiplier: Optional[float] = None
-    score_params: Any = "all"  # all | first | a list of name substrings
-    gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
-    tail_selection: TailSelection = TailSelection.threshold
-    momentum: float = 0.0
-
-
-@dataclass
-class DPDROptions(AlgoOptions):
-    name: str = "dpdr"
-    decomposition_steps: int = 50
-    perp_clip: float = 1.0
-    alpha_clip: float = 1.0
-    perp_ratio: float = 1.0
-    alpha_ratio: float = 2.0
-    paper_accounting: bool = False
-    sigma_perp: Optional[float] = None
-    sigma_alpha: Optional[float] = None
-    claimed_epsilon: Optional[float] = None
-    momentum: float = 0.0
-
-
-@dataclass
-class DiffOptions(AlgoOptions):
-    name: str = "diff"
-    difference_clip: float = 0.1
-    momentum: float = 0.0
-
-
-@dataclass
-class Diff2Options(DiffOptions):
-    name: str = "diff2"
-    restart_interval: int = 20
-
-
-@dataclass
-class GaloreNaiveOptions(ProjectedAdamOptions):
-    name: str = "galore_naive"
-
-
-@dataclass
-class DPLoRAOptions(LoRAOptions):
-    name: str = "dplora"
-
-
-@dataclass
-class MeZOOptions(ZerothOrderOptions):
-    name: str = "mezo"
-
-
-@dataclass
-class DPGD0thOptions(ZerothOrderOptions):
-    name: str = "dpgd0th"
-    smoothing: float = 1.0e-4
-    direction: Direction = Direction.sphere
-
-
-# algo name -> its options; conf/algo/<name>.yaml names `algo_<name>_schema` in its defaults list
-ALGO_SCHEMAS: dict[str, type[AlgoOptions]] = {
-    "adam": AdamOptions,
-    "dpadam": DPAdamOptions,
-    "sgd": SGDOptions,
-    "dpsgd": DPSGDOptions,
-    "galore": ProjectedAdamOptions,
-    "galore_naive": GaloreNaiveOptions,
-    "grape": GrapeOptions,
-    "lora": LoRAOptions,
-    "dplora": DPLoRAOptions,
-    "dpzero": ZerothOrderOptions,
-    "mezo": MeZOOptions,
-    "dpgd0th": DPGD0thOptions,
-    "dcdpsgd": DCDPSGDOptions,
-    "dpdr": DPDROptions,
-    "diff": DiffOptions,
-    "diff2": Diff2Options,
-}
-
-# ConfigStore name -> schema. Stored outside any config group, so they are not offered as
-# options (`dpbench --help`, `algo=...`); the YAML files reach them by absolute path.
-SCHEMAS: dict[str, type] = {
-    "config_schema": Config,
-    "accountant_schema": AccountantOptions,
-    "logger_none_schema": LoggerOptions,
-    "logger_wandb_schema": WandbOptions,
-    **{f"algo_{name}_schema": schema for name, schema in ALGO_SCHEMAS.items()},
-}
+def schemas() -> dict[str, type]:
+    """ConfigStore name -> schema. Stored outside any config group, so they are not offered as
+    options (`dpbench --help`, `algo=...`); the YAML files reach them by absolute path."""
+    return {
+        "config_schema": Config,
+        "accountant_schema": AccountantOptions,
+        "logger_none_schema": LoggerOptions,
+        "logger_wandb_schema": WandbOptions,
+        **{f"algo_{name}_schema": schema for name, schema in algo_schemas().items()},
+    }
 
 
 def register() -> None:
@@ -411,7 +232,7 @@ def register() -> None:
     # conf/config.yaml names a grid's job folders without the keys that do not change a run
     OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
     store = ConfigStore.instance()
-    for name, schema in SCHEMAS.items():
+    for name, schema in schemas().items():
         node = OmegaConf.structured(schema)
         if issubclass(schema, AlgoOptions):
             # Open to keys it does not declare: paper presets set options of some algorithms of
@@ -426,7 +247,7 @@ def default_of(dotted: str, algo_name: str | None = None) -> Any:
     resume treats a key that a stored run predates as matching when the run uses its default."""
     section, _, key = dotted.partition(".")
     if section == "algo":
-        schema = ALGO_SCHEMAS.get(algo_name or "")
+        schema = algo_schemas().get(algo_name or "")
         node = OmegaConf.structured(schema) if schema else None
     else:
         node, key = OmegaConf.structured(Config), dotted
@@ -439,9 +260,6 @@ def default_of(dotted: str, algo_name: str | None = None) -> Any:
 
 def _declared(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
-
-
-ALGO_KEYS = {key for schema in ALGO_SCHEMAS.values() for key in _declared(schema)}
 
 
 def _undeclared(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, type]]:
@@ -463,11 +281,11 @@ def check_keys(cfg: DictConfig) -> list[str]:
 
     if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)):
         return []  # not composed from conf/ (a hand-made config in a test)
-    notes = []
+    notes, algos = [], algo_schemas()
     for key, schema in _undeclared(cfg):
         option = key.removeprefix("algo.")
-        if issubclass(schema, AlgoOptions) and option in ALGO_KEYS:
-            users = ", ".join(name for name, s in ALGO_SCHEMAS.items() if option in _declared(s))
+        users = ", ".join(name for name, s in algos.items() if option in _declared(s))
+        if issubclass(schema, AlgoOptions) and users:
             notes.append(f"{key} is not an option of algo={cfg.algo.name} (it is one of {users}); ignored")
             continue
         where = f"algo={cfg.algo.name}" if issubclass(schema, AlgoOptions) else (key.rpartition(".")[0] or "the top level")

@@ -25,7 +25,7 @@ from dpbench.paths import config_dir
 from dpbench.report import group_runs, load_rows, main
 from dpbench.report.leaderboard import build_boards, fairness, pareto_front
 from dpbench.run import validate
-from dpbench.schema import ALGO_SCHEMAS, register
+from dpbench.schema import algo_schemas, register
 
 MIB = 2**20
 # method -> (algo, engine, accuracy by seed, own peak MiB, samples/s, steps, lr, C); accuracies are
@@ -285,7 +285,7 @@ def test_every_grid_point_of_the_bench_presets_composes(name):
     with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
         for point in points:
             cfg = hydra_compose(config_name="config", overrides=point)
-            assert OmegaConf.get_type(cfg.algo) is ALGO_SCHEMAS[cfg.algo.name]
+            assert OmegaConf.get_type(cfg.algo) is algo_schemas()[cfg.algo.name]
             validate(cfg)  # values a run would refuse (physical batch > batch, ...), before any training
             jobs.append(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     methods = {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs}

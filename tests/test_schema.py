@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
 from dpbench.paths import config_dir
-from dpbench.schema import ALGO_SCHEMAS, SCHEMAS, Choice, check_keys, register
+from dpbench.schema import AlgoOptions, Choice, algo_schemas, check_keys, register, schemas
 
 CONF = Path(config_dir())
 GROUP_OPTIONS = [(group, p.stem) for group in ("algo", "accountant", "logger") for p in sorted((CONF / group).glob("*.yaml"))]
@@ -27,10 +27,10 @@ def schema_name(group: str, option: str) -> str:
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_option_yaml_composes_against_its_schema(group, option):
     raw = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
-    name = schema_name(group, option)
+    name, known = schema_name(group, option), schemas()
     assert raw.get("defaults") == [f"/{name}@_here_", "_self_"], f"conf/{group}/{option}.yaml must name its schema first"
-    assert name in SCHEMAS, f"add a dataclass for {group}={option} to dpbench/schema.py"
-    schema = SCHEMAS[name]
+    assert name in known, f"{group}={option} has no typed options (an algorithm: register it with options=...)"
+    schema = known[name]
     composed = compose([f"{group}={option}"])[group]
     assert OmegaConf.get_type(composed) is schema
     # the YAML lists every option (it is what users read) with the dataclass's default
@@ -41,11 +41,24 @@ def test_every_option_yaml_composes_against_its_schema(group, option):
             assert composed[key] == defaults[key], f"conf/{group}/{option}.yaml: {key}"
 
 
-def test_every_algorithm_has_a_yaml_and_a_schema():
-    from dpbench.algorithms import ALGORITHMS, import_all
+def test_every_algorithm_has_a_yaml_and_its_options_registered_with_it():
+    from dpbench.algorithms import ALGORITHMS
 
-    import_all()
-    assert sorted(p.stem for p in (CONF / "algo").glob("*.yaml")) == sorted(ALGO_SCHEMAS) == ALGORITHMS.names()
+    assert sorted(p.stem for p in (CONF / "algo").glob("*.yaml")) == ALGORITHMS.names()
+    for name, options in algo_schemas().items():
+        assert issubclass(options, AlgoOptions) and options().name == name, name
+
+
+def test_an_algorithm_registered_without_options_is_named_when_the_schemas_are_built():
+    from dpbench.algorithms import ALGORITHMS
+    from dpbench.algorithms.dpsgd import DPSGD
+
+    ALGORITHMS.register("untyped")(DPSGD)
+    try:
+        with pytest.raises(TypeError, match=r"algorithm 'untyped' needs its options: @ALGORITHMS.register\('untyped', options="):
+            register()
+    finally:
+        ALGORITHMS.unregister("untyped")
 
 
 def test_top_level_yaml_values_are_the_schema_defaults():
@@ -56,24 +69,38 @@ def test_top_level_yaml_values_are_the_schema_defaults():
         assert composed[key] == defaults[key], key
 
 
-def test_choices_mirror_the_registries_they_name():
-    from dpbench.algorithms.dpzero import DIRECTIONS
-    from dpbench.algorithms.grape import PROJECTORS
+def test_choices_are_the_names_of_the_registries_they_select_from():
+    from dpbench.algorithms.base import PerSample
+    from dpbench.algorithms.dpzero import DIRECTIONS, Direction
+    from dpbench.algorithms.grape import PROJECTORS, Projector
+    from dpbench.precision import DTYPES
     from dpbench.privacy.accountants import ACCOUNTANTS
-    from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
     from dpbench.privacy.clipping import CLIP_FACTORS
     from dpbench.privacy.engines import PER_SAMPLE_ENGINES
+    from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
     from dpbench.privacy.sampling import build_sampler
-    from dpbench.schema import AccountantName, Clipping, Direction, Neighboring, PerSample, Projector, Sampling
+    from dpbench.schema import AccountantName, Clipping, Neighboring, PrecisionName, Sampling
 
-    assert set(Clipping.__members__) == set(CLIP_FACTORS)
-    assert set(AccountantName.__members__) == set(ACCOUNTANTS.names())
-    assert set(Neighboring.__members__) == set(NEIGHBORING_RELATIONS)
-    assert set(PerSample.__members__) == set(PER_SAMPLE_ENGINES.names())
-    assert set(Direction.__members__) == set(DIRECTIONS)
-    assert set(Projector.__members__) == set(PROJECTORS)
-    for kind in Sampling:
+    generated = [(Clipping, CLIP_FACTORS), (AccountantName, ACCOUNTANTS.names()), (Neighboring, NEIGHBORING_RELATIONS),
+                 (PrecisionName, DTYPES), (PerSample, PER_SAMPLE_ENGINES.names()), (Direction, DIRECTIONS),
+                 (Projector, PROJECTORS)]
+    for choice, registry in generated:
+        assert issubclass(choice, Choice) and list(choice.__members__) == sorted(registry), choice
+        assert all(member.value == name and str(member) == name for name, member in choice.__members__.items())
+    for kind in Sampling:  # hand-written (no registry): each member still builds a sampler
         assert build_sampler(kind, 10, 2, 0, private=False) is not None
+
+
+def test_a_generated_choice_is_a_plain_string_that_copies_and_pickles():
+    import copy
+    import pickle
+
+    from dpbench.algorithms.base import PerSample
+
+    cfg = compose(["algo=grape", "algo.per_sample=bk", "algo.projector=signed_permutation"])
+    for value in (cfg.algo.per_sample, cfg.algo.projector, cfg.privacy.clipping):
+        assert isinstance(value, Choice) and pickle.loads(pickle.dumps(value)) is value and copy.deepcopy(value) is value
+    assert cfg.algo.per_sample is PerSample.bk and cfg.algo.per_sample == "bk" and f"{cfg.algo.per_sample}" == "bk"
 
 
 def test_values_arrive_typed_and_choices_read_as_plain_strings():
@@ -87,7 +114,7 @@ def test_values_arrive_typed_and_choices_read_as_plain_strings():
 
 def test_an_option_of_another_algorithm_is_ignored_with_a_note_and_an_unknown_one_rejected():
     notes = check_keys(compose(["algo=dpadam", "algo.rank=64"]))
-    assert notes == ["algo.rank is not an option of algo=dpadam (it is one of galore, galore_naive, grape, lora, dplora); ignored"]
+    assert notes == ["algo.rank is not an option of algo=dpadam (it is one of dplora, galore, galore_naive, grape, lora); ignored"]
     assert check_keys(compose([])) == []
     with pytest.raises(UserError, match="algo.nonsense is not a known key; algo=grape takes: name, rank"):
         check_keys(compose(["+algo.nonsense=1"]))
@@ -117,7 +144,7 @@ def test_every_preset_composes_with_every_algorithm_of_its_grid():
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         for preset, algo in jobs:
             cfg = hydra_compose(config_name="config", overrides=[f"experiment={preset}", f"algo={algo}"])
-            assert OmegaConf.get_type(cfg.algo) is ALGO_SCHEMAS[algo], (preset, algo)
+            assert OmegaConf.get_type(cfg.algo) is algo_schemas()[algo], (preset, algo)
             check_keys(cfg)
 
 

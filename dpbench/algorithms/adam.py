@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm, adam
+from dataclasses import dataclass, field
+from typing import List
+
+from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm, adam, adam_betas
+from dpbench.schema import AlgoOptions
 
 
-@ALGORITHMS.register("adam")
+@dataclass
+class AdamOptions(AlgoOptions):
+    name: str = "adam"
+    betas: List[float] = field(default_factory=adam_betas)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+
+
+@ALGORITHMS.register("adam", options=AdamOptions)
 class Adam(NonPrivateOptimizerAlgorithm):
     def build_optimizer(self, params):
         return adam(params, self.lr, self.cfg)

@@ -20,10 +20,19 @@ from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.clipping import clip_factors
-from dpbench.privacy.engines import build_engine
+from dpbench.privacy.engines import PER_SAMPLE_ENGINES, build_engine
 from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
+from dpbench.schema import choice_of
 from dpbench.tasks import Batch, Task
+
+# Choices and defaults the algorithms' options share (each algorithm's options dataclass lives in
+# its own file, registered with its class: `@ALGORITHMS.register(name, options=...)`).
+PerSample = choice_of("PerSample", PER_SAMPLE_ENGINES.names(), __name__)  # how per-example gradients are formed
+
+
+def adam_betas() -> list[float]:
+    return [0.9, 0.999]
 
 
 @dataclass
@@ -378,4 +387,4 @@ class DPFirstOrderAlgorithm(Algorithm):
         return torch_optimizer_state_bytes(self.optimizer)
 
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algo")
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algo", package="dpbench.algorithms")

@@ -77,6 +77,8 @@ contribute 1.38x its threshold with dropout 0.5.)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -84,6 +86,40 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.schema import AlgoOptions, Choice
+
+
+class GradientSensitivity(Choice):
+    rank_coupled = "rank_coupled"
+    tail_clip = "tail_clip"
+
+
+class TailSelection(Choice):  # top-p of the batch's noisy scores, or a public threshold
+    rank = "rank"
+    threshold = "threshold"
+
+
+class BudgetSplit(Choice):  # how the budget is shared by the score and gradient releases
+    renyi = "renyi"
+    epsilon = "epsilon"
+
+
+@dataclass
+class DCDPSGDOptions(AlgoOptions):
+    name: str = "dcdpsgd"
+    subspace_dim: Optional[int] = 200
+    theta: float = 2.0
+    tail_fraction: float = 0.1
+    tail_clip_ratio: float = 10.0
+    tail_clip: Optional[float] = None
+    score_budget_fraction: float = 0.5
+    budget_split: BudgetSplit = BudgetSplit.renyi
+    score_epsilon_fraction: float = 0.5
+    score_noise_multiplier: Optional[float] = None
+    score_params: Any = "all"  # all | first | a list of name substrings
+    gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
+    tail_selection: TailSelection = TailSelection.threshold
+    momentum: float = 0.0
 
 MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
 
@@ -327,7 +363,7 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
     raise UserError(f"algo.gradient_sensitivity={cfg.gradient_sensitivity!r}: use tail_clip or rank_coupled")
 
 
-@ALGORITHMS.register("dcdpsgd")
+@ALGORITHMS.register("dcdpsgd", options=DCDPSGDOptions)
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
     # public projection RNG; threshold selection: the average of the released score histograms

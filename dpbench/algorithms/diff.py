@@ -14,12 +14,22 @@ with C_g). Both releases of the run use the calibrated sigma, so the ledger is D
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.schema import AlgoOptions
+
+
+@dataclass
+class DiffOptions(AlgoOptions):
+    name: str = "diff"
+    difference_clip: float = 0.1
+    momentum: float = 0.0
 
 
 class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
@@ -68,7 +78,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         return {"difference_clip": self.difference_clip, "sigma": self.privacy.noise_multiplier}
 
 
-@ALGORITHMS.register("diff")
+@ALGORITHMS.register("diff", options=DiffOptions)
 class DIFF(GradientDifferenceAlgorithm):
     checkpoint_attributes = ("previous",)
     def __init__(self, model, task, cfg, lr, privacy):

@@ -19,14 +19,22 @@ What was assumed is stated in conf/algo/diff2.yaml.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, StepResult, tensor_bytes
-from dpbench.algorithms.diff import GradientDifferenceAlgorithm
+from dpbench.algorithms.diff import DiffOptions, GradientDifferenceAlgorithm
 from dpbench.errors import UserError
 
 
-@ALGORITHMS.register("diff2")
+@dataclass
+class Diff2Options(DiffOptions):
+    name: str = "diff2"
+    restart_interval: int = 20
+
+
+@ALGORITHMS.register("diff2", options=Diff2Options)
 class DIFF2(GradientDifferenceAlgorithm):
     checkpoint_attributes = ("estimate", "previous_params")
     def __init__(self, model, task, cfg, lr, privacy):

@@ -5,10 +5,19 @@ Adam only post-processes the noisy gradient, so its privacy is that of DP-SGD.
 
 from __future__ import annotations
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, adam
+from dataclasses import dataclass
+
+from dpbench.algorithms.adam import AdamOptions
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, adam
 
 
-@ALGORITHMS.register("dpadam")
+@dataclass
+class DPAdamOptions(AdamOptions):
+    name: str = "dpadam"
+    per_sample: PerSample = PerSample.materialize
+
+
+@ALGORITHMS.register("dpadam", options=DPAdamOptions)
 class DPAdam(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
         return adam(params, self.lr, self.cfg)

@@ -23,6 +23,8 @@ the true epsilon (privacy.epsilon) next to the paper's claimed one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -30,6 +32,22 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.schema import AlgoOptions
+
+
+@dataclass
+class DPDROptions(AlgoOptions):
+    name: str = "dpdr"
+    decomposition_steps: int = 50
+    perp_clip: float = 1.0
+    alpha_clip: float = 1.0
+    perp_ratio: float = 1.0
+    alpha_ratio: float = 2.0
+    paper_accounting: bool = False
+    sigma_perp: Optional[float] = None
+    sigma_alpha: Optional[float] = None
+    claimed_epsilon: Optional[float] = None
+    momentum: float = 0.0
 
 
 def effective_noise_multiplier(sigma_perp: float, sigma_alpha: float) -> float:
@@ -63,7 +81,7 @@ def clip_alpha(alpha: torch.Tensor, clip: float) -> torch.Tensor:
     return alpha * clip_factors(alpha.norm(dim=1), clip)[:, None]
 
 
-@ALGORITHMS.register("dpdr")
+@ALGORITHMS.register("dpdr", options=DPDROptions)
 class DPDR(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("bases",)
     def __init__(self, model, task, cfg, lr, privacy):

@@ -19,16 +19,24 @@ is d-dimensional (one parameter-sized tensor at a time).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, ReleasePart, StepResult
-from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
+from dpbench.algorithms.dpzero import Direction, ZerothOrderAlgorithm, ZerothOrderOptions
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.tasks import Batch
 
 
-@ALGORITHMS.register("dpgd0th")
+@dataclass
+class DPGD0thOptions(ZerothOrderOptions):
+    name: str = "dpgd0th"
+    smoothing: float = 1.0e-4
+    direction: Direction = Direction.sphere
+
+
+@ALGORITHMS.register("dpgd0th", options=DPGD0thOptions)
 class DPGDZerothOrder(ZerothOrderAlgorithm):
     @classmethod
     def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):

@@ -7,12 +7,20 @@ Gaussian noise act on the adapter parameters alone, whose sum has sensitivity C 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dpbench.algorithms.base import ALGORITHMS
 from dpbench.algorithms.dpadam import DPAdam
+from dpbench.algorithms.lora import LoRAOptions
 from dpbench.models.lora import inject_lora
 
 
-@ALGORITHMS.register("dplora")
+@dataclass
+class DPLoRAOptions(LoRAOptions):
+    name: str = "dplora"
+
+
+@ALGORITHMS.register("dplora", options=DPLoRAOptions)
 class DPLoRA(DPAdam):
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

@@ -5,12 +5,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
+from dpbench.schema import AlgoOptions
 
 
-@ALGORITHMS.register("dpsgd")
+@dataclass
+class DPSGDOptions(AlgoOptions):
+    name: str = "dpsgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    per_sample: PerSample = PerSample.materialize
+
+
+@ALGORITHMS.register("dpsgd", options=DPSGDOptions)
 class DPSGD(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)

@@ -29,15 +29,30 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
+from dpbench.schema import AlgoOptions, choice_of
 from dpbench.tasks import Batch
 
 DIRECTIONS = ("gaussian", "sphere")  # N(0, I_d) (experiments) | uniform on sqrt(d) S^{d-1} (theory)
+Direction = choice_of("Direction", DIRECTIONS, __name__)
+
+
+@dataclass
+class ZerothOrderOptions(AlgoOptions):
+    """DPZero's options (`algo=dpzero`), and the base of MeZO's and DPGD-0th's: two-point
+    estimates along random directions."""
+
+    name: str = "dpzero"
+    smoothing: float = 1.0e-3
+    direction: Direction = Direction.gaussian
+    weight_decay: float = 0.0
+
 SEED_RANGE = 2**62
 SEED_STRIDE = 1_000_003  # per-parameter seeds: seed + index * stride (mod 2^63)
 
@@ -200,7 +215,7 @@ class ZerothOrderAlgorithm(Algorithm):
         }
 
 
-@ALGORITHMS.register("dpzero")
+@ALGORITHMS.register("dpzero", options=ZerothOrderOptions)
 class DPZero(ZerothOrderAlgorithm):
     """Per-example scalar clipping to [-C, C], one scalar Gaussian noise per step (sensitivity C)."""
 

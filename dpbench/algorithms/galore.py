@@ -8,13 +8,14 @@ from __future__ import annotations
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, StepResult
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
+    ProjectedAdamOptions,
     SVDSubspaces,
     adam_config,
     build_projections,
 )
 
 
-@ALGORITHMS.register("galore")
+@ALGORITHMS.register("galore", options=ProjectedAdamOptions)
 class GaLore(Algorithm):
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
     private = False

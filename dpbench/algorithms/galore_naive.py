@@ -10,16 +10,24 @@ post-processing. Saves optimizer-state memory but none of the per-sample-gradien
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
+    ProjectedAdamOptions,
     SVDSubspaces,
     adam_config,
     build_projections,
 )
 
 
-@ALGORITHMS.register("galore_naive")
+@dataclass
+class GaloreNaiveOptions(ProjectedAdamOptions):
+    name: str = "galore_naive"
+
+
+@ALGORITHMS.register("galore_naive", options=GaloreNaiveOptions)
 class NaiveDPGaLore(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
     def __init__(self, model, task, cfg, lr, privacy):

@@ -32,14 +32,17 @@ RNG at start). The privacy noise never touches these generators; it comes from P
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, StepResult
+from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, StepResult
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
+    ProjectedAdamOptions,
     Projection,
     adam_config,
     build_projections,
@@ -48,6 +51,7 @@ from dpbench.algorithms.projected_adam import (
 )
 from dpbench.errors import UserError
 from dpbench.logging.console import console
+from dpbench.schema import choice_of
 
 
 def gaussian_projector(rows: int, rank: int, generator: torch.Generator, device) -> torch.Tensor:
@@ -66,6 +70,15 @@ def signed_permutation_projector(rows: int, rank: int, generator: torch.Generato
 
 
 PROJECTORS = {"gaussian": gaussian_projector, "signed_permutation": signed_permutation_projector}
+Projector = choice_of("Projector", PROJECTORS, __name__)
+
+
+@dataclass
+class GrapeOptions(ProjectedAdamOptions):
+    name: str = "grape"
+    projector: Projector = Projector.gaussian
+    per_sample: PerSample = PerSample.materialize
+    projection_seed: Optional[int] = None
 
 
 class ProjectedLinear:
@@ -101,7 +114,7 @@ class ProjectedLinear:
         return project(gradient, projector, self.projection.side)
 
 
-@ALGORITHMS.register("grape")
+@ALGORITHMS.register("grape", options=GrapeOptions)
 class DPGrape(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "projection_seed")  # moments; projector seeds
     def __init__(self, model, task, cfg, lr, privacy):

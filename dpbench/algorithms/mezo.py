@@ -6,11 +6,18 @@ in-place SGD step along the regenerated direction (see dpzero.py for the machine
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dpbench.algorithms.base import ALGORITHMS, StepResult
-from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
+from dpbench.algorithms.dpzero import ZerothOrderAlgorithm, ZerothOrderOptions
 
 
-@ALGORITHMS.register("mezo")
+@dataclass
+class MeZOOptions(ZerothOrderOptions):
+    name: str = "mezo"
+
+
+@ALGORITHMS.register("mezo", options=MeZOOptions)
 class MeZO(ZerothOrderAlgorithm):
     private = False
 

@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 from torch import nn
 
+from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
 from dpbench.models import default_projected_modules
+from dpbench.schema import AlgoOptions
+
+
+@dataclass
+class ProjectedAdamOptions(AlgoOptions):
+    """GaLore's options (`algo=galore`), and the base of naive DP-GaLore's and DP-GRAPE's: Adam in
+    rank-r subspaces refreshed every F steps."""
+
+    name: str = "galore"
+    rank: int = 16
+    update_interval: int = 20
+    betas: List[float] = field(default_factory=adam_betas)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.0
+    projected_modules: Optional[List[str]] = None
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm
 from dpbench.errors import UserError
+from dpbench.schema import AlgoOptions
 
 
-@ALGORITHMS.register("sgd")
+@dataclass
+class SGDOptions(AlgoOptions):
+    name: str = "sgd"
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@ALGORITHMS.register("sgd", options=SGDOptions)
 class SGD(NonPrivateOptimizerAlgorithm):
     def build_optimizer(self, params):
         cfg = self.cfg

@@ -95,9 +95,9 @@ class RunRow:
 
 def _has_engines(algo: str | None) -> bool:
     """Whether the algorithm has a choice of per-example engine (algo.per_sample) at all."""
-    from dpbench.schema import ALGO_SCHEMAS  # the typed options of every algorithm
+    from dpbench.schema import algo_schemas  # the typed options of every algorithm
 
-    schema = ALGO_SCHEMAS.get(algo)
+    schema = algo_schemas().get(algo)
     return schema is None or "per_sample" in {f.name for f in fields(schema)}
 
 
