@@ -19,7 +19,7 @@ from torch import nn
 
 from dpbench.algorithms.projected_adam import select_projected_modules
 from dpbench.errors import UserError
-from dpbench.models import FAMILIES, MODELS, DataSpec, ModelFamily, build_model, register_model
+from dpbench.models import MODELS, DataSpec, ModelFamily, build_model, register_model
 from dpbench.models.language import LanguageFamily, register_language_family
 from dpbench.models.lora import inject_lora
 from dpbench.tasks import build_task
@@ -66,7 +66,7 @@ TOY_MLP = ModelFamily(projected_modules=("body.*",), lora_targets=("body.0", "bo
 @pytest.fixture(scope="module", autouse=True)
 def toy_families():
     """Register both toys for this module only (the registries' entries are restored afterwards)."""
-    saved = {registry: (registry.names(), dict(registry._entries)) for registry in (MODELS, FAMILIES)}
+    saved = {registry: (registry.names(), dict(registry._entries)) for registry in (MODELS,)}
     register_language_family("toyllama", TOY_LLAMA)
     register_model("toymlp", TOY_MLP)(build_toy_mlp)
     yield

@@ -58,24 +58,30 @@ class ModelFamily:
     opacus_fixes: tuple[OpacusFix, ...] = ()
 
 
-MODELS: Registry[Callable[..., nn.Module]] = Registry("model", package=__name__)
-FAMILIES: Registry[ModelFamily] = Registry("model", package=__name__)
+@dataclass(frozen=True)
+class RegisteredModel:
+    """One registry entry: the builder `(model_cfg, DataSpec) -> nn.Module` and its family record."""
+
+    build: Callable[..., nn.Module]
+    family: ModelFamily
+
+
+MODELS: Registry[RegisteredModel] = Registry("model", package=__name__)
 FAMILY_ATTRIBUTE = "dpbench_family"  # set on every model dpbench builds: its registered name
 
 
 def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
-    """Decorator: register a builder `(model_cfg, DataSpec) -> nn.Module` and its family record."""
+    """Decorator: register a builder `(model_cfg, DataSpec) -> nn.Module` with its family record."""
 
     def decorator(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        MODELS.register(name)(builder)
-        FAMILIES.register(name)(family)
+        MODELS.register(name)(RegisteredModel(builder, family))
         return builder
 
     return decorator
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
-    return apply_opacus_fixes(MODELS.get(model_cfg.name)(model_cfg, spec), model_cfg.name)
+    return apply_opacus_fixes(MODELS.get(model_cfg.name).build(model_cfg, spec), model_cfg.name)
 
 
 def apply_opacus_fixes(model: nn.Module, name: str) -> nn.Module:
@@ -87,18 +93,18 @@ def apply_opacus_fixes(model: nn.Module, name: str) -> nn.Module:
 
 
 def model_family(name: str) -> ModelFamily:
-    return FAMILIES.get(name)
+    return MODELS.get(name).family
 
 
 def family_of(model: nn.Module) -> ModelFamily | None:
     """The record of a model: the one it was built with, or its Hugging Face model_type's."""
     name = getattr(model, FAMILY_ATTRIBUTE, None)
     if name is not None:
-        return FAMILIES.get(name)
+        return model_family(name)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:
         return None
-    return next((f for f in map(FAMILIES.get, FAMILIES.names()) if f.model_type == model_type), None)
+    return next((f for f in map(model_family, MODELS.names()) if f.model_type == model_type), None)
 
 
 def default_projected_modules(model: nn.Module) -> tuple[str, ...]:
@@ -106,11 +112,11 @@ def default_projected_modules(model: nn.Module) -> tuple[str, ...]:
     family = family_of(model)
     if family is not None:
         return family.projected_modules
-    return tuple(p for name in FAMILIES.names() for p in FAMILIES.get(name).projected_modules)
+    return tuple(p for name in MODELS.names() for p in model_family(name).projected_modules)
 
 
 def language_families() -> list[str]:
-    return [name for name in FAMILIES.names() if FAMILIES.get(name).language_task]
+    return [name for name in MODELS.names() if model_family(name).language_task]
 
 
 def language_family(name: str) -> ModelFamily:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.models import FAMILIES, MODELS, ModelFamily, apply_opacus_fixes, language_family
+from dpbench.models import MODELS, ModelFamily, RegisteredModel, apply_opacus_fixes, language_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_CLASSES = {"masked": "AutoModelForMaskedLM", "causal": "AutoModelForCausalLM"}
@@ -46,8 +46,7 @@ def register_language_family(name: str, family: LanguageFamily) -> None:
     def build_outside_language_task(model_cfg, spec):
         raise UserError(f"model={name} is a language model; use a language dataset (dataset.task: language, e.g. dataset=sst2)")
 
-    MODELS.register(name)(build_outside_language_task)
-    FAMILIES.register(name)(family)
+    MODELS.register(name)(RegisteredModel(build_outside_language_task, family))
 
 
 # Special tokens of the tiny tokenizers, at RoBERTa's / OPT's ids (<s>=0, <pad>=1, </s>=2).
