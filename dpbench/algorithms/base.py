@@ -302,7 +302,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.params = [p for p in model.parameters() if p.requires_grad]
         # algo.per_sample exists where an algorithm can use every engine; the others need per-example
         # gradients themselves (DC-DPSGD scores them, DPDR decomposes them): materialize.
-        self.engine = build_engine(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())
+        self.engine = build_engine(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())  # galore_naive has no choice
         self.optimizer = self.build_optimizer(self.params)
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 

@@ -49,7 +49,6 @@ from dpbench.algorithms.projected_adam import (
     project,
     projection_summary,
 )
-from dpbench.errors import UserError
 from dpbench.logging.console import console
 from dpbench.schema import choice_of
 
@@ -120,8 +119,6 @@ class DPGrape(DPFirstOrderAlgorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         self.rank = cfg.rank
         self.update_interval = cfg.update_interval
-        if cfg.projector not in PROJECTORS:
-            raise UserError(f"algo.projector={cfg.projector!r} is not known; use {' or '.join(PROJECTORS)}")
         self.make_projector = PROJECTORS[cfg.projector]
         modules, self.projections = build_projections(model, cfg)
         self.projected_modules = modules

@@ -48,7 +48,7 @@ def batches_per_epoch(cfg, train_size: int) -> int | None:
     if cfg.privacy.sampling != "shuffle":
         return None
     batch_size = int(cfg.train.batch_size)
-    relation = str(cfg.privacy.get("neighboring", "add_remove"))
+    relation = str(cfg.privacy.neighboring)
     per_epoch = (train_size - 1) // batch_size if relation == "add_remove" else train_size // batch_size
     if per_epoch < 1:
         raise UserError(

@@ -41,13 +41,18 @@ class TensorTask(Task):
 
 
 def algo_cfg(name, **overrides):
-    base = {"name": name, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    """The algorithm's registered options (its schema's defaults), with small-test settings."""
+    from dpbench.algorithms import ALGORITHMS
+
+    base = {}
     if name in ("grape", "galore_naive", "galore"):
-        base.update(rank=4, update_interval=3, projected_modules=None)
+        base.update(rank=4, update_interval=3)
     if name == "grape":
-        base.update(projector="gaussian", projection_seed=1234)
+        base.update(projection_seed=1234)
     base.update(overrides)
-    return OmegaConf.create(base)
+    node = OmegaConf.structured(ALGORITHMS.options(name))
+    OmegaConf.set_struct(node, False)  # as composed: options of other algorithms are ignored
+    return OmegaConf.merge(node, base)
 
 
 def privacy(sigma=0.0, clip=1.0, batch=8.0):
