@@ -57,13 +57,13 @@ def test_a_killed_private_run_resumes_to_the_same_steps_ledger_and_epsilon(tmp_p
     cfg = compose(TINY + STEPS + SIGMA + ["algo=grape"])
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)
     resumed = run_killed_then_resumed(cfg, tmp_path / "resumed", monkeypatch, step=5)
-    assert resumed["resumed_from_step"] == 4 and whole["resumed_from_step"] is None  # eval at 4 checkpoints too
-    assert resumed["privacy"]["steps"] == whole["privacy"]["steps"] == 8
-    assert resumed["privacy"]["ledger"] == whole["privacy"]["ledger"]
-    assert sum(m["count"] for m in resumed["privacy"]["ledger"]) == 8
-    assert resumed["privacy"]["epsilon"] == whole["privacy"]["epsilon"]
-    assert [h["step"] for h in resumed["history"]] == [4, 8]
-    assert resumed["history"][0]["epsilon"] == whole["history"][0]["epsilon"]
+    assert resumed.resumed_from_step == 4 and whole.resumed_from_step is None  # eval at 4 checkpoints too
+    assert resumed.privacy.steps == whole.privacy.steps == 8
+    assert resumed.privacy.ledger == whole.privacy.ledger
+    assert sum(m["count"] for m in resumed.privacy.ledger) == 8
+    assert resumed.privacy.epsilon == whole.privacy.epsilon
+    assert [h.step for h in resumed.history] == [4, 8]
+    assert resumed.history[0].epsilon == whole.history[0].epsilon
 
 
 @pytest.mark.parametrize("extra", [["algo=adam"], ["algo=sgd", "algo.momentum=0.9", "privacy.sampling=shuffle"]])
@@ -72,9 +72,9 @@ def test_a_resumed_seeded_run_is_bit_identical_to_the_uninterrupted_one(extra, t
     cfg = compose(TINY + STEPS + extra)
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)
     resumed = run_killed_then_resumed(cfg, tmp_path / "resumed", monkeypatch, step=7)
-    assert resumed["resumed_from_step"] == 6
-    assert resumed["history"] == whole["history"]
-    assert resumed["metrics"] == whole["metrics"]
+    assert resumed.resumed_from_step == 6
+    assert resumed.history == whole.history
+    assert resumed.metrics == whole.metrics
 
 
 # --- every algorithm's state ------------------------------------------------------------------------
@@ -158,11 +158,11 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_finishes_the_same_run(tmp_pa
     results = run_job(cfg, run, show_progress=False)
     captured = capsys.readouterr()
     assert f"resuming from step {stopped_at} of 40" in captured.out + captured.err
-    assert results["resumed_from_step"] == stopped_at and results["privacy"]["steps"] == 40
-    assert sum(m["count"] for m in results["privacy"]["ledger"]) == 40
+    assert results.resumed_from_step == stopped_at and results.privacy.steps == 40
+    assert sum(m["count"] for m in results.privacy.ledger) == 40
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)  # uninterrupted
-    assert results["privacy"]["epsilon"] == whole["privacy"]["epsilon"]
-    assert results["privacy"]["ledger"] == whole["privacy"]["ledger"]
+    assert results.privacy.epsilon == whole.privacy.epsilon
+    assert results.privacy.ledger == whole.privacy.ledger
 
 
 def test_submitit_signal_is_handed_on_after_the_checkpoint(tmp_path, monkeypatch):
