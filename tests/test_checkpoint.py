@@ -218,7 +218,7 @@ def test_damaged_or_incompatible_checkpoints_are_one_line_errors_naming_the_fix(
     torch.save(payload, path)
     fails_with("does not fit this run .*ledger")
     path.write_bytes(good)
-    assert run_job(cfg, tmp_path, show_progress=False)["resumed_from_step"] == 4
+    assert run_job(cfg, tmp_path, show_progress=False).resumed_from_step == 4
 
 
 def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsys):
@@ -228,7 +228,7 @@ def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsy
         with pytest.raises(Killed):
             run_job(cfg, tmp_path, show_progress=False)
     other = compose(TINY + STEPS + SIGMA + ["algo=dpsgd", "train.lr=0.05", "train.checkpoint_every=5"])
-    assert run_job(other, tmp_path, show_progress=False)["resumed_from_step"] is None
+    assert run_job(other, tmp_path, show_progress=False).resumed_from_step is None
     captured = capsys.readouterr()
     assert "is of another config (train.lr" in captured.out + captured.err
     assert not (tmp_path / CHECKPOINT_FILE).exists()
