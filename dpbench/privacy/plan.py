@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 from omegaconf import OmegaConf
@@ -55,7 +55,7 @@ class PrivacySetup:
     # what an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's EpsilonSplit
     # with sigma_tr); None for the one-sigma calibration. Planning and the algorithm read it as is:
     # the run's config stays as given, so results.json and resume see what the user set.
-    derived: CalibratedNoises | Any | None = None
+    derived: CalibratedNoises | None = None
 
 
 class PlanMismatchError(RuntimeError):
