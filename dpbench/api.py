@@ -2,10 +2,11 @@
 
     from dpbench.api import run
     results = run(["algo=dpadam", "privacy.epsilon=3", "logger=none"])
-    results["metrics"]["test_accuracy"], results["privacy"]["epsilon"]
+    results.metrics.test_accuracy, results.privacy.epsilon
 
 `run` composes conf/ exactly as `dpbench <overrides>` does, trains, writes results.json into
-`run_dir` (default: a new folder under outputs/runs/) and returns the results dict. It reruns the
+`run_dir` (default: a new folder under outputs/runs/) and returns its `RunResults`
+(dpbench.logging.results: one typed section per block of the file; `to_json()` is the file). It reruns the
 job unless `resume=True` is passed and `run_dir` holds a run of the same config.
 """
 
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+from dpbench.logging.results import RunResults
 
 
 def compose(overrides: list[str] | None = None) -> DictConfig:
@@ -30,7 +33,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
-        show_progress: bool = True) -> dict:
+        show_progress: bool = True) -> RunResults:
     """Compose, run one job and return its results (see README "What a run writes")."""
     from omegaconf import open_dict
 

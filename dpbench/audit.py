@@ -521,9 +521,9 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
         # the other checks build many jobs: at the calibrated sigma they skip calibration
         fixed = cfg.copy()
         OmegaConf.update(fixed, "privacy.noise_multiplier", float(job.privacy.setup.noise_multiplier))
-        for key, value in job.privacy.setup.derived.items():  # an algorithm's own calibration (DC-DPSGD's sigma_tr)
-            if key in cfg.algo:  # its options only (derived facts for results.json are not config keys)
-                OmegaConf.update(fixed, f"algo.{key}", value)
+        derived = job.privacy.setup.derived  # an algorithm's own calibration (DC-DPSGD's EpsilonSplit: sigma_tr)
+        for key, value in (derived.fixed_noise_options() if derived is not None else {}).items():
+            OmegaConf.update(fixed, f"algo.{key}", value)
         checks = [*noise_check(fixed), *sensitivity_check(fixed), *accounting]
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
     report = AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from dpbench.checkpoint import EXIT_PREEMPTED, Preempted
 from dpbench.errors import DivergedError, UserError
+from dpbench.logging.results import RunResults
 from dpbench.paths import config_dir
 from dpbench.schema import run_app
 
@@ -86,11 +87,11 @@ class GridFailures(Callback):
         _grid_failures.extend(failed_jobs(Path(config.hydra.sweep.dir), self.started))
 
 
-def objective(cfg: DictConfig, results: dict | None) -> float:
+def objective(cfg: DictConfig, results: RunResults | None) -> float:
     """What the job returns to a Hydra sweeper: `optimize` names a metrics key, "-key" negates it."""
     key = str(cfg.get("optimize") or "test_accuracy")
     sign, key = (-1.0, key[1:]) if key.startswith("-") else (1.0, key)
-    value = ((results or {}).get("metrics") or {}).get(key)
+    value = results.metrics.to_json().get(key) if results is not None else None
     return float("nan") if value is None else sign * float(value)  # a failed job: nan
 
 

@@ -22,7 +22,8 @@ from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, de
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
-    MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results, write_results,
+    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results,
+    write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
@@ -160,14 +161,14 @@ def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> 
     return not differences
 
 
-def reusable_results(cfg: DictConfig, run_dir: Path) -> dict | None:
+def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
     """The stored results of this exact job, or None (with the reason printed) to run it."""
     if not cfg.resume or (existing := read_results(run_dir)) is None:
         return None
     if not matches_config(existing, cfg, f"{run_dir} holds a run", "running it again"):
         return None
     console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
-    return existing
+    return RunResults.from_json(existing)
 
 
 def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
@@ -295,9 +296,9 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
 def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> RunResults:
     """results.json (the contract reports, resumption and checks read) of what ran."""
     cfg, algorithm, state = job.cfg, job.algorithm, trainer.state
-    last = state.history[-1] if state.history else {}
+    last = state.history[-1] if state.history else EvalRecord()  # the last evaluation's figures
     if job.privacy is not None:
-        privacy = PrivacyResults.from_json(job.privacy.results(state.ledger, state.step, job.steps))
+        privacy = job.privacy.results(state.ledger, state.step, job.steps)
         notes = [*notes, *job.privacy.recorded_notes()]
     else:
         sample_rate = cfg.train.batch_size / job.task.train_size
@@ -312,8 +313,8 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         status=status, algo=cfg.algo.name, model=cfg.model.name, dataset=cfg.dataset.name, seed=cfg.seed,
         privacy=privacy,
         metrics=MetricsResults(
-            metric=job.task.metric_name, test_accuracy=last.get("test_accuracy"), best_test_accuracy=state.best_accuracy,
-            train_loss=last.get("train_loss"), test_loss=last.get("test_loss"), train_accuracy=last.get("train_accuracy"),
+            metric=job.task.metric_name, test_accuracy=last.test_accuracy, best_test_accuracy=state.best_accuracy,
+            train_loss=last.train_loss, test_loss=last.test_loss, train_accuracy=last.train_accuracy,
         ),
         memory=MemoryResults.from_json({
             **memory.read(),
@@ -330,7 +331,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     )
 
 
-def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> dict:
+def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> RunResults:
     """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json).
 
     With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
@@ -385,11 +386,11 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     if not main:
         if failure is not None:
             raise failure
-        return results.to_json()
+        return results
     if sync := logger.finish(results, results_file):
         console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
     console.print(summary_table(results))
     console.print(f"[dim]results: {results_file}[/]")
     if failure is not None:
         raise failure
-    return results.to_json()
+    return results

@@ -13,6 +13,7 @@ from dpbench.checkpoint import (
     CheckpointMismatch, algorithm_state, load_algorithm_state, rank_rng_states, restore_rank_rng_states,
 )
 from dpbench.errors import DivergedError
+from dpbench.logging.results import EvalRecord
 from dpbench.metering import Throughput
 from dpbench.privacy.mechanisms import Ledger, same_mechanisms
 from dpbench.privacy.plan import PrivacyPlan
@@ -35,7 +36,7 @@ class TrainingState:
     ledger: Ledger = field(default_factory=Ledger)
     train_loss: float | None = None  # mean over the last evaluation window (None: not reported)
     best_accuracy: float | None = None
-    history: list[dict] = field(default_factory=list)
+    history: list[EvalRecord] = field(default_factory=list)
 
 
 class Callback:
@@ -45,7 +46,7 @@ class Callback:
 
     def on_step(self, trainer: "Trainer", result: StepResult) -> None: ...
 
-    def on_eval(self, trainer: "Trainer", record: dict) -> None: ...
+    def on_eval(self, trainer: "Trainer", record: EvalRecord) -> None: ...
 
     def on_fit_end(self, trainer: "Trainer") -> None: ...
 
@@ -87,23 +88,18 @@ class Trainer:
         every, step = self.config.eval_every, self.state.step
         return step == self.config.steps or (every > 0 and step % every == 0)
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> EvalRecord:
         """Test metrics of the current model, appended to the history."""
         state = self.state
         metrics = self.task.evaluate(self.algorithm.model)
         accuracy = metrics["accuracy"]
         better = max if self.task.higher_is_better else min
         state.best_accuracy = accuracy if state.best_accuracy is None else better(state.best_accuracy, accuracy)
-        record = {
-            "step": state.step,
-            "train_loss": state.train_loss,
-            "test_accuracy": accuracy,
-            "test_loss": metrics.get("loss"),
-            "epsilon": self.epsilon_spent(),
-        }
+        record = EvalRecord(step=state.step, train_loss=state.train_loss, test_accuracy=accuracy,
+                            test_loss=metrics.get("loss"), epsilon=self.epsilon_spent())
         train_metrics = getattr(self.task, "train_metrics", None)
         if self.config.train_eval_size > 0 and self.config.log_private_stats and train_metrics is not None:
-            record["train_accuracy"] = train_metrics(self.algorithm.model, self.config.train_eval_size)["accuracy"]
+            record.train_accuracy = train_metrics(self.algorithm.model, self.config.train_eval_size)["accuracy"]
         state.history.append(record)
         self._window_loss, self._window_count = 0.0, 0
         for callback in self.callbacks:
@@ -183,7 +179,7 @@ class Trainer:
             "ledger": state.ledger.as_records(),
             "train_loss": state.train_loss,
             "best_accuracy": state.best_accuracy,
-            "history": state.history,
+            "history": [record.to_json() for record in state.history],
             "window": [self._window_loss, self._window_count],
             "throughput": [throughput.steps, throughput.examples, throughput.measured_time],
             "rng": rank_rng_states() if generators is None else generators,
@@ -198,7 +194,7 @@ class Trainer:
         load_algorithm_state(self.algorithm, saved["algorithm"])
         state = self.state
         state.step, state.train_loss, state.best_accuracy = saved["step"], saved["train_loss"], saved["best_accuracy"]
-        state.history = list(saved["history"])
+        state.history = [EvalRecord.from_json(record) for record in saved["history"]]
         state.ledger = self._planned_ledger(Ledger.from_records(saved["ledger"]))
         self._window_loss, self._window_count = saved["window"]
         self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]

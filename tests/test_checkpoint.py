@@ -59,13 +59,13 @@ def test_a_killed_private_run_resumes_to_the_same_steps_ledger_and_epsilon(tmp_p
     cfg = compose(TINY + STEPS + SIGMA + ["algo=grape"])
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)
     resumed = run_killed_then_resumed(cfg, tmp_path / "resumed", monkeypatch, step=5)
-    assert resumed["resumed_from_step"] == 4 and whole["resumed_from_step"] is None  # eval at 4 checkpoints too
-    assert resumed["privacy"]["steps"] == whole["privacy"]["steps"] == 8
-    assert resumed["privacy"]["ledger"] == whole["privacy"]["ledger"]
-    assert sum(m["count"] for m in resumed["privacy"]["ledger"]) == 8
-    assert resumed["privacy"]["epsilon"] == whole["privacy"]["epsilon"]
-    assert [h["step"] for h in resumed["history"]] == [4, 8]
-    assert resumed["history"][0]["epsilon"] == whole["history"][0]["epsilon"]
+    assert resumed.resumed_from_step == 4 and whole.resumed_from_step is None  # eval at 4 checkpoints too
+    assert resumed.privacy.steps == whole.privacy.steps == 8
+    assert resumed.privacy.ledger == whole.privacy.ledger
+    assert sum(m["count"] for m in resumed.privacy.ledger) == 8
+    assert resumed.privacy.epsilon == whole.privacy.epsilon
+    assert [h.step for h in resumed.history] == [4, 8]
+    assert resumed.history[0].epsilon == whole.history[0].epsilon
 
 
 @pytest.mark.parametrize("extra", [["algo=adam"], ["algo=sgd", "algo.momentum=0.9", "privacy.sampling=shuffle"]])
@@ -74,9 +74,9 @@ def test_a_resumed_seeded_run_is_bit_identical_to_the_uninterrupted_one(extra, t
     cfg = compose(TINY + STEPS + extra)
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)
     resumed = run_killed_then_resumed(cfg, tmp_path / "resumed", monkeypatch, step=7)
-    assert resumed["resumed_from_step"] == 6
-    assert resumed["history"] == whole["history"]
-    assert resumed["metrics"] == whole["metrics"]
+    assert resumed.resumed_from_step == 6
+    assert resumed.history == whole.history
+    assert resumed.metrics == whole.metrics
 
 
 # --- every algorithm's state ------------------------------------------------------------------------
@@ -160,11 +160,11 @@ def test_sigterm_checkpoints_exits_75_and_the_rerun_finishes_the_same_run(tmp_pa
     results = run_job(cfg, run, show_progress=False)
     captured = capsys.readouterr()
     assert f"resuming from step {stopped_at} of 40" in captured.out + captured.err
-    assert results["resumed_from_step"] == stopped_at and results["privacy"]["steps"] == 40
-    assert sum(m["count"] for m in results["privacy"]["ledger"]) == 40
+    assert results.resumed_from_step == stopped_at and results.privacy.steps == 40
+    assert sum(m["count"] for m in results.privacy.ledger) == 40
     whole = run_job(cfg, tmp_path / "whole", show_progress=False)  # uninterrupted
-    assert results["privacy"]["epsilon"] == whole["privacy"]["epsilon"]
-    assert results["privacy"]["ledger"] == whole["privacy"]["ledger"]
+    assert results.privacy.epsilon == whole.privacy.epsilon
+    assert results.privacy.ledger == whole.privacy.ledger
 
 
 def test_submitit_signal_is_handed_on_after_the_checkpoint(tmp_path, monkeypatch):
@@ -220,7 +220,7 @@ def test_damaged_or_incompatible_checkpoints_are_one_line_errors_naming_the_fix(
     torch.save(payload, path)
     fails_with("does not fit this run .*ledger")
     path.write_bytes(good)
-    assert run_job(cfg, tmp_path, show_progress=False)["resumed_from_step"] == 4
+    assert run_job(cfg, tmp_path, show_progress=False).resumed_from_step == 4
 
 
 def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsys):
@@ -230,7 +230,7 @@ def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsy
         with pytest.raises(Killed):
             run_job(cfg, tmp_path, show_progress=False)
     other = compose(TINY + STEPS + SIGMA + ["algo=dpsgd", "train.lr=0.05", "train.checkpoint_every=5"])
-    assert run_job(other, tmp_path, show_progress=False)["resumed_from_step"] is None
+    assert run_job(other, tmp_path, show_progress=False).resumed_from_step is None
     captured = capsys.readouterr()
     assert "is of another config (train.lr" in captured.out + captured.err
     assert not (tmp_path / CHECKPOINT_FILE).exists()

@@ -20,11 +20,11 @@ def test_wandb_offline_run_holds_accuracy_and_peak_memory(tmp_path, monkeypatch)
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert exit_code(run_file) == 0  # W&B's service writes the file after finish() returns: wait for its end
     values = summary(run_file)
-    assert float(values["test/accuracy"]) == pytest.approx(results["metrics"]["test_accuracy"])
-    assert int(values["memory/peak_bytes"]) == results["memory"]["peak_bytes"]
-    assert float(values["privacy/epsilon"]) == pytest.approx(results["privacy"]["epsilon"])
+    assert float(values["test/accuracy"]) == pytest.approx(results.metrics.test_accuracy)
+    assert int(values["memory/peak_bytes"]) == results.memory.peak_bytes
+    assert float(values["privacy/epsilon"]) == pytest.approx(results.privacy.epsilon)
     assert "epsilon" not in values and "test_accuracy" not in values  # one name per figure
-    figures = RunResults.from_json(results).summary()  # the one summary the console and report read too
+    figures = results.summary()  # the one summary the console and report read too
     assert {name: json.loads(values[name]) for name in figures} == pytest.approx(figures)
 
 
@@ -100,14 +100,14 @@ def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
 
 def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
     results = run_job(tiny_cfg("privacy.delta=0.01", *FIXED_SIGMA), tmp_path, show_progress=False)
-    assert any("not below 1/n" in note for note in results["notes"])
+    assert any("not below 1/n" in note for note in results.notes)
 
 
 def test_shuffle_sampling_is_recorded_with_its_bound(tiny_cfg, tmp_path):
     results = run_job(tiny_cfg("privacy.sampling=shuffle"), tmp_path, show_progress=False)
-    assert results["privacy"]["sampling"] == "shuffle"
-    assert results["privacy"]["bound"] == "full_batch_gaussian_per_epoch"
-    assert any("without amplification" in note for note in results["notes"])  # tests/test_shuffle.py: the bound
+    assert results.privacy.sampling == "shuffle"
+    assert results.privacy.bound == "full_batch_gaussian_per_epoch"
+    assert any("without amplification" in note for note in results.notes)  # tests/test_shuffle.py: the bound
 
 
 def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):
@@ -207,10 +207,10 @@ def test_the_job_returns_its_objective_to_a_sweeper(tiny_cfg, tmp_path):
 
     cfg = tiny_cfg(*FIXED_SIGMA)
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert objective(cfg, results) == results["metrics"]["test_accuracy"]
+    assert objective(cfg, results) == results.metrics.test_accuracy
     with open_dict(cfg):
         cfg.optimize = "-test_loss"
-    assert objective(cfg, results) == -results["metrics"]["test_loss"]
+    assert objective(cfg, results) == -results.metrics.test_loss
     assert objective(cfg, None) != objective(cfg, None)  # nan for a failed job
 
 
@@ -218,8 +218,8 @@ def test_python_api_runs_and_records_provenance(tmp_path):
     from dpbench.api import run
 
     results = run(TINY + FIXED_SIGMA, run_dir=tmp_path, show_progress=False)
-    versions = results["versions"]
+    versions = results.versions
     assert {"timm", "transformers", "peft", "hydra_core", "wandb", "dp_accounting", "numpy", "git_commit", "command"} <= set(versions)
     assert versions["dp_accounting"] and versions["hydra_core"]
     again = run(TINY + FIXED_SIGMA + ["train.steps=2"], run_dir=tmp_path, resume=True, show_progress=False)
-    assert again["privacy"]["steps"] == 2  # another config: not the cached run
+    assert again.privacy.steps == 2  # another config: not the cached run

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from helpers.config import FIXED_SIGMA, REPO, compose
 
-from dpbench.logging.results import read_results
+from dpbench.logging.results import RunResults, read_results
 from dpbench.run import run_job
 
 GROUPS = ["dataset", "model", "algo", "accountant", "logger"]
@@ -45,13 +45,14 @@ REQUIRED_KEYS = {
 }
 
 
-def check_results(results: dict) -> None:
+def check_results(results: RunResults) -> None:
+    written = results.to_json()  # results.json as the run writes it
     for key in ("algo", "model", "dataset", "seed", "config", "status"):
-        assert key in results
+        assert key in written
     for section, keys in REQUIRED_KEYS.items():
-        assert keys <= set(results[section]), f"{section} lacks {keys - set(results[section])}"
-    assert 0.0 <= results["metrics"]["test_accuracy"] <= 1.0
-    assert results["memory"]["peak_bytes"] > 0
+        assert keys <= set(written[section]), f"{section} lacks {keys - set(written[section])}"
+    assert 0.0 <= results.metrics.test_accuracy <= 1.0
+    assert results.memory.peak_bytes > 0
 
 
 @pytest.mark.parametrize("algo", options("algo"))
@@ -59,11 +60,11 @@ def test_every_algorithm_runs_end_to_end(algo, tiny_cfg, tmp_path: Path):
     results = run_job(tiny_cfg(f"algo={algo}"), tmp_path, show_progress=False)
     check_results(results)
     assert read_results(tmp_path)["algo"] == algo
-    assert results["privacy"]["steps"] == 3
-    if results["privacy"]["private"]:
-        assert 0 < results["privacy"]["epsilon"] <= 8.0
+    assert results.privacy.steps == 3
+    if results.privacy.private:
+        assert 0 < results.privacy.epsilon <= 8.0
     else:
-        assert results["privacy"]["epsilon"] is None and results["privacy"]["ledger"] == []
+        assert results.privacy.epsilon is None and results.privacy.ledger == []
 
 
 @pytest.mark.parametrize("model", options("model"))
@@ -79,9 +80,9 @@ def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
 def test_every_accountant_calibrates_a_run(accountant, tiny_cfg, tmp_path: Path):
     opt_in = ["privacy.allow_approximate_accountant=true"] if accountant == "gdp" else []
     results = run_job(tiny_cfg(f"accountant={accountant}", "algo=dpsgd", *opt_in), tmp_path, show_progress=False)
-    assert results["privacy"]["accountant"] == accountant
-    assert 7.5 <= results["privacy"]["epsilon"] <= 8.0 + 1e-9
-    assert results["privacy"]["epsilon_is_upper_bound"] is (accountant != "gdp")
+    assert results.privacy.accountant == accountant
+    assert 7.5 <= results.privacy.epsilon <= 8.0 + 1e-9
+    assert results.privacy.epsilon_is_upper_bound is (accountant != "gdp")
 
 
 def test_pyproject_lists_every_subpackage():

@@ -170,4 +170,4 @@ def test_k_none_scores_every_nonzero_gradient_one_and_runs_end_to_end(tmp_path):
     algorithm, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=null")
     assert algorithm.subspaces is None
     results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.subspace_dim=null"]), tmp_path, show_progress=False)
-    assert results["status"] == "completed" and 7.5 < results["privacy"]["epsilon"] <= 8.0
+    assert results.status == "completed" and 7.5 < results.privacy.epsilon <= 8.0

@@ -12,13 +12,12 @@ import dp_accounting as dpa
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 import torch.nn.functional as F
 from helpers.algorithms import tiny_model
 from helpers.config import OFFLINE, compose
 from conftest import REPO
 
-from dpbench.algorithms.dcdpsgd import DCDPSGD, gradient_mechanism, noise_multipliers
+from dpbench.algorithms.dcdpsgd import DCDPSGD, EpsilonSplit, gradient_mechanism, noise_multipliers
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import build_accountant
 from dpbench.privacy.plan import Calibration
@@ -44,23 +43,25 @@ def _dp_accounting_epsilon(sigma: float, delta: float) -> float:
 def test_epsilon_split_calibrates_each_mechanism_to_its_share(fraction):
     cfg = _epsilon_split_cfg(fraction)
     calibration = Calibration(build_accountant("pld"), STEPS, Q, 1.0, "add_remove")
-    sigma_dp, derived = DCDPSGD.calibrate_noise(cfg, calibration, EPSILON, DELTA)
-    split, sigma_tr = derived["epsilon_split"], derived["score_noise_multiplier"]
+    sigma_dp, split = DCDPSGD.calibrate_noise(cfg, calibration, EPSILON, DELTA)
+    assert isinstance(split, EpsilonSplit) and split.fixed_noise_options() == {"score_noise_multiplier": split.sigma_tr}
+    sigma_tr = split.sigma_tr
     shares = fraction * EPSILON, (1 - fraction) * EPSILON
     # each mechanism alone, at delta/2, spends its share (the bisection stops within 0.01 below it)
-    assert shares[0] - 0.02 <= split["epsilon_tr"] <= shares[0]
-    assert shares[1] - 0.02 <= split["epsilon_dp"] <= shares[1]
-    assert split["delta_each"] == DELTA / 2 and split["sigma_tr"] == sigma_tr and split["sigma_dp"] == sigma_dp
+    assert shares[0] - 0.02 <= split.epsilon_tr <= shares[0]
+    assert shares[1] - 0.02 <= split.epsilon_dp <= shares[1]
+    assert split.delta_each == DELTA / 2 and split.sigma_dp == sigma_dp
     # cross-check the score noise with dp-accounting directly: sigma_tr meets eps_tr, 2% less does not
     assert _dp_accounting_epsilon(sigma_tr, DELTA / 2) <= shares[0] + 1e-6
     assert _dp_accounting_epsilon(0.98 * sigma_tr, DELTA / 2) > shares[0]
-    # the composition of what runs (both exact mechanisms, at delta) is below the paper-style sum
-    planning = OmegaConf.merge(OmegaConf.to_container(cfg), derived)  # what the plan and the algorithm read
-    score, gradient = DCDPSGD.planned_mechanisms(planning, sigma_dp, Q, 0, 1.0)  # the two calibrated ones
-    assert score.noise_multiplier == sigma_tr and gradient == gradient_mechanism(planning, sigma_dp, Q, 1.0)
+    # the composition of what runs (both exact mechanisms, at delta) is below the paper-style sum;
+    # planning reads the split as is (the config is the user's, score_noise_multiplier null)
+    assert cfg.score_noise_multiplier is None
+    score, gradient = DCDPSGD.planned_mechanisms(cfg, sigma_dp, Q, 0, 1.0, derived=split)  # the two calibrated ones
+    assert score.noise_multiplier == sigma_tr and gradient == gradient_mechanism(cfg, sigma_dp, Q, 1.0)
     composed = calibration.epsilon(lambda step: [score, gradient], DELTA)
     larger_alone = calibration.epsilon(lambda step: [gradient if fraction < 0.5 else score], DELTA)
-    assert larger_alone < composed <= split["epsilon_tr"] + split["epsilon_dp"]
+    assert larger_alone < composed <= split.epsilon_tr + split.epsilon_dp
 
 
 def test_epsilon_split_refuses_incomplete_or_mixed_settings():
@@ -186,4 +187,4 @@ def test_drw_switches_on_in_a_run_at_its_epoch(tmp_path):
     per_epoch = job.task.train_size / 256
     assert seen and all(weighted == (step >= 2 * per_epoch) for step, weighted in seen)
     assert {weighted for _, weighted in seen} == {False, True}
-    assert trainer.state.history[-1]["test_accuracy"] > LEARNED
+    assert trainer.state.history[-1].test_accuracy > LEARNED

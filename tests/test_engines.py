@@ -180,10 +180,10 @@ def test_run_job_records_mode_and_rejects_unknown(tmp_path):
     for mode in ("materialize", "bk"):
         cfg = compose(TINY + ["algo=dpadam", f"algo.per_sample={mode}", "privacy.noise_multiplier=1.0"])
         results[mode] = run_job(cfg, tmp_path / mode, show_progress=False)
-    assert results["bk"]["status"] == "completed"
-    assert results["bk"]["config"]["algo"]["per_sample"] == "bk"
-    assert results["bk"]["privacy"]["epsilon"] == pytest.approx(results["materialize"]["privacy"]["epsilon"])
-    assert 0 < results["bk"]["memory"]["per_sample_grad_bytes"]
+    assert results["bk"].status == "completed"
+    assert results["bk"].config["algo"]["per_sample"] == "bk"
+    assert results["bk"].privacy.epsilon == pytest.approx(results["materialize"].privacy.epsilon)
+    assert 0 < results["bk"].memory.per_sample_grad_bytes
     with pytest.raises(UserError, match="algo.per_sample"):
         run_job(compose(TINY + ["algo=grape", "algo.per_sample=vmap"]), tmp_path / "bad", show_progress=False)
 

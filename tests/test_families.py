@@ -130,11 +130,11 @@ def test_toy_families_train_end_to_end(algo, sst2, tmp_path):
 
     for name, cfg in (("toyllama", toy_llama_cfg(sst2, f"algo={algo}")), ("toymlp", toy_mlp_cfg(f"algo={algo}"))):
         results = run_job(cfg, tmp_path / name, show_progress=False)
-        assert results["status"] == "completed" and results["model"] == name
-        assert 0 < results["privacy"]["epsilon"] <= 8.0
+        assert results.status == "completed" and results.model == name
+        assert 0 < results.privacy.epsilon <= 8.0
         if algo == "grape":
-            assert len(results["algorithm"]["projected_layers"]) == {"toyllama": 14, "toymlp": 2}[name]
-        assert results["metrics"]["train_loss"] == results["metrics"]["train_loss"]  # not NaN
+            assert len(results.algorithm["projected_layers"]) == {"toyllama": 14, "toymlp": 2}[name]
+        assert results.metrics.train_loss == results.metrics.train_loss  # not NaN
 
 
 def test_a_model_used_with_the_wrong_kind_of_dataset_is_a_user_error(sst2):

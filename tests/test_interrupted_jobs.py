@@ -57,7 +57,7 @@ def test_an_interrupted_offline_run_is_marked_failed_and_its_rerun_replaces_it(t
     (second,) = set(wandb_dir.glob("offline-run-*")) - {unrelated}
     assert second != first and not first.exists() and unrelated.is_dir()
     assert not (second / UNFINISHED_MARKER).exists()
-    assert exit_code(next(second.glob("run-*.wandb"))) == 0 and results["status"] == "completed"
+    assert exit_code(next(second.glob("run-*.wandb"))) == 0 and results.status == "completed"
     listed = wandb_sync_dry_run(wandb_dir)
     run_id = second.name.rsplit("-", 1)[1]
     assert "Would sync 2 run(s)" in listed and f"run-{run_id}.wandb" in listed and first.name not in listed

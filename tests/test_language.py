@@ -158,10 +158,10 @@ def test_language_runs_end_to_end(workspace, tmp_path, model_name, dataset, algo
                    "dataset.max_new_tokens=5", f"algo={algo}", "logger=none", "train.batch_size=4", "train.steps=2",
                    "train.eval_every=2", "train.lr=1e-3"])
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["status"] == "completed" and results["privacy"]["steps"] == 2
-    assert 0 < results["privacy"]["epsilon"] <= 8.0
-    assert results["metrics"]["metric"] == ("f1" if dataset == "squad" else "accuracy")
-    assert 0.0 <= results["metrics"]["test_accuracy"] <= 1.0
+    assert results.status == "completed" and results.privacy.steps == 2
+    assert 0 < results.privacy.epsilon <= 8.0
+    assert results.metrics.metric == ("f1" if dataset == "squad" else "accuracy")
+    assert 0.0 <= results.metrics.test_accuracy <= 1.0
 
 
 def test_zero_shot_evaluates_once(workspace, tmp_path):
@@ -170,9 +170,9 @@ def test_zero_shot_evaluates_once(workspace, tmp_path):
     cfg = compose([f"dataset=boolq", f"dataset.path={workspace / 'data' / 'boolq'}", "model=opt", "model.size=tiny",
                    f"model.path={workspace / 'opt'}", "algo=dpadam", "logger=none", "train.batch_size=4", "train.steps=0"])
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["privacy"]["steps"] == 0 and len(results["history"]) == 1
-    assert not results["privacy"]["epsilon"]  # nothing released
-    assert 0.0 <= results["metrics"]["test_accuracy"] <= 1.0
+    assert results.privacy.steps == 0 and len(results.history) == 1
+    assert not results.privacy.epsilon  # nothing released
+    assert 0.0 <= results.metrics.test_accuracy <= 1.0
 
 
 def test_wrong_pairings_are_user_errors(workspace):

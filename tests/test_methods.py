@@ -3,6 +3,7 @@ sensitivity bounds, a noise audit, and end-to-end runs that learn."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -241,10 +242,10 @@ def test_full_batch_methods_reduce_the_quadratic_gradient_norm(algo, lr, clip, e
                    f"privacy.clip_norm={clip}", *extra])
     results = run_job(cfg, tmp_path, show_progress=False)
     start = float(spectrum("log_d", 50).norm())  # ||A (0 - 1)||, about the initial gradient norm
-    assert results["privacy"]["sample_rate"] == 1.0
-    assert results["metrics"]["metric"] == "test_grad_norm"
-    assert 1.9 < results["privacy"]["epsilon"] <= 2.0
-    assert results["metrics"]["test_accuracy"] < 0.5 * start
+    assert results.privacy.sample_rate == 1.0
+    assert results.metrics.metric == "test_grad_norm"
+    assert 1.9 < results.privacy.epsilon <= 2.0
+    assert results.metrics.test_accuracy < 0.5 * start
 
 
 @pytest.mark.parametrize("algo", ["diff", "diff2", "sgd"])
@@ -253,7 +254,7 @@ def test_first_order_methods_learn_digits(algo, tmp_path):
                    "train.lr=0.5", "privacy.clip_norm=1.0", "algo.difference_clip=0.5" if algo != "sgd" else "seed=0"])
     results = run_job(cfg, tmp_path, show_progress=False)
     # chance is 0.1; private noise is unseeded: diff2 ranged 0.28-0.71 over 7 runs, so 2x chance
-    assert results["metrics"]["test_accuracy"] > 0.2, results["metrics"]
+    assert results.metrics.test_accuracy > 0.2, results.metrics
 
 
 # --- OPT-13B (DPZero Table 11) -------------------------------------------------------------------
@@ -276,7 +277,7 @@ def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
                        f"train.lr={lr}"])
         results = run_job(cfg, tmp_path / f"{algo}_{d}_{lr}", show_progress=False)
         key = (algo, d)
-        finals[key] = min(finals.get(key, math.inf), results["metrics"]["test_accuracy"])
+        finals[key] = min(finals.get(key, math.inf), results.metrics.test_accuracy)
     best = best_errors(tmp_path, "test_accuracy")
     assert {(algo, d): v for algo, points in best["log_d"].items() for d, v in points.items()} == finals
     assert main([str(tmp_path)]) == 0
@@ -291,5 +292,5 @@ def test_non_private_runs_are_reproducible_from_the_seed(algo, tmp_path):
 
     runs = [run_job(compose(TINY + [f"algo={algo}", "train.eval_every=1"]), tmp_path / str(i), show_progress=False)
             for i in range(2)]
-    assert runs[0]["history"] == [dict(r, epsilon=None) for r in runs[1]["history"]]
-    assert runs[0]["metrics"]["train_loss"] == runs[1]["metrics"]["train_loss"]
+    assert runs[0].history == [dataclasses.replace(r, epsilon=None) for r in runs[1].history]
+    assert runs[0].metrics.train_loss == runs[1].metrics.train_loss

@@ -184,11 +184,11 @@ SMALL = ["dataset=synthetic", "train.steps=2", "train.batch_size=8", "train.eval
 def test_new_configs_run_end_to_end(tmp_path, overrides):
     cfg = compose([*OFFLINE, *SMALL, *overrides])
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["status"] == "completed" and results["privacy"]["epsilon"] > 0
+    assert results.status == "completed" and results.privacy.epsilon > 0
     if cfg.algo.name == "dcdpsgd":
-        assert results["algorithm"]["sigma_tr"] == pytest.approx(results["algorithm"]["sigma_dp"])
+        assert results.algorithm["sigma_tr"] == pytest.approx(results.algorithm["sigma_dp"])
     if cfg.algo.name == "dpdr" and cfg.algo.paper_accounting:
-        assert results["algorithm"]["claimed_epsilon"] == 8 and results["algorithm"]["sigma_alpha"] == 0.8
+        assert results.algorithm["claimed_epsilon"] == 8 and results.algorithm["sigma_alpha"] == 0.8
 
 
 EXPERIMENTS = sorted(
@@ -210,4 +210,4 @@ def test_experiment_configs_run_on_synthetic(tmp_path, experiment):
     cfg = compose([*OFFLINE, f"experiment={experiment}", *SMALL, "train.steps=1", "dataset.channels=3",
                    "dataset.image_size=16", "train.physical_batch_size=null", "model.name=cnn", *FIXED_SIGMA])
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["status"] == "completed"
+    assert results.status == "completed"

@@ -34,9 +34,9 @@ def test_bf16_run_learns_and_spends_the_same_epsilon(tmp_path):
                         "privacy.noise_multiplier=0.5"]
     fp32 = run_job(compose(overrides), tmp_path / "fp32", show_progress=False)
     bf16 = run_job(compose(overrides + ["train.precision=bf16"]), tmp_path / "bf16", show_progress=False)
-    assert bf16["privacy"]["epsilon"] == pytest.approx(fp32["privacy"]["epsilon"])
-    assert bf16["privacy"]["ledger"] == fp32["privacy"]["ledger"]
-    assert bf16["metrics"]["test_accuracy"] > 0.25 + 0.15  # 4 classes; fp32 and bf16 reach 0.47-0.79
+    assert bf16.privacy.epsilon == pytest.approx(fp32.privacy.epsilon)
+    assert bf16.privacy.ledger == fp32.privacy.ledger
+    assert bf16.metrics.test_accuracy > 0.25 + 0.15  # 4 classes; fp32 and bf16 reach 0.47-0.79
 
 
 def _tiny_gradient_sums(precision: str, tiny: float, loss_scale: float | None = None) -> torch.Tensor:

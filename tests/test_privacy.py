@@ -233,5 +233,5 @@ def test_zero_size_poisson_batches_are_possible_and_handled(tiny_cfg, tmp_path):
 
     # q = 1/256: most Poisson batches are empty; the run must still finish and account every step.
     results = run_job(tiny_cfg("algo=dpadam", "train.batch_size=1", "train.steps=10"), tmp_path, show_progress=False)
-    assert results["privacy"]["steps"] == 10
-    assert sum(r["count"] for r in results["privacy"]["ledger"]) == 10
+    assert results.privacy.steps == 10
+    assert sum(r["count"] for r in results.privacy.ledger) == 10

@@ -45,7 +45,7 @@ def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path)
     cfg = compose(TINY + ["algo=dcdpsgd", "algo.tail_selection=rank", "privacy.clip_norm=0.1", "algo.tail_clip=1.0",
                           "privacy.noise_multiplier=1.0", "train.steps=5", "accountant=pld"])
     results = run_job(cfg, tmp_path, show_progress=False)
-    q = results["privacy"]["sample_rate"]
+    q = results.privacy.sample_rate
     sigma_tr = sigma_dp = math.sqrt(2)
     events = [
         dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), 5)
@@ -53,8 +53,8 @@ def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path)
     ]
     accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
     expected = accountant.compose(dpa.ComposedDpEvent(events)).get_epsilon(1e-5)
-    assert results["privacy"]["epsilon"] == pytest.approx(expected, rel=1e-3)
-    assert results["algorithm"]["tail_clip_c1"] == pytest.approx(1.0)
+    assert results.privacy.epsilon == pytest.approx(expected, rel=1e-3)
+    assert results.algorithm["tail_clip_c1"] == pytest.approx(1.0)
 
 
 # --- 2. DC-DPSGD two-pass clipping with dropout --------------------------------------------------
@@ -99,8 +99,8 @@ def test_gdp_underreports_and_does_not_calibrate_without_opt_in(tmp_path):
         run_job(compose(TINY + ["algo=dpsgd", "accountant=gdp"]), tmp_path, show_progress=False)
     results = run_job(compose(TINY + ["algo=dpsgd", "accountant=gdp", "privacy.noise_multiplier=1.1"]),
                       tmp_path / "fixed", show_progress=False)
-    assert results["privacy"]["epsilon_is_upper_bound"] is False
-    assert any("approximation, not an upper bound" in note for note in results["notes"])
+    assert results.privacy.epsilon_is_upper_bound is False
+    assert any("approximation, not an upper bound" in note for note in results.notes)
 
 
 # --- 4. LDAM margins from the public profile ------------------------------------------------------
@@ -139,9 +139,9 @@ def test_a_step_releasing_other_than_its_plan_stops_the_run(tmp_path, monkeypatc
 def test_ledger_records_the_mechanisms_each_step_released(tmp_path):
     results = run_job(compose(TINY + ["algo=dpdr", "algo.decomposition_steps=3", "train.steps=4"]),
                       tmp_path, show_progress=False)
-    records = results["privacy"]["ledger"]
-    sigma = results["privacy"]["noise_multiplier"]
-    sigma_eff = results["algorithm"]["sigma_eff"]
+    records = results.privacy.ledger
+    sigma = results.privacy.noise_multiplier
+    sigma_eff = results.algorithm["sigma_eff"]
     ran = sorted((r["noise_multiplier"], r["count"]) for r in records)
     expected = sorted([(sigma, 2), (sigma_eff, 2)])  # steps 0 and 3 DP-SGD; 1 and 2 decomposed
     assert [count for _, count in ran] == [count for _, count in expected]
@@ -158,8 +158,8 @@ def test_prv_fallback_names_the_accountant_that_computed_epsilon(tmp_path, monke
     monkeypatch.setattr(OpacusPRV, "get_epsilon", broken)
     results = run_job(compose(TINY + ["algo=dpsgd", "accountant=prv", "privacy.noise_multiplier=1.0"]),
                       tmp_path, show_progress=False)
-    assert results["privacy"]["accountant"] == "pld" and results["privacy"]["requested_accountant"] == "prv"
-    assert any("computed by pld" in note for note in results["notes"])
+    assert results.privacy.accountant == "pld" and results.privacy.requested_accountant == "prv"
+    assert any("computed by pld" in note for note in results.notes)
     assert PRVAccountant().name == "prv"
 
 
@@ -167,39 +167,39 @@ def test_meaning_changing_choices_are_noted_in_results(tmp_path):
     results = run_job(compose(TINY + ["algo=dcdpsgd", "algo.tail_selection=rank", "algo.gradient_sensitivity=tail_clip",
                                   "privacy.sampling=shuffle"]),
                       tmp_path, show_progress=False)
-    notes = " ".join(results["notes"])
+    notes = " ".join(results.notes)
     assert "tail_clip" in notes and "not a proven bound" in notes and "sampling=shuffle" in notes
     assert "log_private_stats=true" in notes
 
 
 def test_private_stats_can_be_switched_off(tmp_path):
     results = run_job(compose(TINY + ["algo=dcdpsgd", "privacy.log_private_stats=false"]), tmp_path, show_progress=False)
-    assert results["metrics"]["train_loss"] is None
-    assert all(record["train_loss"] is None for record in results["history"])
-    assert "mean_tail_fraction" not in results["algorithm"]
-    assert not any("log_private_stats=true" in note for note in results["notes"])
-    assert results["privacy"]["log_private_stats"] is False
+    assert results.metrics.train_loss is None
+    assert all(record.train_loss is None for record in results.history)
+    assert "mean_tail_fraction" not in results.algorithm
+    assert not any("log_private_stats=true" in note for note in results.notes)
+    assert results.privacy.log_private_stats is False
 
 
 def test_planned_ledger_and_calibration_share_one_planning_function(tmp_path):
     results = run_job(compose(TINY + ["algo=dcdpsgd", "accountant=pld"]), tmp_path, show_progress=False)
     cfg = compose(TINY + ["algo=dcdpsgd"])
-    p = results["privacy"]
+    p = results.privacy
     planned = planned_ledger(
-        lambda step: dcdpsgd.DCDPSGD.declared_mechanisms(cfg.algo, p["noise_multiplier"], p["sample_rate"], step,
-                                                         p["clip_norm"], "add_remove"),
-        p["steps"],
+        lambda step: dcdpsgd.DCDPSGD.declared_mechanisms(cfg.algo, p.noise_multiplier, p.sample_rate, step,
+                                                         p.clip_norm, "add_remove"),
+        p.steps,
     )
-    ran = p["ledger"]
+    ran = p.ledger
     assert [(r["sample_rate"], r["count"]) for r in planned.as_records()] == [(r["sample_rate"], r["count"]) for r in ran]
     assert [r["noise_multiplier"] for r in planned.as_records()] == pytest.approx([r["noise_multiplier"] for r in ran], rel=1e-12)
 
 
 def test_training_accuracy_is_logged_only_with_private_stats(tmp_path):
     logged = run_job(compose(TINY + ["algo=dpsgd", "train.train_eval_size=64"]), tmp_path / "on", show_progress=False)
-    assert all(0 <= r["train_accuracy"] <= 1 for r in logged["history"])
-    assert logged["metrics"]["train_accuracy"] == logged["history"][-1]["train_accuracy"]
-    assert any("training-set accuracy" in note for note in logged["notes"])
+    assert all(0 <= r.train_accuracy <= 1 for r in logged.history)
+    assert logged.metrics.train_accuracy == logged.history[-1].train_accuracy
+    assert any("training-set accuracy" in note for note in logged.notes)
     quiet = run_job(compose(TINY + ["algo=dpsgd", "train.train_eval_size=64", "privacy.log_private_stats=false"]),
                     tmp_path / "off", show_progress=False)
-    assert all("train_accuracy" not in r for r in quiet["history"]) and quiet["metrics"]["train_accuracy"] is None
+    assert all("train_accuracy" not in r.to_json() for r in quiet.history) and quiet.metrics.train_accuracy is None

@@ -32,10 +32,10 @@ def test_report_table_ratios_and_plots(tmp_path: Path, capsys):
     (tmp_path / "broken" / "results.json").write_text("{not json")
     rows = load_rows(tmp_path)
     assert len(rows) == 6
-    at16 = next(r for r in ratios(rows) if r["batch_size"] == 16)
-    assert abs(at16["peak_mib"] - 700 / 800) < 1e-9
-    assert abs(at16["per_sample_grad_bytes"] - 0.25) < 1e-9
-    assert abs(at16["samples_per_s"] - 1.2) < 1e-9
+    at16 = next(r for r in ratios(rows) if r.batch_size == 16)
+    assert abs(at16.peak_mib - 700 / 800) < 1e-9
+    assert abs(at16.per_sample_grad_bytes - 0.25) < 1e-9
+    assert abs(at16.samples_per_s - 1.2) < 1e-9
     assert main([str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out = captured.out + captured.err

@@ -9,7 +9,7 @@ from helpers.config import TINY, compose
 from rich.console import Console
 
 from dpbench.logging.console import summary_table
-from dpbench.logging.results import SCHEMA_VERSION, RunResults, eval_summary, read_results, write_results
+from dpbench.logging.results import SCHEMA_VERSION, EvalRecord, RunResults, eval_summary, read_results, write_results
 from dpbench.report import load_rows
 from dpbench.run import run_job
 
@@ -120,10 +120,33 @@ def test_report_rows_hold_the_summary_figures(runs):
 
 
 def test_an_evaluation_is_logged_under_the_summary_names():
-    record = {"step": 4, "train_loss": 0.5, "test_accuracy": 0.75, "test_loss": None, "epsilon": 1.5}
+    record = EvalRecord(step=4, train_loss=0.5, test_accuracy=0.75, test_loss=None, epsilon=1.5)
     assert eval_summary(record) == {"test/accuracy": 0.75, "train/loss": 0.5, "privacy/epsilon": 1.5}
     names = set(RunResults().summary())
     assert set(eval_summary(record)) <= names | {"train/accuracy"}
+
+
+def test_run_job_returns_the_typed_results_it_wrote(runs):
+    folder, stored = runs["dpsgd"]
+    results = run_job(compose(TINY + ["algo=dpsgd", "resume=true"]), folder, show_progress=False)  # the stored run
+    assert isinstance(results, RunResults) and results.to_json() == stored
+    assert all(isinstance(record, EvalRecord) for record in results.history)
+    assert results.metrics.test_accuracy == results.history[-1].test_accuracy == stored["history"][-1]["test_accuracy"]
+    assert "train_accuracy" not in stored["history"][-1]  # an evaluation writes only what it measured
+
+
+def test_a_file_with_prose_values_of_older_versions_reads_and_writes_back(runs, tmp_path):
+    """Old DPDR and DC-DPSGD runs stored explanations as values (algorithm.true_epsilon,
+    algorithm.composed_epsilon); today's runs put them in the notes. Old files still read the same."""
+    _, stored = runs["dpsgd"]
+    old = copy.deepcopy(stored)
+    old["algorithm"] = {"sigma_eff": 1.2, "true_epsilon": "privacy.epsilon (decomposition steps at sigma_eff)",
+                        "composed_epsilon": "privacy.epsilon (both mechanisms, composed by the accountant)"}
+    write_results(tmp_path, old)
+    read = RunResults.from_json(read_results(tmp_path))
+    assert read.algorithm == old["algorithm"] and read.to_json() == old
+    (row,) = load_rows(tmp_path)
+    assert row.epsilon == stored["privacy"]["epsilon"]
 
 
 def test_written_file_is_json_with_nan_as_null(tmp_path):
@@ -131,3 +154,25 @@ def test_written_file_is_json_with_nan_as_null(tmp_path):
     results.metrics.test_loss = float("nan")
     write_results(tmp_path, results)
     assert json.loads((tmp_path / "results.json").read_text())["metrics"]["test_loss"] is None
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algo=dcdpsgd", "algo.budget_split=epsilon", "algo.subspace_dim=null"],  # calibrated: an EpsilonSplit
+    ["algo=dpdr", "algo.paper_accounting=true", "algo.sigma_perp=0.59", "algo.sigma_alpha=0.8",
+     "algo.claimed_epsilon=8", "privacy.noise_multiplier=0.59"],
+])
+def test_algorithm_facts_are_values_and_their_meaning_is_in_the_notes(overrides):
+    """results.json `algorithm` holds numbers, flags and names; an explanation of what a figure
+    means goes to the run's notes (DPDR's claimed epsilon, DC-DPSGD's epsilon split)."""
+    from dpbench.run import setup
+
+    job = setup(compose(TINY + overrides))
+    facts = job.algorithm.extra_results()
+    prose = {key: value for key, value in facts.items() if isinstance(value, str) and " " in value}
+    assert not prose
+    assert job.privacy.recorded_notes()  # what the figures mean (paper accounting, the split)
+    if "algo=dpdr" in overrides:
+        assert facts["claimed_epsilon"] == 8 and "true_epsilon" not in facts
+        assert any("algorithm.claimed_epsilon" in note for note in job.privacy.notes)
+    else:
+        assert "composed_epsilon" not in facts and facts["epsilon_tr_plus_dp"] >= facts["epsilon_tr"] > 0

@@ -164,10 +164,10 @@ def test_a_private_shuffled_checkpoint_restores_the_epoch_in_progress():
 def test_a_shuffled_run_records_its_bound(tmp_path):
     results = run_job(compose(TINY + ["train.steps=null", "train.epochs=2", "privacy.sampling=shuffle", "accountant=pld"]),
                       tmp_path, show_progress=False)
-    privacy = results["privacy"]
-    assert privacy["steps"] == 14 and privacy["batches_per_epoch"] == 7
-    assert privacy["bound"] == "full_batch_gaussian_per_epoch" and privacy["sampling"] == "shuffle"
-    assert privacy["ledger"] == [{"noise_multiplier": privacy["noise_multiplier"], "sample_rate": 1.0,
-                                  "neighboring": "replace_one", "count": 2}]
-    assert privacy["epsilon"] == pytest.approx(dp_accounting_epsilon(privacy["noise_multiplier"], 2, DELTA), rel=2e-3)
-    assert any("without amplification" in note for note in results["notes"])
+    privacy = results.privacy
+    assert privacy.steps == 14 and privacy.batches_per_epoch == 7
+    assert privacy.bound == "full_batch_gaussian_per_epoch" and privacy.sampling == "shuffle"
+    assert privacy.ledger == [{"noise_multiplier": privacy.noise_multiplier, "sample_rate": 1.0,
+                               "neighboring": "replace_one", "count": 2}]
+    assert privacy.epsilon == pytest.approx(dp_accounting_epsilon(privacy.noise_multiplier, 2, DELTA), rel=2e-3)
+    assert any("without amplification" in note for note in results.notes)

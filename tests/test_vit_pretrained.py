@@ -100,7 +100,7 @@ def test_pretrained_vit_fine_tunes_end_to_end(checkpoint, tiny_cfg, tmp_path):
     cfg = tiny_cfg("algo=dpadam", "model.pretrained=test_vit", f"model.path={folder / 'model.safetensors'}",
                    "train.batch_size=8", "dataset.test_size=16", "train.lr=1e-3")
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results["status"] == "completed" and 0 < results["privacy"]["epsilon"] <= 8
-    assert results["memory"]["parameter_bytes"] == 4 * sum(
+    assert results.status == "completed" and 0 < results.privacy.epsilon <= 8
+    assert results.memory.parameter_bytes == 4 * sum(
         v.numel() for k, v in checkpoint[1].items() if not k.startswith(("head.", "patch_embed.proj.weight"))
     ) + 4 * (64 * 4 + 4) + 4 * 64 * 16 * 16

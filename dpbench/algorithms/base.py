@@ -101,14 +101,21 @@ class Algorithm(ABC):
 
     @classmethod
     def declared_mechanisms(
-        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, clip_norm: float, neighboring: str
+        cls, cfg, noise_multiplier: float, sample_rate: float, step: int, clip_norm: float, neighboring: str,
+        derived=None,
     ) -> list[GaussianMechanism]:
-        """`planned_mechanisms` stated under the run's neighbouring relation."""
-        return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step, clip_norm), neighboring)
+        """`planned_mechanisms` stated under the run's neighbouring relation. `derived` (what the
+        algorithm's own `calibrate_noise` derived) reaches only an algorithm that calibrates itself,
+        as `planned_mechanisms(..., derived=...)`; the others' signature stays the plain one."""
+        own = {} if derived is None else {"derived": derived}
+        return under_relation(cls.planned_mechanisms(cfg, noise_multiplier, sample_rate, step, clip_norm, **own),
+                              neighboring)
 
     # Optional classmethod `calibrate_noise(algo_cfg, calibration, epsilon, delta) -> (sigma, derived)`
     # for an algorithm that calibrates several noises itself (DC-DPSGD's epsilon split; see
-    # privacy/plan.py `Calibration`); None: the plan calibrates one sigma through planned_mechanisms.
+    # privacy/plan.py `Calibration`): `derived` is a small dataclass of its own (a
+    # `privacy.plan.CalibratedNoises`, e.g. DC-DPSGD's EpsilonSplit) or None, which the algorithm
+    # reads from `PrivacySetup.derived`. None: the plan calibrates one sigma through planned_mechanisms.
     calibrate_noise: ClassVar[Callable | None] = None
 
     @classmethod

@@ -27,7 +27,7 @@ Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not ho
       paper's Theorem 5.1 claims delta while each half spends delta. The accountant
       still composes the two exact mechanisms, so privacy.epsilon (<= eps_tr + eps_dp) is what ran;
       the algorithm's results give the paper-style eps_tr and eps_dp. privacy.noise_multiplier is
-      then sigma_dp; sigma_tr reaches planning and the algorithm as algo.score_noise_multiplier
+      then sigma_dp; sigma_tr reaches planning and the algorithm in an `EpsilonSplit`
       (PrivacySetup.derived), and results.json reports it as algorithm.sigma_tr.
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
@@ -144,10 +144,27 @@ def budget_split(cfg) -> str:
     return split
 
 
-def noise_multipliers(cfg, noise_multiplier: float) -> tuple[float, float]:
+@dataclass(frozen=True)
+class EpsilonSplit:
+    """A calibrated `algo.budget_split=epsilon` (`DCDPSGD.calibrate_noise`, PrivacySetup.derived):
+    each mechanism alone meets its share of the target epsilon at delta_each = delta/2 over the
+    planned run (the paper's eps = eps_tr + eps_dp); privacy.noise_multiplier is sigma_dp."""
+
+    sigma_tr: float  # the scores' noise multiplier
+    sigma_dp: float  # the gradient release's
+    epsilon_tr: float  # the score mechanism alone, at delta_each
+    epsilon_dp: float  # the gradient mechanism alone, at delta_each
+    delta_each: float
+
+    def fixed_noise_options(self) -> dict:
+        """The algo options that give these noises with privacy.noise_multiplier = sigma_dp fixed."""
+        return {"score_noise_multiplier": self.sigma_tr}
+
+
+def noise_multipliers(cfg, noise_multiplier: float, split: EpsilonSplit | None = None) -> tuple[float, float]:
     """(sigma_tr, sigma_dp) of a run whose privacy.noise_multiplier is `noise_multiplier`: the
-    base sigma split by Renyi share, or (epsilon split) sigma_dp itself with sigma_tr from
-    algo.score_noise_multiplier."""
+    base sigma split by Renyi share, or (epsilon split) sigma_dp itself with sigma_tr from the
+    calibrated `split` or, with noise given, from algo.score_noise_multiplier."""
     if budget_split(cfg) == "renyi":
         if cfg.score_noise_multiplier is not None:
             raise UserError("algo.score_noise_multiplier is for algo.budget_split=epsilon; with renyi, "
@@ -155,6 +172,8 @@ def noise_multipliers(cfg, noise_multiplier: float) -> tuple[float, float]:
         return split_noise_multipliers(noise_multiplier, cfg.score_budget_fraction)
     if math.isinf(noise_multiplier):  # nothing is released (zero-step run)
         return math.inf, math.inf
+    if split is not None:
+        return split.sigma_tr, noise_multiplier
     if cfg.score_noise_multiplier is None:
         raise UserError("algo.budget_split=epsilon with a given privacy.noise_multiplier (sigma_dp) needs "
                         "algo.score_noise_multiplier (sigma_tr) too; or set privacy.epsilon to calibrate both")
@@ -372,9 +391,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             raise UserError(f"algo.tail_fraction={cfg.tail_fraction} must lie strictly between 0 and 1")
         if privacy.clipping != "flat":
             raise UserError("dcdpsgd clips body and tail with flat (Abadi) clipping: set privacy.clipping=flat")
-        cfg = privacy.algo_config(cfg)  # with what the calibration derived (epsilon split: sigma_tr)
         super().__init__(model, task, cfg, lr, privacy)
-        self.sigma_tr, self.sigma_dp = noise_multipliers(cfg, privacy.noise_multiplier)
+        # a calibrated epsilon split (EpsilonSplit) or None: then sigma_tr comes from the config
+        self.epsilon_split: EpsilonSplit | None = privacy.derived
+        self.sigma_tr, self.sigma_dp = noise_multipliers(cfg, privacy.noise_multiplier, self.epsilon_split)
         self.body_clip = float(privacy.clip_norm)  # c2
         self.tail_clip = tail_to_body_ratio(cfg, self.body_clip) * self.body_clip  # c1
         self.identification = self._identification_indices(cfg.score_params)
@@ -426,20 +446,20 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         return notes
 
     @classmethod
-    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
-        sigma_tr, sigma_dp = noise_multipliers(cfg, noise_multiplier)
+    def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm, derived: EpsilonSplit | None = None):
+        sigma_tr, sigma_dp = noise_multipliers(cfg, noise_multiplier, derived)
         return [score_mechanism(sigma_tr, sample_rate), gradient_mechanism(cfg, sigma_dp, sample_rate, clip_norm)]
 
     @classmethod
-    def calibrate_noise(cls, cfg, calibration, epsilon: float, delta: float) -> tuple[float, dict]:
-        """(privacy.noise_multiplier, derived algo settings) for a target (epsilon, delta): the base
-        sigma (renyi split), or sigma_dp with sigma_tr and the split's epsilons (epsilon split: each
-        mechanism alone meets its share at delta/2)."""
+    def calibrate_noise(cls, cfg, calibration, epsilon: float, delta: float) -> tuple[float, EpsilonSplit | None]:
+        """(privacy.noise_multiplier, what was derived) for a target (epsilon, delta): the base
+        sigma and None (renyi split), or sigma_dp and the `EpsilonSplit` with sigma_tr and the
+        split's epsilons (epsilon split: each mechanism alone meets its share at delta/2)."""
         q, clip = calibration.sample_rate, calibration.clip_norm
         if budget_split(cfg) == "renyi":
             return calibration.noise_multiplier(
                 lambda s, step: cls.planned_mechanisms(cfg, s, q, step, clip), epsilon, delta
-            ), {}
+            ), None
         if cfg.score_noise_multiplier is not None:
             raise UserError("algo.score_noise_multiplier is calibrated from privacy.epsilon here; give it only "
                             "together with privacy.noise_multiplier (fixed noise), or leave it null")
@@ -448,12 +468,12 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         gradient = lambda s, step: [gradient_mechanism(cfg, s, q, clip)]  # noqa: E731
         sigma_tr = calibration.noise_multiplier(score, f * epsilon, delta / 2)
         sigma_dp = calibration.noise_multiplier(gradient, (1 - f) * epsilon, delta / 2)
-        split = {
-            "epsilon_tr": calibration.epsilon(lambda step: score(sigma_tr, step), delta / 2),
-            "epsilon_dp": calibration.epsilon(lambda step: gradient(sigma_dp, step), delta / 2),
-            "delta_each": delta / 2, "sigma_tr": sigma_tr, "sigma_dp": sigma_dp,
-        }
-        return sigma_dp, {"score_noise_multiplier": sigma_tr, "epsilon_split": split}
+        return sigma_dp, EpsilonSplit(
+            sigma_tr=sigma_tr, sigma_dp=sigma_dp,
+            epsilon_tr=calibration.epsilon(lambda step: score(sigma_tr, step), delta / 2),
+            epsilon_dp=calibration.epsilon(lambda step: gradient(sigma_dp, step), delta / 2),
+            delta_each=delta / 2,
+        )
 
     # --- one step (DPFirstOrderAlgorithm's phases, clip_and_accumulate and the noise changed) ---
     def clip_and_accumulate(self, batches):
@@ -534,17 +554,17 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         """The paper-style budget of an epsilon split: eps_tr and eps_dp of each mechanism alone over
         the planned run, at delta/2 each (their sum is the paper's epsilon; privacy.epsilon is the
         tighter composition of what ran). Empty for a renyi split or noise given without them."""
-        split = self.cfg.get("epsilon_split")
+        split = self.epsilon_split
         if budget_split(self.cfg) != "epsilon" or split is None:
             return {}
-        if not (math.isclose(split["sigma_tr"], self.sigma_tr) and math.isclose(split["sigma_dp"], self.sigma_dp)):
-            return {}  # a recorded split of other noise multipliers: not this run's
+        if not (math.isclose(split.sigma_tr, self.sigma_tr) and math.isclose(split.sigma_dp, self.sigma_dp)):
+            return {}  # a split of other noise multipliers: not this run's
         return {
             "score_epsilon_fraction": self.cfg.score_epsilon_fraction,
-            "epsilon_tr": split["epsilon_tr"],
-            "epsilon_dp": split["epsilon_dp"],
-            "epsilon_tr_plus_dp": split["epsilon_tr"] + split["epsilon_dp"],
-            "epsilon_split_delta_each": split["delta_each"],
+            "epsilon_tr": split.epsilon_tr,
+            "epsilon_dp": split.epsilon_dp,
+            "epsilon_tr_plus_dp": split.epsilon_tr + split.epsilon_dp,
+            "epsilon_split_delta_each": split.delta_each,
         }
 
     def extra_results(self) -> dict:
@@ -566,7 +586,6 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             "tail_clip_c1": self.tail_clip,
             "gradient_sensitivity": "threshold_c1" if self.threshold_selection else self.cfg.gradient_sensitivity,
             "tail_selection": tail_selection(self.cfg),
-            "composed_epsilon": "privacy.epsilon (both mechanisms, composed by the accountant)",
             "score_dim": sum(self.params[i].numel() for i in self.identification),
             "score_subspace_blocks": None if self.subspaces is None else self.subspaces.blocks,  # > 1: V built in blocks
             "mean_tail_fraction": sum(seen) / len(seen) if seen else None,

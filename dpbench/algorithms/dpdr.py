@@ -92,6 +92,14 @@ class DPDR(DPFirstOrderAlgorithm):
         self.bases: list[torch.Tensor] | None = None  # unit b_l per parameter tensor
 
     @classmethod
+    def privacy_notes(cls, cfg) -> list[str]:
+        if not cfg.paper_accounting:
+            return []
+        return ["algo.paper_accounting=true: the decomposition steps run at the paper's sigma_perp and sigma_alpha; "
+                "algorithm.claimed_epsilon is the paper's claim, privacy.epsilon the epsilon of what ran (both releases "
+                "of a decomposition step composed as one mechanism at sigma_eff)"]
+
+    @classmethod
     def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
         if not is_decomposition_step(cfg, step):
             return [GaussianMechanism(noise_multiplier, sample_rate)]
@@ -150,7 +158,6 @@ class DPDR(DPFirstOrderAlgorithm):
             "decomposition_steps": self.cfg.decomposition_steps,
             "paper_accounting": self.cfg.paper_accounting,
         }
-        if self.cfg.paper_accounting:
+        if self.cfg.paper_accounting:  # what it means is in the run's notes (privacy_notes)
             results["claimed_epsilon"] = self.cfg.claimed_epsilon
-            results["true_epsilon"] = "privacy.epsilon (decomposition steps at sigma_eff)"
         return results

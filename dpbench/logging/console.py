@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dpbench.logging.results import RunResults
+from dpbench.logging.results import EvalRecord, RunResults
 
 # Logs and CI have no terminal width; 120 columns keep the summary tables on one line a row.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
@@ -73,14 +73,14 @@ class ProgressCallback:
     def on_step(self, trainer, result) -> None:
         self.progress.advance(self.bar)
 
-    def on_eval(self, trainer, record: dict) -> None:
+    def on_eval(self, trainer, record: EvalRecord) -> None:
         if self.progress is None:
             return
-        eps = record["epsilon"]
+        eps = record.epsilon
         self.progress.update(
             self.bar,
-            loss=_fmt(record["train_loss"], ".3f"),
-            acc=_fmt(record["test_accuracy"], ".3f"),
+            loss=_fmt(record.train_loss, ".3f"),
+            acc=_fmt(record.test_accuracy, ".3f"),
             eps="∞" if eps is None else f"{eps:.2f}",
         )
 

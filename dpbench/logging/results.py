@@ -53,7 +53,7 @@ class Section:
             value = getattr(self, f.name)
             if f.name == "extra" or (value is None and f.metadata.get(_OMIT_IF_NONE)):
                 continue
-            out[f.name] = value.to_json() if isinstance(value, Section) else value
+            out[f.name] = _section_to_json(value)
         return {**out, **self.extra}
 
     @classmethod
@@ -65,7 +65,18 @@ class Section:
             section = _SECTIONS.get(f.name)
             if section is not None and f.name in known:
                 values[f.name] = section.from_json(data.get(f.name))
+            record = _RECORD_LISTS.get(f.name)  # lists of records read each record
+            if record is not None and values.get(f.name) is not None:
+                values[f.name] = [record.from_json(item) for item in values[f.name]]
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+
+
+def _section_to_json(value):
+    if isinstance(value, Section):
+        return value.to_json()
+    if isinstance(value, list):
+        return [item.to_json() if isinstance(item, Section) else item for item in value]
+    return value
 
 
 @dataclass(kw_only=True)
@@ -127,9 +138,22 @@ class ThroughputResults(Section):
     world_size: int | None = None  # processes that trained (set by the run; None before version 3)
 
 
+@dataclass(kw_only=True)
+class EvalRecord(Section):
+    """One evaluation: a record of `history`, what the trainer hands its callbacks (console, W&B)."""
+
+    step: int | None = None
+    train_loss: float | None = None  # mean over the steps since the last evaluation (None: not reported)
+    test_accuracy: float | None = None  # the task's headline metric (metrics.metric says which)
+    test_loss: float | None = None
+    epsilon: float | None = None  # spent so far (None: a non-private run)
+    train_accuracy: float | None = _only_when_known()  # un-noised: only with privacy.log_private_stats
+
+
 _SECTIONS: dict[str, type[Section]] = {
     "privacy": PrivacyResults, "metrics": MetricsResults, "memory": MemoryResults, "throughput": ThroughputResults,
 }
+_RECORD_LISTS: dict[str, type[Section]] = {"history": EvalRecord}  # keys holding a list of records
 
 # The flat summary: W&B name -> (section, key). The step logs use the same names.
 SUMMARY_KEYS = {
@@ -156,9 +180,10 @@ EVAL_KEYS = {
 }
 
 
-def eval_summary(record: dict) -> dict:
+def eval_summary(record: EvalRecord) -> dict:
     """One `history` record as W&B logs it (figures that were not measured are left out)."""
-    return {name: record[key] for key, name in EVAL_KEYS.items() if record.get(key) is not None}
+    figures = {name: getattr(record, key) for key, name in EVAL_KEYS.items()}
+    return {name: value for name, value in figures.items() if value is not None}
 
 
 @dataclass(kw_only=True)
@@ -177,7 +202,7 @@ class RunResults(Section):
     throughput: ThroughputResults = field(default_factory=ThroughputResults)
     resumed_from_step: int | None = None  # the checkpoint step it continued from (None: ran in one go)
     algorithm: dict | None = None  # the algorithm's own facts (extra_results)
-    history: list | None = None  # one record per evaluation
+    history: list[EvalRecord] | None = None  # one record per evaluation
     notes: list | None = None
     versions: dict | None = None  # provenance: packages, device, git commit, command line
     config: dict | None = None  # the resolved config of the run

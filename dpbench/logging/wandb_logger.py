@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from dpbench.logging.console import console
-from dpbench.logging.results import RunResults, eval_summary
+from dpbench.logging.results import EvalRecord, RunResults, eval_summary
 
 
 UNFINISHED_MARKER = "dpbench-unfinished"
@@ -120,8 +120,8 @@ class LoggerCallback:
         if result.batch_size > 0 and trainer.config.log_private_stats and trainer.state.step % every == 0:
             self.logger.log_step(trainer.state.step, {"train/step_loss": result.loss, "train/batch_size": result.batch_size})
 
-    def on_eval(self, trainer, record: dict) -> None:
-        self.logger.log_step(record["step"], eval_summary(record))
+    def on_eval(self, trainer, record: EvalRecord) -> None:
+        self.logger.log_step(record.step, eval_summary(record))
 
     def on_fit_end(self, trainer) -> None: ...
 

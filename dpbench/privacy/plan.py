@@ -16,17 +16,28 @@ Calibration, the per-step check and the trainer's ledger all compose through the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
 
 import torch
 from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
+from dpbench.logging.results import PrivacyResults
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, under_relation
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.sampling import batches_per_epoch
+
+
+class CalibratedNoises(Protocol):
+    """What an algorithm's own `calibrate_noise` derived beside sigma (DC-DPSGD's `EpsilonSplit`):
+    a small dataclass the algorithm reads as attributes, typed by the algorithm that owns it."""
+
+    def fixed_noise_options(self) -> dict:
+        """The algo options that give these noises with sigma fixed, without calibrating (the
+        audit's fixed-sigma jobs): e.g. {"score_noise_multiplier": sigma_tr}."""
+        ...
 
 
 @dataclass
@@ -41,17 +52,10 @@ class PrivacySetup:
     clipping: str = "flat"  # rule in dpbench.privacy.clipping.CLIP_FACTORS
     clipping_gamma: float = 0.01
     neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
-    # algo settings an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's sigma_tr)
-    derived: dict = field(default_factory=dict)
-
-    def algo_config(self, algo_cfg):
-        """The algo config with the derived settings over it: what planning and the algorithm read
-        (the run's own config stays as given, so results.json and resume see what the user set)."""
-        if not self.derived:
-            return algo_cfg
-        merged = OmegaConf.create(OmegaConf.to_container(algo_cfg, resolve=True))
-        merged.merge_with(self.derived)
-        return merged
+    # what an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's EpsilonSplit
+    # with sigma_tr); None for the one-sigma calibration. Planning and the algorithm read it as is:
+    # the run's config stays as given, so results.json and resume see what the user set.
+    derived: CalibratedNoises | None = None
 
 
 class PlanMismatchError(RuntimeError):
@@ -85,8 +89,9 @@ class Calibration:
     """What an algorithm that calibrates its noises itself works with: an optional classmethod
     `calibrate_noise(algo_cfg, calibration, epsilon, delta)` replaces the one-sigma
     calibration (DC-DPSGD's paper-style epsilon split calibrates two mechanisms apart) and returns
-    (sigma, derived): the algo settings it derived (a second sigma), which `PrivacySetup.derived`
-    hands to planning, the per-step check and the algorithm."""
+    (sigma, derived): a `CalibratedNoises` dataclass of what it derived (a second sigma) or None,
+    which `PrivacySetup.derived` hands to planning (`planned_mechanisms(..., derived=)`), the
+    per-step check and the algorithm."""
 
     accountant: Accountant
     steps: int
@@ -125,7 +130,7 @@ class PrivacyPlan:
     sampling: str = "poisson"  # privacy.sampling: which bound (BOUNDS) epsilon is
     batches_per_epoch: int | None = None  # shuffled batches per epoch (None: Poisson)
     steps: int | None = None  # planned steps (what sigma was calibrated for)
-    algo_config: dict = field(default_factory=dict)  # the algo settings planning read (derived ones merged)
+    algo_config: dict = field(default_factory=dict)  # the algo settings planning read (as given)
 
     def new_ledger(self) -> Ledger:
         """An empty ledger of this run's kind (the trainer's, calibration's and the audit's)."""
@@ -144,7 +149,7 @@ class PrivacyPlan:
             "clipping_gamma": setup.clipping_gamma, "neighboring": setup.neighboring, "secure_rng": setup.noise.secure,
             "accountant": self.accountant.name, "delta": self.delta, "target_epsilon": self.target_epsilon,
             "sampling": self.sampling, "batches_per_epoch": self.batches_per_epoch, "steps": self.steps,
-            "algo": self.algo_config,
+            "algo": self.algo_config, "derived": asdict(setup.derived) if setup.derived is not None else None,
         }
 
     def check_step(self, step: int, ran: list[GaussianMechanism]) -> None:
@@ -159,7 +164,7 @@ class PrivacyPlan:
     def epsilon(self, ledger: Ledger) -> float:
         return self.accountant.epsilon(ledger, self.delta)
 
-    def results(self, ledger: Ledger, steps: int, planned_steps: int) -> dict:
+    def results(self, ledger: Ledger, steps: int, planned_steps: int) -> PrivacyResults:
         """The privacy section of results.json for the mechanisms that ran."""
         setup = self.setup
         epsilon = self.epsilon(ledger)
@@ -168,27 +173,27 @@ class PrivacyPlan:
                 f"accountant={self.accountant.name} failed on this ledger; epsilon was computed by "
                 f"{self.accountant.computed_by} instead (privacy.accountant names it)"
             )
-        return {
-            "private": True,
-            "epsilon": epsilon,
-            "epsilon_is_upper_bound": self.accountant.upper_bound,
-            "target_epsilon": self.target_epsilon,
-            "delta": self.delta,
-            "noise_multiplier": setup.noise_multiplier,
-            "clip_norm": setup.clip_norm,
-            "sample_rate": setup.sample_rate,
-            "expected_batch_size": setup.expected_batch_size,
-            "steps": steps,
-            "planned_steps": planned_steps,
-            "accountant": self.accountant.computed_by,
-            "requested_accountant": self.accountant.name,
-            "neighboring": setup.neighboring,
-            "log_private_stats": self.log_private_stats,
-            "ledger": ledger.as_records(),
-            "sampling": self.sampling,
-            "bound": BOUNDS[self.sampling],
-            "batches_per_epoch": self.batches_per_epoch,
-        }
+        return PrivacyResults(
+            private=True,
+            epsilon=epsilon,
+            epsilon_is_upper_bound=self.accountant.upper_bound,
+            target_epsilon=self.target_epsilon,
+            delta=self.delta,
+            noise_multiplier=setup.noise_multiplier,
+            clip_norm=setup.clip_norm,
+            sample_rate=setup.sample_rate,
+            expected_batch_size=setup.expected_batch_size,
+            steps=steps,
+            planned_steps=planned_steps,
+            accountant=self.accountant.computed_by,
+            requested_accountant=self.accountant.name,
+            neighboring=setup.neighboring,
+            log_private_stats=self.log_private_stats,
+            ledger=ledger.as_records(),
+            sampling=self.sampling,
+            bound=BOUNDS[self.sampling],
+            batches_per_epoch=self.batches_per_epoch,
+        )
 
     def recorded_notes(self) -> list[str]:
         """The notes for results.json: the warnings, and what is released without noise."""
@@ -215,10 +220,11 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     sampling = str(p.sampling)
     per_epoch = batches_per_epoch(cfg, train_size)
     notes: list[str] = []
-    derived: dict = {}
+    derived = None  # what an algorithm's own calibration derived (CalibratedNoises)
 
-    def planned_for(sigma: float, algo_cfg=cfg.algo) -> Callable[[int], list[GaussianMechanism]]:
-        return lambda step: algo_cls.declared_mechanisms(algo_cfg, sigma, sample_rate, step, clip_norm, relation)
+    def planned_for(sigma: float, derived=None) -> Callable[[int], list[GaussianMechanism]]:
+        return lambda step: algo_cls.declared_mechanisms(cfg.algo, sigma, sample_rate, step, clip_norm, relation,
+                                                         derived=derived)
 
     if not accountant.upper_bound:
         notes.append(
@@ -264,10 +270,9 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
         neighboring=relation,
         derived=derived,
     )
-    algo_config = setup.algo_config(cfg.algo)
-    planned = planned_for(sigma, algo_config)
+    planned = planned_for(sigma, derived)
     plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes, sampling, per_epoch,
-                       steps, OmegaConf.to_container(algo_config, resolve=True, enum_to_str=True))
+                       steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True))
     for note in algo_cls.privacy_notes(cfg.algo):
         plan.note(note)
     return plan

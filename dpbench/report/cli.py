@@ -81,9 +81,9 @@ def _report(args) -> int:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     for r in ratios(rows):
         console.print(
-            f"grape/dpadam at batch {r['batch_size']}: peak memory {fmt(r['peak_mib'], '.3f')} "
-            f"(run's own {fmt(r['run_mib'], '.3f')}), "
-            f"per-sample grads {fmt(r['per_sample_grad_bytes'], '.3f')}, throughput {fmt(r['samples_per_s'], '.3f')}",
+            f"grape/dpadam at batch {r.batch_size}: peak memory {fmt(r.peak_mib, '.3f')} "
+            f"(run's own {fmt(r.run_mib, '.3f')}), "
+            f"per-sample grads {fmt(r.per_sample_grad_bytes, '.3f')}, throughput {fmt(r.samples_per_s, '.3f')}",
             soft_wrap=True,
         )
     if not args.no_plots:

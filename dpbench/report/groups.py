@@ -110,7 +110,21 @@ def cells(groups: list[Group]) -> dict[tuple, list[Group]]:
     return out
 
 
-def ratios(rows: list[RunRow], numerator: str = "grape", denominator: str = "dpadam") -> list[dict]:
+RATIO_FIGURES = ("peak_mib", "run_mib", "per_sample_grad_bytes", "samples_per_s")
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One method's figures over another's at one batch size (None: either did not measure it)."""
+
+    batch_size: int | None
+    peak_mib: float | None
+    run_mib: float | None
+    per_sample_grad_bytes: float | None
+    samples_per_s: float | None
+
+
+def ratios(rows: list[RunRow], numerator: str = "grape", denominator: str = "dpadam") -> list[Ratio]:
     """numerator/denominator of peak memory, per-sample-gradient bytes and throughput at equal batch
     (the memory presets' summary line)."""
     by_key = {(r.algo, r.batch_size): r for r in rows}
@@ -124,5 +138,5 @@ def ratios(rows: list[RunRow], numerator: str = "grape", denominator: str = "dpa
             a, b = r.get(key), other.get(key)
             return a / b if a is not None and b else None
 
-        out.append({"batch_size": batch, **{k: ratio(k) for k in ("peak_mib", "run_mib", "per_sample_grad_bytes", "samples_per_s")}})
+        out.append(Ratio(batch, **{k: ratio(k) for k in RATIO_FIGURES}))
     return out
