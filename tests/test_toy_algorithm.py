@@ -85,9 +85,9 @@ def test_a_toy_algorithm_from_one_py_and_one_yaml_runs_end_to_end_and_passes_the
 
     results = run_job(cfg, tmp_path / "run", show_progress=False)
     assert module.SEEN == [2.0] and type(module.SEEN[0]) is float
-    assert results["algorithm"]["step_scale"] == 2.0
-    assert 0.0 <= results["metrics"]["test_accuracy"] <= 1.0
-    assert results["privacy"]["epsilon"] > 0 and results["privacy"]["noise_multiplier"] == 1.0
+    assert results.algorithm["step_scale"] == 2.0
+    assert 0.0 <= results.metrics.test_accuracy <= 1.0
+    assert results.privacy.epsilon > 0 and results.privacy.noise_multiplier == 1.0
 
     report = run_audit(compose(TINY + toy + ["audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]), tmp_path)
     assert report.checks and report.passed, [c for c in report.checks if not c.passed]
