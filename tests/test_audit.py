@@ -14,7 +14,7 @@ from conftest import REPO, TINY, compose
 from dpbench.algorithms import ALGORITHMS, import_all
 from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.algorithms.dpsgd import DPSGD
-from dpbench.audit import CHECK_ORDER, run_audit
+from dpbench.tools.audit import CHECK_ORDER, run_audit
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 
@@ -186,7 +186,7 @@ def test_console_script_exit_codes(tmp_path):
 
     def audit(*args):
         return subprocess.run(
-            [sys.executable, "-m", "dpbench.audit", *TINY, *AUDIT, f"hydra.run.dir={tmp_path / 'run'}", *args],
+            [sys.executable, "-m", "dpbench.tools.audit", *TINY, *AUDIT, f"hydra.run.dir={tmp_path / 'run'}", *args],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
         )
 

@@ -8,7 +8,7 @@ import warnings
 import torch
 from rich.console import Console
 
-from dpbench import doctor
+from dpbench.tools import doctor
 
 
 def _run(*argv: str):

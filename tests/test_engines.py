@@ -198,7 +198,7 @@ def test_algorithms_that_need_per_example_gradients_reject_ghost_and_bk():
 
 def test_max_batch_search_finds_the_boundary(tmp_path, monkeypatch):
     """Doubling then bisection against a probe that fits up to 37 examples."""
-    from dpbench.benchmarks import max_batch
+    from dpbench.tools.benchmarks import max_batch
 
     seen = []
 
@@ -215,7 +215,7 @@ def test_max_batch_search_finds_the_boundary(tmp_path, monkeypatch):
 def test_table_reads_own_and_absolute_peaks(tmp_path):
     import json
 
-    from dpbench.benchmarks.table import collect, ratios
+    from dpbench.tools.benchmarks.table import collect, ratios
 
     def write(name, algo, mode, own, sps):
         folder = tmp_path / name

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpbench.benchmarks import max_batch
-from dpbench.benchmarks.table import collect, markdown
+from dpbench.tools.benchmarks import max_batch
+from dpbench.tools.benchmarks.table import collect, markdown
 from dpbench.metering import PeakMemory, Throughput, cuda_synchronizer, synchronize_active_cuda
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
@@ -125,7 +125,7 @@ def test_gpu_fit_is_by_reserved_memory_and_reports_both():
 
 
 def test_gpu_probe_process_is_capped_at_the_budget(monkeypatch, capsys):
-    assert max_batch.probe_command(["algo=dpadam"], True, 2048)[1:5] == ["-m", "dpbench.benchmarks.max_batch",
+    assert max_batch.probe_command(["algo=dpadam"], True, 2048)[1:5] == ["-m", "dpbench.tools.benchmarks.max_batch",
                                                                            "--capped-probe", "--budget-mib"]
     assert max_batch.probe_command(["algo=dpadam"], False, 2048)[1:3] == ["-m", "dpbench.cli"]
     cuda = FakeCuda()

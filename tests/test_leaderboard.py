@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from dpbench.logging.results import (MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults,
                                      write_results)
 from dpbench.paths import config_dir
-from dpbench.report import group_runs, load_rows, main
-from dpbench.report.leaderboard import build_boards, fairness, pareto_front
+from dpbench.tools.report import group_runs, load_rows, main
+from dpbench.tools.report.leaderboard import build_boards, fairness, pareto_front
 from dpbench.run import validate
 from dpbench.schema import algo_schemas, register
 

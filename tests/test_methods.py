@@ -268,7 +268,7 @@ def test_opt_13b_preset_names_its_checkpoint():
 
 # --- DPZero Figs. 1-2: error vs d --------------------------------------------------------------------
 def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
-    from dpbench.plots_synthetic import best_errors, main
+    from dpbench.tools.plots_synthetic import best_errors, main
 
     finals = {}
     for algo, d, lr in [("dpsgd", 5, 0.1), ("dpsgd", 5, 0.5), ("dpsgd", 12, 0.5), ("dpzero", 5, 0.05), ("dpzero", 12, 0.05)]:

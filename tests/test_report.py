@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dpbench.logging.results import write_results
-from dpbench.report import load_rows, main, ratios
+from dpbench.tools.report import load_rows, main, ratios
 
 
 def fake_results(algo, batch, peak_mib, per_sample, speed, epsilon, accuracy=0.5):
@@ -132,7 +132,7 @@ def test_runs_whose_epsilon_is_not_a_proven_bound_are_flagged():
     """DC-DPSGD's paper-accounting row (tail_clip) notes that its ε is not a proven bound; the
     report flags it beside the sound rows. A shuffled run of schema 4 has a proven bound."""
     from dpbench.logging.results import RunResults
-    from dpbench.report.load import unproven_bound
+    from dpbench.tools.report.load import unproven_bound
 
     paper = RunResults.from_json({"status": "completed", "notes": [
         "algo.gradient_sensitivity=tail_clip: the paper's model, not a proven bound"]})

@@ -11,7 +11,7 @@ import pytest
 from helpers.cli import dpbench
 from helpers.config import FIXED_SIGMA
 
-from dpbench.report import main as report_main
+from dpbench.tools.report import main as report_main
 
 # Smaller than the preset, orderings intact: 2 of its 6 blocks (the projected layers still hold
 # nearly all the weights), 2 steps of 8 on 64 images, sigma fixed (the orderings are of memory).

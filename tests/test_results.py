@@ -10,7 +10,7 @@ from rich.console import Console
 
 from dpbench.logging.console import summary_table
 from dpbench.logging.results import SCHEMA_VERSION, EvalRecord, RunResults, eval_summary, read_results, write_results
-from dpbench.report import load_rows
+from dpbench.tools.report import load_rows
 from dpbench.run import run_job
 
 # results.json of schema version 4 as readers know it, in the order it is written (pinned here

@@ -13,7 +13,7 @@ from scipy import stats
 
 from dpbench.models.vit import DPViT
 from dpbench.privacy.noise import GaussianNoise
-from dpbench.spectrum import clipped_layer_sums, main, noisy_mean, settings
+from dpbench.tools.spectrum import clipped_layer_sums, main, noisy_mean, settings
 
 # the reference per-example autograd calls fire Opacus hooks on inputs without grad: harmless
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")

@@ -1,7 +1,7 @@
 """Memory and throughput table of a folder of runs, per (algorithm, per-sample mode, batch size).
 
     dpbench -m experiment=memory_vs_batch_vit
-    python -m dpbench.benchmarks.table outputs/multirun/memory_vs_batch_vit
+    python -m dpbench.tools.benchmarks.table outputs/multirun/memory_vs_batch_vit
 
 Memory is the run's own peak (the peak minus what was held at the start of the run) beside the
 absolute peak: on the CPU of the resident size, on a GPU of reserved memory

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpbench.papers import lookup, parse_table_ref, table as paper_table
-from dpbench.report.groups import Group
+from dpbench.tools.report.groups import Group
 
 ACCURACY_METRICS = ("final", "best")
 # The paper's metric -> the results.json key `lookup` matches (None: the accuracy itself).

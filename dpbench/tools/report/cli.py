@@ -20,16 +20,16 @@ from pathlib import Path
 from dpbench.errors import UserError
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE
-from dpbench.report.expect import check
-from dpbench.report.formatting import fmt
-from dpbench.report.groups import group_runs, ratios
-from dpbench.report.html import page, write_page
-from dpbench.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
-from dpbench.report.load import load_rows
-from dpbench.report.paper import caption, paper_ref
-from dpbench.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
-from dpbench.report.tables import FORMATS, build_table, choose_metric, render
-from dpbench.report.wandb_export import log_leaderboard
+from dpbench.tools.report.expect import check
+from dpbench.tools.report.formatting import fmt
+from dpbench.tools.report.groups import group_runs, ratios
+from dpbench.tools.report.html import page, write_page
+from dpbench.tools.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
+from dpbench.tools.report.load import load_rows
+from dpbench.tools.report.paper import caption, paper_ref
+from dpbench.tools.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
+from dpbench.tools.report.tables import FORMATS, build_table, choose_metric, render
+from dpbench.tools.report.wandb_export import log_leaderboard
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.report.formatting import fmt, fmt_any, fmt_eps
-from dpbench.report.groups import Group, accuracy_percent
-from dpbench.report.load import method_name
-from dpbench.report.tables import flags
+from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
+from dpbench.tools.report.groups import Group, accuracy_percent
+from dpbench.tools.report.load import method_name
+from dpbench.tools.report.tables import flags
 
 PRIVATE_REFERENCE = "dpadam"     # DP-Adam materialising every per-example gradient
 PUBLIC_REFERENCE = "adam"        # non-private Adam

@@ -1,7 +1,7 @@
 """Largest batch size that fits a memory budget (the DP-GRAPE paper's "batch 165 vs 50 in 24 GB").
 
-    python -m dpbench.benchmarks.max_batch --budget-mib 4096 -- experiment=memory_vs_batch_vit algo=grape algo.per_sample=bk
-    python -m dpbench.benchmarks.max_batch --budget-mib 24576 -- experiment=memory_vs_batch_vit \
+    python -m dpbench.tools.benchmarks.max_batch --budget-mib 4096 -- experiment=memory_vs_batch_vit algo=grape algo.per_sample=bk
+    python -m dpbench.tools.benchmarks.max_batch --budget-mib 24576 -- experiment=memory_vs_batch_vit \
         model.embed_dim=768 model.num_heads=12 algo=dpadam device=cuda
 
 Each probe is a separate `python -m dpbench.cli` process running a few steps (`--steps`, the
@@ -58,7 +58,7 @@ def rss_limit_mib(on_cuda: bool, budget_mib: float, baseline_mib: float) -> floa
 def probe_command(cli_args: list[str], on_cuda: bool, budget_mib: float) -> list[str]:
     """The probe process: dpbench's CLI, on a GPU under a memory cap of the budget."""
     if on_cuda:
-        return [sys.executable, "-m", "dpbench.benchmarks.max_batch", "--capped-probe", "--budget-mib", str(budget_mib),
+        return [sys.executable, "-m", "dpbench.tools.benchmarks.max_batch", "--capped-probe", "--budget-mib", str(budget_mib),
                 "--", *cli_args]
     return [sys.executable, "-m", "dpbench.cli", *cli_args]
 

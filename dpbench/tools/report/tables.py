@@ -8,9 +8,9 @@ import io
 from rich.table import Table
 
 from dpbench.errors import UserError
-from dpbench.report.formatting import fmt, fmt_any, fmt_eps
-from dpbench.report.groups import Group, accuracy_percent
-from dpbench.report.paper import ACCURACY_METRICS, PaperRef, paper_value
+from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
+from dpbench.tools.report.groups import Group, accuracy_percent
+from dpbench.tools.report.paper import ACCURACY_METRICS, PaperRef, paper_value
 
 APPROXIMATE_ACCOUNTANTS = {"gdp": "GDP (CLT approximation)"}
 FORMATS = ("rich", "markdown", "csv", "latex")

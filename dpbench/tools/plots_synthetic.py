@@ -1,6 +1,6 @@
 """Error against dimension for DPZero's synthetic study (DPZero Figs. 1 and 2).
 
-    python -m dpbench.plots_synthetic outputs/multirun/dpzero_fig1          # -> dpzero_fig1.png, dpzero_fig2.png
+    python -m dpbench.tools.plots_synthetic outputs/multirun/dpzero_fig1          # -> dpzero_fig1.png, dpzero_fig2.png
 
 Reads every results.json of the quadratic task under the folder and, per spectrum, method and
 dimension d, keeps the best (smallest) final test error over the other hyperparameters (learning
@@ -70,7 +70,7 @@ def plot(best: dict, ylabel: str, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpbench.plots_synthetic", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dpbench.tools.plots_synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="folder searched recursively for results.json")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: the folder)")
     args = parser.parse_args(argv)

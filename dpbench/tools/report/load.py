@@ -113,7 +113,7 @@ def own_peak_bytes(results: RunResults) -> int | None:
     """The run's own peak memory, comparable across methods on one device: on a GPU the allocator's
     maximum (`cuda_max_allocated`, else the reserved peak); on the CPU the peak resident size minus
     the resident size at the start of the run (the interpreter, torch and the data are not the run's).
-    The rule of dpbench/benchmarks/table.py."""
+    The rule of dpbench/tools/benchmarks/table.py."""
     memory = results.memory
     if memory.peak_bytes is None:
         return None

@@ -8,8 +8,8 @@ import io
 import os
 from pathlib import Path
 
-from dpbench.report.leaderboard import Board, records
-from dpbench.report.plots import task_slug
+from dpbench.tools.report.leaderboard import Board, records
+from dpbench.tools.report.plots import task_slug
 
 
 def log_leaderboard(boards: list[Board], figures: dict[str, dict[str, dict[str, bytes]]], out: Path, name: str,

@@ -12,8 +12,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.report.formatting import fmt_any, fmt_eps
-from dpbench.report.load import RunRow
+from dpbench.tools.report.formatting import fmt_any, fmt_eps
+from dpbench.tools.report.load import RunRow
 
 SEED_KEYS = ("seed", "dataset.data_seed")
 # Keys that never change what a run computes (where it logs, whether it resumes, the report block).

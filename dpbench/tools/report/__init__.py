@@ -10,16 +10,16 @@ mini presets (`report.expect`), and plots.
     cli.py         the console script `dpbench-report` (main)
 """
 
-from dpbench.report.expect import check, evaluate
-from dpbench.report.groups import Group, group_runs, ratios
-from dpbench.report.load import RunRow, load_rows
+from dpbench.tools.report.expect import check, evaluate
+from dpbench.tools.report.groups import Group, group_runs, ratios
+from dpbench.tools.report.load import RunRow, load_rows
 
 __all__ = ["Group", "RunRow", "check", "evaluate", "group_runs", "load_rows", "main", "ratios"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script `dpbench-report` (dpbench.report.cli.main; imported on call, so that
-    `python -m dpbench.report.cli` runs the module once)."""
-    from dpbench.report.cli import main as cli_main
+    """The console script `dpbench-report` (dpbench.tools.report.cli.main; imported on call, so that
+    `python -m dpbench.tools.report.cli` runs the module once)."""
+    from dpbench.tools.report.cli import main as cli_main
 
     return cli_main(argv)

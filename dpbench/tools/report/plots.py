@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from dpbench.report.groups import Group, accuracy_percent
+from dpbench.tools.report.groups import Group, accuracy_percent
 
 
 def _title(groups: list[Group], what: str) -> str:
@@ -129,7 +129,7 @@ def _legend_below(fig, handles, labels) -> None:
 def figure_accuracy_vs_memory(boards):
     """Accuracy (mean ± SE) against own peak memory on a log axis, one panel per ε of one task;
     the private methods' Pareto frontier as a dashed staircase, non-private runs hollow."""
-    from dpbench.report.leaderboard import pareto_front
+    from dpbench.tools.report.leaderboard import pareto_front
 
     plt = pyplot()
     styles = method_styles({e.method for b in boards for e in b.entries})
@@ -202,7 +202,7 @@ def figure_accuracy_vs_epsilon(boards):
 def figure_throughput(boards):
     """Samples per second of each method (mean over the task's ε; throughput does not depend on ε),
     horizontal bars, DP-Adam's as a dotted reference line; a log axis when they span > 30x."""
-    from dpbench.report.leaderboard import PRIVATE_REFERENCE
+    from dpbench.tools.report.leaderboard import PRIVATE_REFERENCE
 
     plt = pyplot()
     speeds: dict[str, list[float]] = defaultdict(list)

@@ -1,8 +1,8 @@
 """Per-example engines against non-private training and Opacus's own PrivacyEngine, in one run.
 
-    python -m dpbench.benchmarks.engines                               # ViT shape, batch 64
-    python -m dpbench.benchmarks.engines --shape opt --batch 16 --format markdown
-    python -m dpbench.benchmarks.engines --methods adam,opacus_hooks,dpadam:bk --repeats 5
+    python -m dpbench.tools.benchmarks.engines                               # ViT shape, batch 64
+    python -m dpbench.tools.benchmarks.engines --shape opt --batch 16 --format markdown
+    python -m dpbench.tools.benchmarks.engines --methods adam,opacus_hooks,dpadam:bk --repeats 5
 
 Every method trains the same randomly initialised model on the same synthetic batch: non-private
 Adam, Opacus 1.6's `PrivacyEngine` (per-sample hooks, and ghost clipping), dpbench's DP-Adam and
@@ -212,7 +212,7 @@ def run_all(args) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for repeat in range(args.repeats):
         for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
-            command = [sys.executable, "-m", "dpbench.benchmarks.engines", "--worker", method, "--shape", args.shape,
+            command = [sys.executable, "-m", "dpbench.tools.benchmarks.engines", "--worker", method, "--shape", args.shape,
                        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        "--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
             done = subprocess.run(command, capture_output=True, text=True)

@@ -14,9 +14,9 @@ import operator
 from collections import defaultdict
 
 from dpbench.errors import UserError
-from dpbench.report.formatting import fmt_eps
-from dpbench.report.groups import Group, cells
-from dpbench.report.load import MIB, method_name
+from dpbench.tools.report.formatting import fmt_eps
+from dpbench.tools.report.groups import Group, cells
+from dpbench.tools.report.load import MIB, method_name
 
 QUANTITIES = {
     "accuracy": None,   # the chosen metric, in %

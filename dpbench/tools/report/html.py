@@ -8,8 +8,8 @@ import base64
 import html
 from pathlib import Path
 
-from dpbench.report.formatting import fmt_eps
-from dpbench.report.leaderboard import NUMERIC, PARETO_MARK, Board, Fairness, board_table, headline
+from dpbench.tools.report.formatting import fmt_eps
+from dpbench.tools.report.leaderboard import NUMERIC, PARETO_MARK, Board, Fairness, board_table, headline
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }

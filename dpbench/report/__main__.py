@@ -1,7 +1,0 @@
-"""python -m dpbench.report DIR: the same as dpbench-report DIR."""
-
-import sys
-
-from dpbench.report.cli import main
-
-sys.exit(main())
