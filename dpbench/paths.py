@@ -38,24 +38,3 @@ def atomic_write(path: Path, write: Callable[[IO], None], binary: bool = False) 
         raise
     return path
 
-
-# Config keys that change neither what a run computes nor where it lives: a stored run that
-# differs only in these is reused on resume, and a grid's job folder names leave them out
-# (conf/config.yaml's override_dirname.exclude_keys reads them through `excluded_from_dirname`).
-RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every")
-
-
-def excluded_from_dirname() -> list[str]:
-    """RUN_INVARIANT_KEYS as Hydra's override_dirname matches them: whole keys, so a section's
-    own keys (`logger.mode=online`, `audit.trials=3`) are listed one by one."""
-    import dataclasses
-
-    from dpbench.schema import AuditOptions, WandbOptions
-
-    sections = {"logger": WandbOptions, "audit": AuditOptions}
-    keys = []
-    for key in RUN_INVARIANT_KEYS:
-        keys.append(key)
-        if key in sections:
-            keys += [f"{key}.{field.name}" for field in dataclasses.fields(sections[key])]
-    return keys

@@ -27,11 +27,10 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
-from dpbench.paths import RUN_INVARIANT_KEYS
 from dpbench.precision import Precision, require_native_bf16
 from dpbench.privacy.plan import PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
-from dpbench.schema import check_keys, default_of
+from dpbench.schema import RUN_INVARIANT_KEYS, check_keys, default_of
 from dpbench.tasks import Task, build_task
 from dpbench.trainer import Trainer, TrainerConfig
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from dpbench.errors import UserError
 from dpbench.precision import DTYPES
 from dpbench.privacy.accountants import ACCOUNTANTS
 from dpbench.privacy.clipping import CLIP_FACTORS
@@ -223,11 +224,27 @@ def schemas() -> dict[str, type]:
     }
 
 
+# Config keys that change neither what a run computes nor where it lives: a stored run that
+# differs only in these is reused on resume, and a grid's job folder names leave them out
+# (conf/config.yaml's override_dirname.exclude_keys reads them through `excluded_from_dirname`).
+RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every")
+
+
+def excluded_from_dirname() -> list[str]:
+    """RUN_INVARIANT_KEYS as Hydra's override_dirname matches them: whole keys, so a section's
+    own keys (`logger.mode=online`, `audit.trials=3`) are listed one by one."""
+    sections = {"logger": WandbOptions, "audit": AuditOptions}
+    keys = []
+    for key in RUN_INVARIANT_KEYS:
+        keys.append(key)
+        if key in sections:
+            keys += [f"{key}.{field.name}" for field in dataclasses.fields(sections[key])]
+    return keys
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
     from hydra.core.config_store import ConfigStore
-
-    from dpbench.paths import excluded_from_dirname
 
     # conf/config.yaml names a grid's job folders without the keys that do not change a run
     OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
@@ -277,8 +294,6 @@ def _undeclared(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, type]
 def check_keys(cfg: DictConfig) -> list[str]:
     """Reject a key no schema declares (`+privacy.typo=1`, `+algo.nonsense=1`: Hydra's `+` adds
     keys even to typed nodes). Returns notes for options of other algorithms, which this one ignores."""
-    from dpbench.errors import UserError
-
     if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)):
         return []  # not composed from conf/ (a hand-made config in a test)
     notes, algos = [], algo_schemas()
@@ -344,8 +359,6 @@ def checked_composition() -> Iterator[None]:
     """Around a call of Hydra's compose API: the schemas registered, and a value or key the
     schema rejects raised as a one-line UserError instead of Hydra's exception."""
     from hydra.errors import HydraException
-
-    from dpbench.errors import UserError
 
     register()
     try:
