@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-# Re-exported for test files that still import them from here (new code: `from helpers.config import ...`).
-from helpers.config import REPO, TINY, compose  # noqa: F401
+from helpers.config import TINY, compose
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -26,23 +25,13 @@ def tiny_cfg():
     return lambda *extra: compose(TINY + list(extra))
 
 
-# Tests of the `slow` tier in files other people are editing now, by test name or by a fixture that
-# starts processes (move the marker onto the tests themselves when those files are free).
-SLOW_ELSEWHERE = {
-    "test_audit": {"test_console_script_exit_codes"},
-    "test_checkpoint": {"test_sigterm_checkpoints_exits_75_and_the_rerun_finishes_the_same_run"},
-    "test_dcdpsgd_ablations": {"test_cli_run_in_epsilon_mode_reports_both_epsilons_and_learns"},
-    "test_distributed": {"ranks", "test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps"},
-}
 SHARED_SCOPES = ("class", "module", "package")  # fixtures several tests of one module reuse
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = getattr(item.module, "__name__", "")
-        if SLOW_ELSEWHERE.get(module, set()) & {getattr(item, "originalname", item.name), *item.fixturenames}:
-            item.add_marker(pytest.mark.slow)
         # --dist loadgroup: a test using a module's shared fixture (spawned ranks, tiny models saved
         # to disk) runs on the worker that already built it, instead of every worker building it.
         fixtures = getattr(item, "_fixtureinfo", None)

@@ -4,19 +4,18 @@ physical batching; broken mechanisms (noise, its independence, the plan, clippin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose
+from helpers.cli import console_script_in_process
+from helpers.config import TINY, compose
 
 from dpbench.algorithms import ALGORITHMS, import_all
 from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.algorithms.dpsgd import DPSGD
-from dpbench.tools.audit import CHECK_ORDER, run_audit
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
+from dpbench.tools.audit import CHECK_ORDER, run_audit
 
 import_all()
 # dplora needs a language model (its adapters target attention projections): audited in
@@ -182,13 +181,11 @@ def test_audit_flags_the_approximate_gdp_accountant(tmp_path):
 
 
 def test_console_script_exit_codes(tmp_path):
-    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    from dpbench.tools.audit import main
 
     def audit(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "dpbench.tools.audit", *TINY, *AUDIT, f"hydra.run.dir={tmp_path / 'run'}", *args],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-        )
+        return console_script_in_process(main, "dpbench-audit", *TINY, *AUDIT, f"hydra.run.dir={tmp_path / 'run'}",
+                                         *args, cwd=tmp_path)
 
     quick = ["audit.trials=1", "audit.sensitivity_steps=1", "privacy.noise_multiplier=1.1"]
     passed = audit("algo=dpzero", *quick)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose
+from helpers.config import REPO, TINY, compose
 
 from dpbench.algorithms import ALGORITHMS, Algorithm, import_all
 from dpbench.checkpoint import (
@@ -140,6 +140,7 @@ def dpbench(*args, cwd):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # starts processes
 def test_sigterm_checkpoints_exits_75_and_the_rerun_finishes_the_same_run(tmp_path, capsys):
     run = tmp_path / "run"
     args = [*TINY, *SIGMA, "algo=dpsgd", "train.steps=40", "train.eval_every=40", "train.checkpoint_every=2",

@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from helpers.cli import dpbench
+from helpers.cli import dpbench, dpbench_in_process
 from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.wandb_records import exit_code, summary
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.results import RunResults, read_results
+from dpbench.logging.results import read_results
 from dpbench.run import run_job, validate
 
 
@@ -86,14 +86,13 @@ def test_unreachable_epsilon_is_a_user_error(tiny_cfg, tmp_path):
         run_job(tiny_cfg("privacy.epsilon=1e-9", "train.steps=50"), tmp_path, show_progress=False)
 
 
-@pytest.mark.slow  # the console script
 def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
-    result = dpbench(*TINY, "privacy.epsilon=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = dpbench_in_process(*TINY, "privacy.epsilon=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: privacy.epsilon must be positive")
-    unknown = dpbench("algo=nope", cwd=tmp_path)
+    unknown = dpbench_in_process("algo=nope", cwd=tmp_path)
     assert unknown.returncode != 0
     assert "Could not find 'algo/nope'" in unknown.stderr and "dpadam" in unknown.stderr
 
@@ -142,10 +141,9 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # the console script
 def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    result = dpbench("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = dpbench_in_process("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-2000:]
     (good,) = sweep.glob("*/results.json")
     assert "privacy.epsilon=8" in str(good)
@@ -154,11 +152,10 @@ def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     assert "1 job(s) of the grid failed" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow  # the console script
 def test_hydra_errors_and_missing_subcommands_exit_2_with_one_line(tmp_path):
-    completion = dpbench("--shell-completion", cwd=tmp_path)
+    completion = dpbench_in_process("--shell-completion", cwd=tmp_path)
     assert completion.returncode == 2 and "Traceback" not in completion.stderr
-    grammar = dpbench("dataset.data_dir=~/data", cwd=tmp_path)
+    grammar = dpbench_in_process("dataset.data_dir=~/data", cwd=tmp_path)
     assert grammar.returncode == 2
 
 
@@ -173,29 +170,27 @@ def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
     assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644
 
 
-@pytest.mark.slow  # the console script
 def test_version_and_help_describe_dpbench(tmp_path):
     from dpbench import __version__
 
-    version = dpbench("--version", cwd=tmp_path)
+    version = dpbench_in_process("--version", cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.strip() == f"dpbench {__version__}"
-    help_text = dpbench("--help", cwd=tmp_path)
+    help_text = dpbench_in_process("--help", cwd=tmp_path)
     assert help_text.returncode == 0
     assert "differentially private" in help_text.stdout and "algo: " in help_text.stdout
     assert "dpbench-audit" in help_text.stdout
 
 
-@pytest.mark.slow  # the console script
 def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
-    first = dpbench(*TINY, *FIXED_SIGMA, f"hydra.run.dir={run}", cwd=tmp_path)
+    first = dpbench_in_process(*TINY, *FIXED_SIGMA, f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     stamps = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     assert (run / ".hydra" / "overrides.yaml").is_file()
-    again = dpbench(*TINY, *FIXED_SIGMA, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
+    again = dpbench_in_process(*TINY, *FIXED_SIGMA, "name=renamed", f"hydra.run.dir={run}", cwd=tmp_path)  # name does not change results
     assert "skipping" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == stamps
-    changed = dpbench(*TINY, *FIXED_SIGMA, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
+    changed = dpbench_in_process(*TINY, *FIXED_SIGMA, "train.lr=0.05", f"hydra.run.dir={run}", cwd=tmp_path)
     assert changed.returncode == 0 and "another config (train.lr" in changed.stderr
     assert read_results(run)["config"]["train"]["lr"] == 0.05
 

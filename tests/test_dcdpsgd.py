@@ -160,7 +160,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
 
 
 def test_k_none_scores_every_nonzero_gradient_one_and_runs_end_to_end(tmp_path):
-    from conftest import TINY, compose
+    from helpers.config import TINY, compose
 
     from dpbench.run import run_job
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import dp_accounting as dpa
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers.algorithms import tiny_model
 from helpers.config import OFFLINE, compose
-from conftest import REPO
+from helpers.cli import dpbench_in_process
 
 from dpbench.algorithms.dcdpsgd import DCDPSGD, EpsilonSplit, gradient_mechanism, noise_multipliers
 from dpbench.errors import UserError
@@ -79,10 +77,7 @@ def test_epsilon_split_refuses_incomplete_or_mixed_settings():
 
 
 def _cli(tmp_path, *overrides: str) -> dict:
-    env = {"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-           "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "dpbench.cli", f"hydra.run.dir={tmp_path}", *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = dpbench_in_process(f"hydra.run.dir={tmp_path}", *overrides, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads((tmp_path / "results.json").read_text())
 

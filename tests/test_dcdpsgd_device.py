@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.algorithms import build_algorithm
-from conftest import compose
+from helpers.config import compose
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import BlockBasis, SubWeibullSubspaces, subspace_scores

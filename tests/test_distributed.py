@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from helpers.algorithms import tiny_model
-from conftest import REPO
+from helpers.config import REPO
 from distributed_worker import ALGORITHMS_COMPARED, LOGICAL_BATCHES, NOISE_COORDINATES, run
 from scipy import stats
 
@@ -35,6 +35,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS_COMPARED))
 def test_two_process_steps_equal_the_one_process_steps_without_noise(ranks, algo):
     reference = ranks[0]["reference"][algo]
@@ -52,6 +53,7 @@ def test_two_process_steps_equal_the_one_process_steps_without_noise(ranks, algo
     assert all(not torch.allclose(p, q) for p, q in zip(reference["params"], initial))
 
 
+@pytest.mark.slow  # starts processes
 def test_noisy_steps_keep_the_replicas_identical(ranks):
     """Rank 0's single noise draw is broadcast: both ranks apply bit-identical updates."""
     for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], ranks[1]["noisy_dpsgd"]["params"]):
@@ -60,6 +62,7 @@ def test_noisy_steps_keep_the_replicas_identical(ranks):
     assert any(not torch.allclose(a, b) for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], without_noise))
 
 
+@pytest.mark.slow  # starts processes
 def test_the_release_adds_sigma_c_noise_once_to_the_sum_over_ranks(ranks):
     noisy = [r["noise"]["noisy"].double() for r in ranks]
     assert torch.equal(noisy[0], noisy[1])  # one release, broadcast
@@ -74,6 +77,7 @@ def test_the_release_adds_sigma_c_noise_once_to_the_sum_over_ranks(ranks):
     assert all(r["noise"]["mechanisms"] == [1.5] for r in ranks)  # the ledger: multiplier std / C
 
 
+@pytest.mark.slow  # starts processes
 def test_ranks_train_on_shards_of_rank_zeros_poisson_batch(ranks):
     for shard0, shard1 in zip(ranks[0]["shards"], ranks[1]["shards"]):
         logical = sorted(shard0 + shard1)
@@ -81,6 +85,7 @@ def test_ranks_train_on_shards_of_rank_zeros_poisson_batch(ranks):
         assert logical[0::2] == shard0 and logical[1::2] == shard1  # indices[r::K] of one draw
 
 
+@pytest.mark.slow  # starts processes
 def test_non_private_and_per_example_releases_are_refused_with_the_fix(ranks):
     refusals = ranks[1]["refusals"]
     assert "non-private" in refusals["adam"] and "without torchrun" in refusals["adam"]
@@ -88,11 +93,13 @@ def test_non_private_and_per_example_releases_are_refused_with_the_fix(ranks):
     assert "does not support multi-process" in refusals["dcdpsgd"]
 
 
+@pytest.mark.slow  # starts processes
 def test_differing_initialisation_fails_on_every_rank(ranks):
     assert "rank 1" in ranks[1]["replica_check"] and "weight" in ranks[1]["replica_check"]
     assert "not on rank 0" in ranks[0]["replica_check"]
 
 
+@pytest.mark.slow  # starts processes
 def test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
@@ -111,6 +118,7 @@ def test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps(tmp_path)
 
 
 # --- agreements, stops, devices, generators ----------------------------------------------------
+@pytest.mark.slow  # starts processes
 def test_a_differing_privacy_plan_fails_on_every_rank_in_one_line(ranks):
     assert all(rank["agreements"]["same_plan"] is None for rank in ranks)
     mine, theirs = ranks[1]["agreements"]["other_plan"], ranks[0]["agreements"]["other_plan"]
@@ -119,6 +127,7 @@ def test_a_differing_privacy_plan_fails_on_every_rank_in_one_line(ranks):
     assert "\n" not in mine + theirs
 
 
+@pytest.mark.slow  # starts processes
 def test_a_failure_on_one_rank_stops_every_rank_at_the_same_point(ranks):
     assert all(rank["agreements"]["nothing_failed"] is None for rank in ranks)
     assert ranks[1]["agreements"]["diverged_on_1"] == "DivergedError: training loss became nan"
@@ -128,6 +137,7 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_same_point(ranks):
     assert ranks[1]["agreements"]["crashed_on_0"] == "PeerFailure: rank 0 failed in step 4: ValueError: disk full"
 
 
+@pytest.mark.slow  # starts processes
 def test_every_rank_continues_from_its_own_generators(ranks):
     for rank in ranks:
         assert torch.equal(rank["generators"]["restored"], rank["generators"]["expected"]) and not rank["generators"]["notes"]
@@ -137,10 +147,12 @@ def test_every_rank_continues_from_its_own_generators(ranks):
     assert all("written by 1 process(es), this run has 2" in rank["generators"]["other_world_notes"][0] for rank in ranks)
 
 
+@pytest.mark.slow  # starts processes
 def test_the_process_group_is_left_at_the_end(ranks):
     assert all(rank["shut_down"] for rank in ranks)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("where", ["after_collectives", "inside_step"])
 def test_a_rank_that_fails_makes_every_rank_exit_non_zero_promptly(tmp_path, where):
     from distributed_failures import run as failing_run

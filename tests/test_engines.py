@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 from helpers.projected import TensorTask, build, image_task, tiny_vit
 from torch import nn
 

@@ -78,7 +78,7 @@ def test_each_step_is_timed_between_two_synchronisations():
 
 def test_trainer_steps_are_synchronised(tmp_path, monkeypatch):
     """The trainer's step boundaries reach the synchroniser (no trainer change needed)."""
-    from conftest import TINY, compose
+    from helpers.config import TINY, compose
     from omegaconf import OmegaConf
 
     import dpbench.metering as metering
@@ -213,7 +213,7 @@ def test_emulated_bf16_on_a_gpu_stops_with_one_line():
 
 @pytest.mark.parametrize(("overrides", "checked"), [(["train.precision=bf16"], True), ([], False)])
 def test_setup_checks_bf16_support_of_its_device(monkeypatch, overrides, checked):
-    from conftest import TINY, compose
+    from helpers.config import TINY, compose
 
     import dpbench.run as run
 
@@ -243,7 +243,7 @@ def test_tf32_is_off_for_private_runs_and_restored_for_the_others():
 
 @pytest.mark.parametrize(("algo", "private"), [("dpsgd", True), ("adam", False)])
 def test_setup_applies_the_tf32_rule(monkeypatch, algo, private):
-    from conftest import TINY, compose
+    from helpers.config import TINY, compose
 
     import dpbench.run as run
 

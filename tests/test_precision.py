@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.algorithms import build_algorithm, tiny_model
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 
 from dpbench.errors import UserError
 from dpbench.algorithms import algorithm_class

@@ -7,7 +7,7 @@ import math
 import dp_accounting as dpa
 import pytest
 import torch
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 from helpers.algorithms import build_algorithm
 from torch import nn
 

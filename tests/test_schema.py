@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.cli import dpbench
+from helpers.cli import dpbench_in_process
 from helpers.config import TINY, compose
 from omegaconf import OmegaConf
 
@@ -155,10 +155,9 @@ BAD = [
 ]
 
 
-@pytest.mark.slow  # the console script
 @pytest.mark.parametrize("overrides,message", BAD, ids=[o[-1] for o, _ in BAD])
 def test_cli_schema_errors_are_one_line_and_exit_2(tmp_path, overrides, message):
-    result = dpbench(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = dpbench_in_process(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert lines[0].startswith(message)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, compose
+from helpers.config import TINY, compose
 from scipy.optimize import brentq
 from scipy.stats import norm
 

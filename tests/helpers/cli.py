@@ -18,3 +18,61 @@ def dpbench(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subproce
                    "HOME": str(cwd), "OMP_NUM_THREADS": "1", **env}
     return subprocess.run([sys.executable, "-m", "dpbench.cli", *args], cwd=cwd, env=environment,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def dpbench_in_process(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`dpbench <args>` as `dpbench()` runs it, but through `dpbench.cli.main` in this process:
+    the same composition, job and exit status without a new interpreter's imports (seconds per
+    call). For tests of what the command does; a test of the process itself (signals, torchrun,
+    W&B's service, the installed script) uses `dpbench()`."""
+    from dpbench import cli
+
+    cli._own_exit.clear()
+    cli._grid_failures.clear()
+    return console_script_in_process(cli.main, "dpbench", *args, cwd=cwd, **env)
+
+
+def console_script_in_process(main, prog: str, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A console script's `main` with argv `prog args`, run here with cwd and env set as
+    `dpbench()` sets them and restored afterwards; stdout and stderr captured. A traceback that
+    would end the process is its stderr with status 1, as Python's would be."""
+    import contextlib
+    import io
+    import traceback
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    import logging
+
+    environment = {"WANDB_MODE": "disabled", "HOME": str(cwd), **env}
+    saved_env = {key: os.environ.get(key) for key in environment}
+    # Hydra sets up job logging with logging.config.dictConfig, which closes every handler the
+    # process ever made (logging._handlerList), e.g. absl's, bound to the stream pytest captures
+    # into: a fresh process has none, so they are hidden from the call and put back after it.
+    host_handlers = logging._handlerList[:]
+    logging._handlerList[:] = []
+    saved_argv, saved_cwd = sys.argv, os.getcwd()
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    try:
+        os.environ.update(environment)
+        os.chdir(cwd)
+        sys.argv = [prog, *args]
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                main()
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except Exception:  # noqa: BLE001 - what the interpreter would print before exiting 1
+                traceback.print_exc()
+                status = 1
+    finally:
+        logging._handlerList[:0] = host_handlers
+        GlobalHydra.instance().clear()
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess([prog, *args], status, stdout.getvalue(), stderr.getvalue())
