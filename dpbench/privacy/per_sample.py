@@ -33,9 +33,39 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         self._overrides = overrides
         self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **overrides}
         super().__init__(module, batch_first=True, loss_reduction="sum", strict=True)
+        self.examples = 0  # examples in the batch being backpropagated (set by the engine)
 
     def _get_module_type(self, module: nn.Module):
         return module if module in getattr(self, "_overrides", {}) else type(module)
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Opacus's, then an example's rows merged into its token axis where that is exact.
+
+        A layer fed R = k·B rows (HF OPT flattens [B, T, d] to [B·T, d] before fc1/fc2 and its
+        final LayerNorm; candidate scoring feeds K rows per example, example-major) would
+        otherwise get one per-*row* gradient each, [B·T, out, in] for a Linear: 16 GB at batch 16
+        on the engines benchmark's OPT shape, summed per example only afterwards. For layers whose
+        per-example gradient sums over every position of the input (Linear, Embedding, LayerNorm)
+        the rows of one example are just more positions: [R, ..., d] -> [B, R/B·..., d] gives the
+        per-example gradient directly, exactly."""
+        activations, backprops = super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first)
+        rows, examples = backprops.shape[0], self.examples
+        if not examples or rows == examples or rows % examples or not _merges_rows(module):
+            return activations, backprops
+        tail = 1 if type(module) is not nn.LayerNorm else len(module.normalized_shape)
+        merge = lambda t, keep: t.reshape(examples, -1, *t.shape[t.dim() - keep:]) if keep else t.reshape(examples, -1)
+        if type(module) is nn.Embedding:  # ids [R, ...] -> [B, ·]; their gradients [B, ·, d]
+            activations = [merge(activations[0], 0), *activations[1:]]
+        else:
+            activations = [merge(activations[0], tail), *activations[1:]]
+        module.max_batch_len = examples  # the per-sample buffers Opacus allocates: [B, ...]
+        return activations, merge(backprops, tail)
+
+
+def _merges_rows(module: nn.Module) -> bool:
+    """Layers whose per-example gradient is a sum over input positions (see rearrange_grad_samples)."""
+    return type(module) in (nn.Linear, nn.Embedding, nn.LayerNorm)
 
 
 class PerSampleGradients:
@@ -65,10 +95,12 @@ class PerSampleGradients:
 
         The summed batch gradient that autograd also accumulates in `.grad` is discarded.
         """
+        self._module.examples = losses.shape[0]
         try:
             backward_through_layers(losses.sum() * self.loss_scale, self._entry_params)
         finally:
             self._entry_params.clear()
+            self._module.examples = 0
         per_sample = []
         for p in self.params:
             grad_sample = p.grad_sample
