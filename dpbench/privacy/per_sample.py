@@ -18,7 +18,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.bookkeeping import backward_through_layers, track_entry_params
+from dpbench.privacy.bookkeeping import backward_through_layers, is_layer_norm, track_entry_params
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
@@ -31,7 +31,11 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         # Opacus keeps GRAD_SAMPLERS as a class attribute; use a per-instance copy extended with
         # the overrides. Both are plain attributes, set before hooks are added in __init__.
         self._overrides = overrides
-        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **overrides}
+        # A LayerNorm subclass with LayerNorm's function (timm's) gets Opacus's LayerNorm sampler
+        # instead of functorch (see bookkeeping.LAYER_NORMS).
+        layer_norms = {type(m): GradSampleModule.GRAD_SAMPLERS[nn.LayerNorm] for m in module.modules()
+                       if is_layer_norm(m) and m.bias is not None and m.weight is not None}
+        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **layer_norms, **overrides}
         super().__init__(module, batch_first=True, loss_reduction="sum", strict=True)
         self.examples = 0  # examples in the batch being backpropagated (set by the engine)
 
@@ -53,7 +57,7 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         rows, examples = backprops.shape[0], self.examples
         if not examples or rows == examples or rows % examples or not _merges_rows(module):
             return activations, backprops
-        tail = 1 if type(module) is not nn.LayerNorm else len(module.normalized_shape)
+        tail = len(module.normalized_shape) if is_layer_norm(module) else 1
         merge = lambda t, keep: t.reshape(examples, -1, *t.shape[t.dim() - keep:]) if keep else t.reshape(examples, -1)
         if type(module) is nn.Embedding:  # ids [R, ...] -> [B, ·]; their gradients [B, ·, d]
             activations = [merge(activations[0], 0), *activations[1:]]
@@ -65,7 +69,7 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
 
 def _merges_rows(module: nn.Module) -> bool:
     """Layers whose per-example gradient is a sum over input positions (see rearrange_grad_samples)."""
-    return type(module) in (nn.Linear, nn.Embedding, nn.LayerNorm)
+    return type(module) in (nn.Linear, nn.Embedding) or is_layer_norm(module)
 
 
 class PerSampleGradients:
