@@ -139,3 +139,60 @@ def test_materialize_forms_per_example_not_per_row_gradients(monkeypatch):
     assert leading and set(leading) == {(BATCH, BATCH)}
     # the largest set of per-example gradients held: B × (parameters), nothing per token
     assert engine.peak_bytes <= BATCH * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def test_bk_keeps_a_tied_output_layer_and_embedding_apart(monkeypatch):
+    """OPT's head is tied to its input embedding: book-keeping adds the two parts' cross term
+    (‖A + E‖² = ‖A‖² + ‖E‖² + 2⟨A, E⟩, exact per the norms test above) instead of forming
+    two [B, V, d] per-example tables and their sum (3 × 128 MiB at the OPT shape's batch 16)."""
+    from dpbench.privacy import bookkeeping
+
+    formed = []
+    original = bookkeeping.EmbeddingRows.instantiate
+    monkeypatch.setattr(bookkeeping.EmbeddingRows, "instantiate", lambda self: formed.append(self) or original(self))
+    model = language_model("opt")
+    head, table = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head is table
+    engine = build_engine("bk", model)
+    sums = engine.clipped_sum(per_example_loss("opt", model, token_batch()), torch.ones_like)
+    engine.detach()
+    assert not [rows for rows in formed if rows.num_embeddings == VOCAB]
+    # with factors 1 the clipped sum is the plain gradient: both parts of the tie are in it
+    model.zero_grad()
+    per_example_loss("opt", model, token_batch()).sum().backward()
+    index = [p for p in model.parameters() if p.requires_grad].index(table)
+    assert torch.allclose(sums[index].double(), table.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ENGINES)
+def test_timm_layer_norm_gets_a_layer_norm_rule_not_functorch(mode, monkeypatch):
+    """timm's LayerNorm subclass (ViT) went whole through functorch, whose vmap holds a layer
+    norm's forward and backward for the batch (245 MiB of the ViT shape's bk peak)."""
+    import opacus.grad_sample.grad_sample_module as gsm
+
+    from dpbench.privacy import bookkeeping
+
+    seen = []
+
+    def recording(original):
+        return lambda layer, *args: seen.append(type(layer).__name__) or original(layer, *args)
+
+    monkeypatch.setattr(bookkeeping, "ft_compute_per_sample_gradient", recording(bookkeeping.ft_compute_per_sample_gradient))
+    monkeypatch.setattr(gsm, "ft_compute_per_sample_gradient", recording(gsm.ft_compute_per_sample_gradient))
+    model = image_model("vit")
+    assert any(type(m).__module__.startswith("timm") and isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    engine = build_engine(mode, model)
+    engine.clipped_sum(per_example_loss("vit", model, image_batch()), torch.ones_like)
+    engine.detach()
+    assert "LayerNorm" not in seen and "TokenEmbedding" in seen  # functorch still serves what has no rule
+
+
+def test_bk_counts_an_input_several_layers_keep_once():
+    """q, k and v read one input: keeping (a, g) costs each layer its g and a third of a. At
+    T·(in + out) = in·out (OPT's attention at 128 tokens, width 256) that tips the choice from
+    [B, out, in] per-example tables to (a, g)."""
+    from dpbench.privacy.bookkeeping import Instantiated, OuterProduct
+
+    a, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)  # T·(in + out) = 256 = in·out
+    assert isinstance(OuterProduct(a, g).compact(input_readers=1), Instantiated)
+    assert isinstance(OuterProduct(a, g).compact(input_readers=3), OuterProduct)
