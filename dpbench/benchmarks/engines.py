@@ -2,6 +2,7 @@
 
     python -m dpbench.benchmarks.engines                               # ViT shape, batch 64
     python -m dpbench.benchmarks.engines --shape opt --batch 16 --format markdown
+    python -m dpbench.benchmarks.engines --shape roberta --batch 16
     python -m dpbench.benchmarks.engines --methods adam,opacus_hooks,dpadam:bk --repeats 5
 
 Every method trains the same randomly initialised model on the same synthetic batch: non-private
@@ -39,7 +40,8 @@ METHODS = ("adam", "opacus_hooks", "opacus_ghost", "dpadam:materialize", "dpadam
 @dataclass(frozen=True)
 class Shape:
     """A model and its synthetic batch: `vit` (DP-ViT on 3×32×32 images, patch 4: 65 tokens) or a
-    causal language model (`opt`: OPT-shaped, tied embeddings, learned positions)."""
+    language model with tied embeddings and learned positions: `opt` (causal, OPT-shaped) or
+    `roberta` (masked LM, RoBERTa-shaped: token types, LM head with its own dense + LayerNorm)."""
 
     kind: str
     width: int
@@ -59,6 +61,12 @@ class Shape:
 
         from dpbench.models import apply_opacus_fixes
 
+        if self.kind == "roberta":  # position ids start after the padding index (1)
+            config = transformers.RobertaConfig(vocab_size=self.vocab, hidden_size=self.width,
+                                                num_hidden_layers=self.depth, num_attention_heads=self.heads,
+                                                intermediate_size=4 * self.width, type_vocab_size=1,
+                                                max_position_embeddings=self.tokens + 2, pad_token_id=1)
+            return apply_opacus_fixes(transformers.RobertaForMaskedLM(config), "roberta")
         config = transformers.OPTConfig(vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.depth,
                                         num_attention_heads=self.heads, ffn_dim=4 * self.width,
                                         max_position_embeddings=self.tokens + 2, word_embed_proj_dim=self.width)
@@ -75,6 +83,9 @@ class Shape:
         """[N, classes] logits and [N] targets, N = examples (vit) or examples × predicted tokens."""
         if self.kind == "vit":
             return model(inputs), targets
+        if self.kind == "roberta":  # every position scored (a masked LM's cost at 100 % masking)
+            logits = model(input_ids=inputs).logits
+            return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         logits = model(input_ids=inputs).logits[:, :-1]
         return logits.reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1)
 
@@ -86,6 +97,7 @@ class Shape:
 SHAPES = {
     "vit": Shape("vit", width=192, depth=6, heads=3),
     "opt": Shape("opt", width=256, depth=4, heads=4, tokens=128, vocab=8192),
+    "roberta": Shape("roberta", width=256, depth=4, heads=4, tokens=128, vocab=8192),
 }
 
 
