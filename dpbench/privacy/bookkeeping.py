@@ -535,10 +535,12 @@ class BookKeeping:
         return norm_sq.sqrt()
 
     def _book_kept_sums(self, factors: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            self._kept[p].clipped_sum(factors) if p in self._kept else torch.zeros(p.shape, device=p.device)
-            for p in self.params
-        ]
+        """Each parameter's clipped sum, its kept pieces released as soon as it is formed (the
+        next layer's temporaries reuse their memory)."""
+        sums = {}
+        for p in list(self._kept):
+            sums[p] = self._kept.pop(p).clipped_sum(factors)
+        return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 
     def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
         """Ghost's second pass: the same backward again, every clipped piece summed in fp32 by the
