@@ -91,6 +91,9 @@ class Instantiated:
     def nbytes(self) -> int:
         return _bytes(self.grad_sample)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.grad_sample]
+
     def instantiate(self) -> torch.Tensor:
         return self.grad_sample
 
@@ -112,6 +115,9 @@ class OuterProduct:
 
     def nbytes(self) -> int:
         return _bytes(self.a, self.g)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.a, self.g]
 
     def instantiate(self) -> torch.Tensor:
         return torch.einsum("bto,bti->boi", self.g, self.a)
@@ -150,6 +156,9 @@ class EmbeddingRows:
 
     def nbytes(self) -> int:
         return _bytes(self.ids, self.g)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.g]
 
     def instantiate(self) -> torch.Tensor:
         batch, _, dim = self.g.shape
@@ -198,6 +207,9 @@ class TiedPieces:
 
     def nbytes(self) -> int:
         return self.outer.nbytes() + self.rows.nbytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.outer.tensors() + self.rows.tensors()
 
     def instantiate(self) -> torch.Tensor:
         return self.outer.instantiate() + self.rows.instantiate()
@@ -375,6 +387,7 @@ class BookKeeping:
         self._factors: torch.Tensor | None = None  # set while the second pass sums
         self._entry_params: set[nn.Parameter] = set()
         self._readers: dict[int, int] = {}  # layers reading each input storage in this forward
+        self._held: set[int] = set()  # storages of the kept pieces (a shared input is held once)
         self._examples = 0
         self._held_bytes = 0
         self._coverage_checked = False
@@ -445,7 +458,7 @@ class BookKeeping:
         transient = piece.nbytes()
         if self.passes == 1:
             self._kept[p] = piece
-            self._held_bytes += piece.nbytes()
+            self._held_bytes += _new_bytes(piece.tensors(), self._held)
             transient = 0
         self.working_bytes = max(self.working_bytes, self._held_bytes + transient + self._open_bytes())
 
@@ -573,6 +586,7 @@ class BookKeeping:
         self._factors = None
         self._entry_params.clear()
         self._readers.clear()
+        self._held.clear()
 
     def backward_per_sample(self, losses):
         raise UserError("this algorithm needs per-example gradients; use algo.per_sample=materialize")
@@ -585,6 +599,16 @@ class BookKeeping:
 
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _new_bytes(tensors: list[torch.Tensor], held: set[int]) -> int:
+    """Bytes of the tensors whose storage is not yet in `held` (then added to it)."""
+    new = 0
+    for t in tensors:
+        if _storage(t) not in held:
+            held.add(_storage(t))
+            new += t.numel() * t.element_size()
+    return new
 
 
 def piece_device(piece) -> torch.device:
