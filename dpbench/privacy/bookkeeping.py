@@ -12,7 +12,9 @@ clipped sum Σ_i f_i G_i in one matmul per layer:
 * A Linear with a gradient map (DP-GRAPE): the same with (a, gP) or (aP, g), so the projected
   per-example gradient is never formed unless that is the smaller form.
 * Embedding: token ids and g; ghost norm through equal-id pairs; clipped sum by index_add.
-* Any other layer (LayerNorm, GroupNorm, Conv2d, DP-ViT's token embedding, ...): its per-example
+* LayerNorm (timm's too): per-example [B, d] weight and bias gradients, x̂ recomputed from the
+  saved input (instantiated: d numbers per example).
+* Any other layer (GroupNorm, Conv2d, DP-ViT's token embedding, ...): its per-example
   gradient instantiated by Opacus's grad sampler (functorch for layers Opacus does not know).
   Their per-example gradients are small in the models here (norm scales, biases, small convs),
   so the instantiated form is the cheap one and the hand-written ghost forms are not needed.
@@ -30,9 +32,10 @@ otherwise be released without a per-example norm), and give a non-finite example
 Written by hand because Opacus 1.6 has no book-keeping and its ghost clipping sums in low
 precision. Rows that belong to one example (candidate scoring: R = K·B rows, example-major) are
 merged into the token axis, which is exact for these layers: the example's gradient sums over its
-rows and tokens alike. A parameter used by several layer calls (tied or reused) gets its
-per-example gradient instantiated and summed, because ghost norms of parts do not add up to the
-norm of their sum.
+rows and tokens alike. A parameter used by several layer calls (tied or reused) has the norm of
+its summed per-example gradient, not the parts' norms: calls of one layer kind concatenate their
+tokens; an output layer tied to the input embedding keeps both parts and adds their cross term
+(`TiedPieces`); anything else is instantiated and summed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
@@ -65,6 +69,13 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _scaled_rows(g: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """f_i · g_i in fp32 (one new tensor: bf16 · fp32 promotes in the product), rows with f_i = 0
+    zeroed in place so that 0 · inf cannot poison the sum."""
+    factors = factors.float().view(-1, *([1] * (g.dim() - 1)))
+    return torch.mul(g, factors).masked_fill_(factors == 0, 0.0).float()  # (a float64 model: cast back)
+
+
 def _keep_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Zero the examples whose clip factor is 0 (non-finite gradient), so 0 · inf cannot poison
     the sum; materialize's clipped_sum drops them the same way."""
@@ -80,10 +91,13 @@ class Instantiated:
     def nbytes(self) -> int:
         return _bytes(self.grad_sample)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.grad_sample]
+
     def instantiate(self) -> torch.Tensor:
         return self.grad_sample
 
-    def compact(self):
+    def compact(self, input_readers: int = 1):
         return self
 
     def norm_sq(self) -> torch.Tensor:
@@ -102,13 +116,18 @@ class OuterProduct:
     def nbytes(self) -> int:
         return _bytes(self.a, self.g)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.a, self.g]
+
     def instantiate(self) -> torch.Tensor:
         return torch.einsum("bto,bti->boi", self.g, self.a)
 
-    def compact(self):
-        """The smaller of (a, g) and the instantiated G_i."""
-        tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
-        return Instantiated(self.instantiate()) if d_in * d_out <= tokens * (d_in + d_out) else self
+    def compact(self, input_readers: int = 1):
+        """The smaller of (a, g) and the instantiated G_i, by the bytes each adds: an input that
+        `input_readers` layers keep (q, k and v read one) costs each of them its share."""
+        kept = self.g.numel() * self.g.element_size() + self.a.numel() * self.a.element_size() / max(input_readers, 1)
+        instantiated = self.a.shape[0] * self.a.shape[2] * self.g.shape[2] * self.g.element_size()
+        return Instantiated(self.instantiate()) if instantiated <= kept else self
 
     def norm_sq(self) -> torch.Tensor:
         tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
@@ -121,7 +140,7 @@ class OuterProduct:
 
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
         keep = factors > 0  # no host sync: rows of dropped examples are zeroed unconditionally
-        a, g = _keep_rows(self.a.float(), keep), _keep_rows(self.g.float() * factors.float().view(-1, 1, 1), keep)
+        a, g = _keep_rows(self.a.float(), keep), _scaled_rows(self.g, factors)
         return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
 
     def merge(self, other: "OuterProduct") -> "OuterProduct":
@@ -138,12 +157,15 @@ class EmbeddingRows:
     def nbytes(self) -> int:
         return _bytes(self.ids, self.g)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.g]
+
     def instantiate(self) -> torch.Tensor:
         batch, _, dim = self.g.shape
         grads = torch.zeros((batch, self.num_embeddings, dim), dtype=self.g.dtype, device=self.g.device)
         return grads.scatter_add_(1, self.ids.unsqueeze(-1).expand(-1, -1, dim), self.g)
 
-    def compact(self):
+    def compact(self, input_readers: int = 1):
         tokens, dim = self.ids.shape[1], self.g.shape[2]
         return Instantiated(self.instantiate()) if self.num_embeddings * dim <= tokens * (dim + 1) else self
 
@@ -153,7 +175,7 @@ class EmbeddingRows:
         return (same_row * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
 
     def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
-        g = _keep_rows(self.g.float() * factors.float().view(-1, 1, 1), factors > 0)
+        g = _scaled_rows(self.g, factors)
         table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
         return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
 
@@ -161,12 +183,74 @@ class EmbeddingRows:
         return EmbeddingRows(torch.cat([self.ids, other.ids], 1), torch.cat([self.g, other.g], 1), self.num_embeddings)
 
 
+def _ties(outer: OuterProduct, rows: EmbeddingRows) -> bool:
+    """An output layer [V, d] (g: [B, T, V], a: [B, T, d]) and an embedding table [V, d]."""
+    return outer.g.shape[2] == rows.num_embeddings and outer.a.shape[2] == rows.g.shape[2]
+
+
+def _outer_embedding_cross(outer: OuterProduct, rows: EmbeddingRows) -> torch.Tensor:
+    """⟨g_iᵀ a_i, E_i⟩ per example for an output layer [V, d] tied to an embedding table [V, d]
+    (E_i[v] = Σ_{s: id_s = v} g'_s): Σ_{t,s} g_t[id_s] (a_t · g'_s), a [B, T, T'] product instead
+    of two [B, V, d] per-example tables."""
+    tokens = outer.g.shape[1]
+    picked = outer.g.gather(2, rows.ids.unsqueeze(1).expand(-1, tokens, -1)).float()  # g_t[id_s]: [B, T, T']
+    return (picked * torch.bmm(outer.a.float(), rows.g.float().transpose(1, 2))).sum(dim=(1, 2))
+
+
+class TiedPieces:
+    """One parameter read by layers of different kinds (a language model's output layer tied to
+    its input embedding): the parts kept apart, ‖Σ_k G_k‖² = Σ_k ‖G_k‖² + 2 Σ_{j<k} ⟨G_j, G_k⟩
+    with the cross terms in ghost form, so no per-example table is formed unless it is smaller."""
+
+    def __init__(self, outer: OuterProduct, rows: EmbeddingRows):
+        self.outer, self.rows = outer, rows
+
+    def nbytes(self) -> int:
+        return self.outer.nbytes() + self.rows.nbytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.outer.tensors() + self.rows.tensors()
+
+    def instantiate(self) -> torch.Tensor:
+        return self.outer.instantiate() + self.rows.instantiate()
+
+    def compact(self, input_readers: int = 1):
+        batch, vocab, dim = self.rows.g.shape[0], self.rows.num_embeddings, self.rows.g.shape[2]
+        return Instantiated(self.instantiate()) if batch * vocab * dim * self.rows.g.element_size() <= self.nbytes() else self
+
+    def norm_sq(self) -> torch.Tensor:
+        cross = _outer_embedding_cross(self.outer, self.rows)
+        return (self.outer.norm_sq() + self.rows.norm_sq() + 2 * cross).clamp(min=0)
+
+    def clipped_sum(self, factors: torch.Tensor) -> torch.Tensor:
+        return self.outer.clipped_sum(factors) + self.rows.clipped_sum(factors)
+
+    def merge(self, other):
+        """A third call of the parameter: joined to the part of its kind."""
+        if isinstance(other, OuterProduct):
+            return TiedPieces(self.outer.merge(other), self.rows)
+        if isinstance(other, EmbeddingRows):
+            return TiedPieces(self.outer, self.rows.merge(other))
+        raise RuntimeError("not a part of this tie")
+
+
+def _tie(first, second):
+    """TiedPieces for an output layer and an embedding sharing one table, else None."""
+    for outer, rows in ((first, second), (second, first)):
+        if isinstance(outer, OuterProduct) and isinstance(rows, EmbeddingRows) and _ties(outer, rows):
+            return TiedPieces(outer, rows)
+    return None
+
+
 def _merge(first, second):
-    if type(first) is type(second) and hasattr(first, "merge"):
+    if (type(first) is type(second) or isinstance(first, TiedPieces)) and hasattr(first, "merge"):
         try:
             return first.merge(second)
         except RuntimeError:  # shapes that do not concatenate: fall through to instantiation
             pass
+    tied = _tie(first, second)
+    if tied is not None:
+        return tied
     return Instantiated(first.instantiate() + second.instantiate())
 
 
@@ -194,6 +278,32 @@ def _embedding_pieces(module: nn.Embedding, activations, backprops, examples: in
     if module.padding_idx is not None:  # the padding row gets no gradient
         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
     return {module.weight: EmbeddingRows(ids, g, module.num_embeddings)} if module.weight.requires_grad else {}
+
+
+# LayerNorm classes whose forward is F.layer_norm over `normalized_shape` (timm's adds a fused-kernel
+# option). Opacus looks samplers up by exact type and sends any other class whole to functorch,
+# whose vmap holds a layer norm's forward and backward for the whole batch at once: 245 MiB of the
+# ViT shape's peak came from timm's LayerNorm there. Names, not classes: timm stays unimported.
+LAYER_NORMS = frozenset({"torch.nn.modules.normalization.LayerNorm", "timm.layers.norm.LayerNorm"})
+
+
+def is_layer_norm(module: nn.Module) -> bool:
+    kind = type(module)
+    return f"{kind.__module__}.{kind.__qualname__}" in LAYER_NORMS
+
+
+def _layer_norm_pieces(module: nn.LayerNorm, activations, backprops, examples: int) -> dict:
+    """Per-example gradients of a LayerNorm's weight Σ_t x̂_t ⊙ g_t and bias Σ_t g_t, [B, *shape]
+    (fp32): x̂ recomputed from the saved input, an example's rows and positions summed at once."""
+    shape = tuple(module.normalized_shape)
+    g = backprops.reshape(examples, -1, *shape).float()
+    pieces = {}
+    if module.weight is not None and module.weight.requires_grad:
+        normed = F.layer_norm(activations[0].reshape(examples, -1, *shape).float(), shape, eps=module.eps)
+        pieces[module.weight] = Instantiated(torch.einsum("bt...,bt...->b...", normed, g))
+    if module.bias is not None and module.bias.requires_grad:
+        pieces[module.bias] = Instantiated(g.sum(dim=1))
+    return pieces
 
 
 def _plain_embedding(module: nn.Module) -> bool:
@@ -232,7 +342,8 @@ def _hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
 
     def walk(module):
         own = any(p.requires_grad for p in module.parameters(recurse=False))
-        known = module in overrides or type(module) in (nn.Linear, nn.Embedding) or type(module) in GradSampleModule.GRAD_SAMPLERS
+        known = module in overrides or type(module) in (nn.Linear, nn.Embedding) or is_layer_norm(module) \
+            or type(module) in GradSampleModule.GRAD_SAMPLERS
         if own:
             found.append(module)
             if not known:
@@ -275,6 +386,8 @@ class BookKeeping:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}  # ghost's second pass, or the coverage check
         self._factors: torch.Tensor | None = None  # set while the second pass sums
         self._entry_params: set[nn.Parameter] = set()
+        self._readers: dict[int, int] = {}  # layers reading each input storage in this forward
+        self._held: set[int] = set()  # storages of the kept pieces (a shared input is held once)
         self._examples = 0
         self._held_bytes = 0
         self._coverage_checked = False
@@ -289,13 +402,16 @@ class BookKeeping:
 
     def _has_rule(self, module) -> bool:
         override = self.overrides.get(module)
-        return hasattr(override, "pair") or type(module) is nn.Linear or _plain_embedding(module)
+        return hasattr(override, "pair") or type(module) is nn.Linear or _plain_embedding(module) or is_layer_norm(module)
 
     # --- hooks ---------------------------------------------------------------------------
     def _capture_activations(self, module, inputs, _output):
         if not (self._enabled and torch.is_grad_enabled()):
             return
         self._activations.setdefault(module, []).append([t.detach() for t in inputs])
+        if inputs and torch.is_tensor(inputs[0]):
+            storage = _storage(inputs[0])
+            self._readers[storage] = self._readers.get(storage, 0) + 1
         track_entry_params(self._entry_params, module, inputs)
         for p in module.parameters(recurse=module in self._functorch):
             if p.requires_grad:
@@ -322,6 +438,8 @@ class BookKeeping:
             return _linear_pieces(module, activations, backprops, self._examples, None)
         if override is None and _plain_embedding(module):
             return _embedding_pieces(module, activations, backprops, self._examples)
+        if override is None and is_layer_norm(module):
+            return _layer_norm_pieces(module, activations, backprops, self._examples)
         sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
         return _instantiated_pieces(sampler, module, activations, backprops, self._examples)
 
@@ -334,12 +452,13 @@ class BookKeeping:
             return
         if not self._coverage_checked:  # unclipped sum, compared with autograd's (first call only)
             self._summed[p] = piece.clipped_sum(torch.ones(self._examples, device=piece_device(piece)))
-        piece = piece.compact() if self.passes == 1 else piece
+        if self.passes == 1:
+            piece = piece.compact(self._readers.get(_storage(piece.a), 1) if isinstance(piece, OuterProduct) else 1)
         self._norm_sq[p] = piece.norm_sq()
         transient = piece.nbytes()
         if self.passes == 1:
             self._kept[p] = piece
-            self._held_bytes += piece.nbytes()
+            self._held_bytes += _new_bytes(piece.tensors(), self._held)
             transient = 0
         self.working_bytes = max(self.working_bytes, self._held_bytes + transient + self._open_bytes())
 
@@ -429,10 +548,12 @@ class BookKeeping:
         return norm_sq.sqrt()
 
     def _book_kept_sums(self, factors: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            self._kept[p].clipped_sum(factors) if p in self._kept else torch.zeros(p.shape, device=p.device)
-            for p in self.params
-        ]
+        """Each parameter's clipped sum, its kept pieces released as soon as it is formed (the
+        next layer's temporaries reuse their memory)."""
+        sums = {}
+        for p in list(self._kept):
+            sums[p] = self._kept.pop(p).clipped_sum(factors)
+        return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 
     def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
         """Ghost's second pass: the same backward again, every clipped piece summed in fp32 by the
@@ -464,6 +585,8 @@ class BookKeeping:
         self._summed.clear()
         self._factors = None
         self._entry_params.clear()
+        self._readers.clear()
+        self._held.clear()
 
     def backward_per_sample(self, losses):
         raise UserError("this algorithm needs per-example gradients; use algo.per_sample=materialize")
@@ -474,5 +597,21 @@ class BookKeeping:
         self._handles.clear()
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _new_bytes(tensors: list[torch.Tensor], held: set[int]) -> int:
+    """Bytes of the tensors whose storage is not yet in `held` (then added to it)."""
+    new = 0
+    for t in tensors:
+        if _storage(t) not in held:
+            held.add(_storage(t))
+            new += t.numel() * t.element_size()
+    return new
+
+
 def piece_device(piece) -> torch.device:
+    if isinstance(piece, TiedPieces):
+        return piece.outer.g.device
     return (piece.grad_sample if isinstance(piece, Instantiated) else piece.g).device

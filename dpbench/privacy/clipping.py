@@ -28,9 +28,11 @@ def sum_rows_per_example(grad_sample: torch.Tensor, examples: int) -> torch.Tens
 
 def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each example's gradient over all given tensors (flat clipping): [B]."""
-    # vector_norm in fp32 rather than .float().pow(2): no per-sample-sized temporary (Opacus's form)
-    norms = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float32) for g in per_sample]
-    return torch.linalg.vector_norm(torch.stack(norms, dim=0), dim=0)
+    # vector_norm in (at least) fp32 rather than .float().pow(2): no per-sample-sized temporary
+    # (Opacus's form); a float64 model's gradients are not narrowed (vector_norm refuses that)
+    norms = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+             for g in per_sample]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms], dim=0), dim=0)
 
 
 # Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s

@@ -18,7 +18,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.bookkeeping import backward_through_layers, track_entry_params
+from dpbench.privacy.bookkeeping import backward_through_layers, is_layer_norm, track_entry_params
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
@@ -31,11 +31,45 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         # Opacus keeps GRAD_SAMPLERS as a class attribute; use a per-instance copy extended with
         # the overrides. Both are plain attributes, set before hooks are added in __init__.
         self._overrides = overrides
-        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **overrides}
+        # A LayerNorm subclass with LayerNorm's function (timm's) gets Opacus's LayerNorm sampler
+        # instead of functorch (see bookkeeping.LAYER_NORMS).
+        layer_norms = {type(m): GradSampleModule.GRAD_SAMPLERS[nn.LayerNorm] for m in module.modules()
+                       if is_layer_norm(m) and m.bias is not None and m.weight is not None}
+        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **layer_norms, **overrides}
         super().__init__(module, batch_first=True, loss_reduction="sum", strict=True)
+        self.examples = 0  # examples in the batch being backpropagated (set by the engine)
 
     def _get_module_type(self, module: nn.Module):
         return module if module in getattr(self, "_overrides", {}) else type(module)
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        """Opacus's, then an example's rows merged into its token axis where that is exact.
+
+        A layer fed R = k·B rows (HF OPT flattens [B, T, d] to [B·T, d] before fc1/fc2 and its
+        final LayerNorm; candidate scoring feeds K rows per example, example-major) would
+        otherwise get one per-*row* gradient each, [B·T, out, in] for a Linear: 16 GB at batch 16
+        on the engines benchmark's OPT shape, summed per example only afterwards. For layers whose
+        per-example gradient sums over every position of the input (Linear, Embedding, LayerNorm)
+        the rows of one example are just more positions: [R, ..., d] -> [B, R/B·..., d] gives the
+        per-example gradient directly, exactly."""
+        activations, backprops = super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first)
+        rows, examples = backprops.shape[0], self.examples
+        if not examples or rows == examples or rows % examples or not _merges_rows(module):
+            return activations, backprops
+        tail = len(module.normalized_shape) if is_layer_norm(module) else 1
+        merge = lambda t, keep: t.reshape(examples, -1, *t.shape[t.dim() - keep:]) if keep else t.reshape(examples, -1)
+        if type(module) is nn.Embedding:  # ids [R, ...] -> [B, ·]; their gradients [B, ·, d]
+            activations = [merge(activations[0], 0), *activations[1:]]
+        else:
+            activations = [merge(activations[0], tail), *activations[1:]]
+        module.max_batch_len = examples  # the per-sample buffers Opacus allocates: [B, ...]
+        return activations, merge(backprops, tail)
+
+
+def _merges_rows(module: nn.Module) -> bool:
+    """Layers whose per-example gradient is a sum over input positions (see rearrange_grad_samples)."""
+    return type(module) in (nn.Linear, nn.Embedding) or is_layer_norm(module)
 
 
 class PerSampleGradients:
@@ -65,10 +99,12 @@ class PerSampleGradients:
 
         The summed batch gradient that autograd also accumulates in `.grad` is discarded.
         """
+        self._module.examples = losses.shape[0]
         try:
             backward_through_layers(losses.sum() * self.loss_scale, self._entry_params)
         finally:
             self._entry_params.clear()
+            self._module.examples = 0
         per_sample = []
         for p in self.params:
             grad_sample = p.grad_sample

@@ -2,6 +2,7 @@
 
     python -m dpbench.tools.benchmarks.engines                               # ViT shape, batch 64
     python -m dpbench.tools.benchmarks.engines --shape opt --batch 16 --format markdown
+    python -m dpbench.tools.benchmarks.engines --shape roberta --batch 16
     python -m dpbench.tools.benchmarks.engines --methods adam,opacus_hooks,dpadam:bk --repeats 5
 
 Every method trains the same randomly initialised model on the same synthetic batch: non-private
@@ -11,7 +12,9 @@ runs in its own process (memory peaks do not mix), the methods alternate within 
 slow spell of the machine hits all of them), and the table gives the median samples/s and the
 run's own peak memory (peak minus the process's memory before the model was built; on CUDA the
 allocated and reserved peaks, with every step synchronised), each also as a ratio to non-private
-Adam and to Opacus's hooks. Benchmarks are run by hand on an idle machine, never inside the tests.
+Adam and to Opacus's hooks. On CPU a third figure, the tensor peak (live tensors during one
+more, profiled step: CUDA's max_allocated on CPU), separates the method's working set from what
+glibc's heap keeps after frees. Benchmarks are run by hand on an idle machine, never inside the tests.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ METHODS = ("adam", "opacus_hooks", "opacus_ghost", "dpadam:materialize", "dpadam
 @dataclass(frozen=True)
 class Shape:
     """A model and its synthetic batch: `vit` (DP-ViT on 3×32×32 images, patch 4: 65 tokens) or a
-    causal language model (`opt`: OPT-shaped, tied embeddings, learned positions)."""
+    language model with tied embeddings and learned positions: `opt` (causal, OPT-shaped) or
+    `roberta` (masked LM, RoBERTa-shaped: token types, LM head with its own dense + LayerNorm)."""
 
     kind: str
     width: int
@@ -57,6 +61,12 @@ class Shape:
 
         from dpbench.models import apply_opacus_fixes
 
+        if self.kind == "roberta":  # position ids start after the padding index (1)
+            config = transformers.RobertaConfig(vocab_size=self.vocab, hidden_size=self.width,
+                                                num_hidden_layers=self.depth, num_attention_heads=self.heads,
+                                                intermediate_size=4 * self.width, type_vocab_size=1,
+                                                max_position_embeddings=self.tokens + 2, pad_token_id=1)
+            return apply_opacus_fixes(transformers.RobertaForMaskedLM(config), "roberta")
         config = transformers.OPTConfig(vocab_size=self.vocab, hidden_size=self.width, num_hidden_layers=self.depth,
                                         num_attention_heads=self.heads, ffn_dim=4 * self.width,
                                         max_position_embeddings=self.tokens + 2, word_embed_proj_dim=self.width)
@@ -73,6 +83,9 @@ class Shape:
         """[N, classes] logits and [N] targets, N = examples (vit) or examples × predicted tokens."""
         if self.kind == "vit":
             return model(inputs), targets
+        if self.kind == "roberta":  # every position scored (a masked LM's cost at 100 % masking)
+            logits = model(input_ids=inputs).logits
+            return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         logits = model(input_ids=inputs).logits[:, :-1]
         return logits.reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1)
 
@@ -84,6 +97,7 @@ class Shape:
 SHAPES = {
     "vit": Shape("vit", width=192, depth=6, heads=3),
     "opt": Shape("opt", width=256, depth=4, heads=4, tokens=128, vocab=8192),
+    "roberta": Shape("roberta", width=256, depth=4, heads=4, tokens=128, vocab=8192),
 }
 
 
@@ -171,10 +185,26 @@ def _adam_step(model, shape: Shape, inputs, targets):
     return step
 
 
+def _import_every_method() -> None:
+    """Import what any method imports (Hydra, dpbench's algorithms and engines, Opacus) before the
+    memory baseline is read: otherwise the dpbench and Opacus rows pay tens of MiB of Python
+    modules that non-private Adam never loads."""
+    import hydra  # noqa: F401
+    import opacus  # noqa: F401
+
+    import dpbench.algorithms  # noqa: F401
+    import dpbench.privacy.engines  # noqa: F401
+    from dpbench.algorithms import algorithm_class
+
+    for name in ("dpadam", "grape", "dpzero"):
+        algorithm_class(name)
+
+
 def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
     """One method in this process: samples/s over `steps` synchronised steps after `warmup`, and peaks."""
     from dpbench.metering import PeakMemory
 
+    _import_every_method()  # the own peak is the method's tensors, not the code it imports
     memory = PeakMemory(device)
     memory.reset()
     model = shape.model().to(device)
@@ -202,8 +232,38 @@ def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, devi
     elapsed = time.perf_counter() - started
     peaks = memory.read()
     own = peaks.get("cuda_max_allocated", peaks["peak_bytes"] - peaks["start_bytes"])
-    return {"method": method, "samples_per_s": batch * steps / elapsed, "own_peak_bytes": own,
-            "peak_bytes": peaks["peak_bytes"], "memory_kind": peaks["kind"]}
+    result = {"method": method, "samples_per_s": batch * steps / elapsed, "own_peak_bytes": own,
+              "peak_bytes": peaks["peak_bytes"], "memory_kind": peaks["kind"]}
+    if device.type == "cpu":  # after the timed steps: the profiler slows the step it watches
+        result["tensor_peak_bytes"] = tensor_peak_bytes(step)
+    return result
+
+
+def tensor_peak_bytes(step) -> int | None:
+    """Peak bytes of live tensors during one step (those the step reads, like parameters and
+    optimizer state, included), from the profiler's memory timeline: the CPU counterpart of
+    CUDA's max_allocated. The RSS peak also holds what glibc's heap keeps after frees (its mmap
+    threshold rises with the tensors freed), which depends on the order of allocations more than
+    on their sizes. None where the profiler's (private) timeline is unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler._memory_profiler import Action
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            step()
+        live, current, peak = {}, 0, 0
+        for _, action, (key, _version), size in prof._memory_profile().timeline:
+            if key.device.type != "cpu":
+                continue
+            if action in (Action.PREEXISTING, Action.CREATE) and key not in live:
+                live[key] = size
+                current += size
+            elif action == Action.DESTROY and key in live:
+                current -= live.pop(key)
+            peak = max(peak, current)
+        return peak
+    except Exception:  # noqa: BLE001 - a private API: the column is left empty, the run goes on
+        return None
 
 
 def run_all(args) -> dict[str, list[dict]]:
@@ -231,22 +291,29 @@ def _short(result: dict) -> str:
     return f"{result['samples_per_s']:.1f} samples/s, own peak {result['own_peak_bytes'] / MIB:.0f} MiB"
 
 
+def _median_or_none(values):
+    values = [v / MIB for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def table_rows(results: dict[str, list[dict]]) -> list[dict]:
     """Medians per method, with ratios to non-private Adam and to Opacus's hooks."""
     medians = {}
     for method, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         medians[method] = ({"speed": statistics.median(r["samples_per_s"] for r in ok),
-                            "own": statistics.median(r["own_peak_bytes"] for r in ok) / MIB}
+                            "own": statistics.median(r["own_peak_bytes"] for r in ok) / MIB,
+                            "tensors": _median_or_none([r.get("tensor_peak_bytes") for r in ok])}
                            if ok else {"error": runs[-1]["error"] if runs else "not run"})
 
     def ratio(method, reference, key):
         a, b = medians.get(method, {}), medians.get(reference, {})
-        return a[key] / b[key] if key in a and key in b and b[key] else None
+        return a[key] / b[key] if a.get(key) is not None and b.get(key) else None
 
     return [{"method": m, **medians[m],
              "speed_vs_adam": ratio(m, "adam", "speed"), "speed_vs_opacus": ratio(m, "opacus_hooks", "speed"),
-             "own_vs_adam": ratio(m, "adam", "own"), "own_vs_opacus": ratio(m, "opacus_hooks", "own")}
+             "own_vs_adam": ratio(m, "adam", "own"), "own_vs_opacus": ratio(m, "opacus_hooks", "own"),
+             "tensors_vs_adam": ratio(m, "adam", "tensors"), "tensors_vs_opacus": ratio(m, "opacus_hooks", "tensors")}
             for m in medians]
 
 
@@ -254,14 +321,19 @@ def render(rows: list[dict], fmt: str, title: str) -> str:
     def x(value):
         return "–" if value is None else f"{value:.2f}×"
 
-    header = ["method", "samples/s", "÷ Adam", "÷ Opacus hooks", "own peak MiB", "÷ Adam", "÷ Opacus hooks"]
+    def mib(value):
+        return "–" if value is None else f"{value:.0f}"
+
+    header = ["method", "samples/s", "÷ Adam", "÷ Opacus hooks", "own peak MiB", "÷ Adam", "÷ Opacus hooks",
+              "tensor peak MiB", "÷ Adam", "÷ Opacus hooks"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["method"], f"error: {r['error']}", "", "", "", "", ""])
+            body.append([r["method"], f"error: {r['error']}"] + [""] * (len(header) - 2))
         else:
             body.append([r["method"], f"{r['speed']:.1f}", x(r["speed_vs_adam"]), x(r["speed_vs_opacus"]),
-                         f"{r['own']:.0f}", x(r["own_vs_adam"]), x(r["own_vs_opacus"])])
+                         f"{r['own']:.0f}", x(r["own_vs_adam"]), x(r["own_vs_opacus"]),
+                         mib(r.get("tensors")), x(r.get("tensors_vs_adam")), x(r.get("tensors_vs_opacus"))])
     if fmt == "markdown":
         lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
@@ -273,7 +345,7 @@ def render(rows: list[dict], fmt: str, title: str) -> str:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in body:
         table.add_row(*row)
-    console = Console(record=True, width=140, file=io.StringIO())
+    console = Console(record=True, width=180, file=io.StringIO())
     console.print(table)
     return console.export_text()
 
