@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.config import REPO
 from omegaconf import OmegaConf
 
-from conftest import REPO
 from dpbench.models import DataSpec, apply_opacus_fixes, build_model
 from dpbench.privacy.engines import build_engine
 
