@@ -153,3 +153,22 @@ class Throughput:
             "measured_steps": max(0, self.steps - self.warmup_steps),
             "wall_s": self.clock() - self.start,
         }
+
+
+def own_peak_bytes(memory) -> int | None:
+    """The run's own peak memory, the one rule of every table (report, leaderboard, benchmarks,
+    doctor): on a GPU the allocator's maximum (`cuda_max_allocated`: what the run's tensors needed;
+    the reserved peak adds the caching allocator's slack and stays the absolute figure), else the
+    reserved peak; on the CPU the peak resident size minus the resident size at the start of the
+    run (the interpreter, torch and the data are not the run's). `memory`: `PeakMemory.read()`'s
+    dict or results.json's memory section (`MemoryResults`)."""
+    def field(name: str):
+        return memory.get(name) if isinstance(memory, dict) else getattr(memory, name, None)
+
+    peak, start = field("peak_bytes"), field("start_bytes")
+    if peak is None:
+        return None
+    if (field("kind") or "").startswith("cuda"):
+        allocated = field("cuda_max_allocated")
+        return allocated if allocated is not None else peak
+    return peak - start if start is not None else None

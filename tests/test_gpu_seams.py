@@ -181,7 +181,7 @@ def test_probe_times_several_steps(tmp_path, monkeypatch):
     assert "train.steps=6" in seen["args"]  # 3 warm-up steps, 3 timed (one timed step before)
 
 
-def test_table_reports_reserved_and_allocated_on_gpu(tmp_path):
+def test_table_reports_allocated_as_own_and_reserved_as_absolute_on_gpu(tmp_path):
     folder = tmp_path / "a"
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps({
@@ -191,8 +191,9 @@ def test_table_reports_reserved_and_allocated_on_gpu(tmp_path):
         "throughput": {"samples_per_s": 3.0},
     }))
     (row,) = collect(tmp_path)
-    assert row["own_mib"] == 1000 and row["allocated_mib"] == 700  # own: reserved, not allocated
-    assert "| adam | 8 | 1000 | 1000 | 700 |" in markdown([row])
+    # own: allocated (dpbench.metering.own_peak_bytes, one rule for every table); absolute: reserved
+    assert row["own_mib"] == 700 and row["peak_mib"] == 1000 and row["allocated_mib"] == 700
+    assert "| adam | 8 | 700 | 1000 | 700 |" in markdown([row])
 
 
 # --- bf16 without bf16 units, TF32, low-precision trainable weights ----------------------------

@@ -33,3 +33,15 @@ def test_throughput_skips_warmup_steps():
     summary = meter.summary()
     assert summary["measured_steps"] == 2
     assert summary["samples_per_s"] > 0
+
+
+def test_own_peak_is_one_rule_for_a_read_and_a_results_section():
+    from dpbench.logging.results import MemoryResults
+    from dpbench.metering import own_peak_bytes
+
+    cpu = {"kind": "cpu_peak_rss", "peak_bytes": 900, "start_bytes": 300}
+    gpu = {"kind": "cuda_max_reserved", "peak_bytes": 1000, "start_bytes": 100, "cuda_max_allocated": 700}
+    assert own_peak_bytes(cpu) == 600 and own_peak_bytes(gpu) == 700
+    assert own_peak_bytes(MemoryResults(**cpu)) == 600 and own_peak_bytes(MemoryResults(**gpu)) == 700
+    assert own_peak_bytes({**gpu, "cuda_max_allocated": None}) == 1000  # older GPU files: the reserved peak
+    assert own_peak_bytes({"kind": "cpu_peak_rss", "peak_bytes": None}) is None

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpbench.host_syncs import count_host_syncs
+from dpbench.metering import own_peak_bytes
 
 MIB = 2**20
 SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode warns on each host sync
@@ -114,12 +115,12 @@ def check(algo: str, precision: str, device: torch.device, steps: int) -> Row:
     except Exception as error:  # noqa: BLE001 - every failure is a row, the others still run
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return Row(algo, precision, "error", note=f"{type(error).__name__}: {message}"[:160])
-    own = peak["peak_bytes"] - (0 if device.type == "cuda" else peak["start_bytes"])  # GPU: reserved
+    own = own_peak_bytes(peak)  # GPU: max allocated
     return Row(algo, precision, "ok", trainer.throughput.step_seconds, own / MIB, counter.per_step)
 
 
 def table(rows: list[Row], device: torch.device) -> Table:
-    memory = "peak reserved MiB" if device.type == "cuda" else "own peak RSS MiB"
+    memory = "own peak MiB (allocated)" if device.type == "cuda" else "own peak RSS MiB"
     out = Table(title=f"dpbench-doctor · {describe(device)}")
     for column in ("algorithm", "precision", "status", "step s", memory, "host syncs/step", "note"):
         out.add_column(column, justify="right" if column in ("step s", memory, "host syncs/step") else "left")

@@ -202,7 +202,7 @@ def _import_every_method() -> None:
 
 def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
     """One method in this process: samples/s over `steps` synchronised steps after `warmup`, and peaks."""
-    from dpbench.metering import PeakMemory
+    from dpbench.metering import PeakMemory, own_peak_bytes
 
     _import_every_method()  # the own peak is the method's tensors, not the code it imports
     memory = PeakMemory(device)
@@ -231,7 +231,7 @@ def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, devi
     sync()
     elapsed = time.perf_counter() - started
     peaks = memory.read()
-    own = peaks.get("cuda_max_allocated", peaks["peak_bytes"] - peaks["start_bytes"])
+    own = own_peak_bytes(peaks)
     result = {"method": method, "samples_per_s": batch * steps / elapsed, "own_peak_bytes": own,
               "peak_bytes": peaks["peak_bytes"], "memory_kind": peaks["kind"]}
     if device.type == "cpu":  # after the timed steps: the profiler slows the step it watches

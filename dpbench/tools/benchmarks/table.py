@@ -3,10 +3,10 @@
     dpbench -m experiment=memory_vs_batch_vit
     python -m dpbench.tools.benchmarks.table outputs/multirun/memory_vs_batch_vit
 
-Memory is the run's own peak (the peak minus what was held at the start of the run) beside the
-absolute peak: on the CPU of the resident size, on a GPU of reserved memory
-(torch.cuda.max_memory_reserved, the papers' figure: what the card must hold), with the peak
-allocated memory in its own column (GPU runs only).
+Memory is the run's own peak (dpbench.metering.own_peak_bytes, the rule of every table: on the
+CPU the peak resident size minus what was held at the start of the run, on a GPU the peak
+allocated memory) beside the absolute peak (resident size; on a GPU reserved memory,
+torch.cuda.max_memory_reserved, the papers' figure: what the card must hold).
 Ratios compare each private method with DP-Adam materialising per-sample gradients, DP-Adam with
 ghost clipping and non-private Adam at the same batch size. Repeated jobs are averaged.
 """
@@ -19,6 +19,8 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from dpbench.metering import own_peak_bytes
 
 MIB = 2**20
 PRIVATE_MODES = ("dpadam", "dpsgd", "grape", "galore_naive")
@@ -36,7 +38,7 @@ def collect(folder: Path) -> list[dict]:
         results = json.loads(path.read_text())
         memory = results["memory"]
         cuda = memory.get("kind", "").startswith("cuda")
-        own = memory["peak_bytes"] - (memory.get("start_bytes") or 0)  # CPU: resident size; GPU: reserved
+        own = own_peak_bytes(memory)  # CPU: resident size - start; GPU: max allocated
         allocated = memory.get("cuda_max_allocated") if cuda else None
         batch = results["config"]["train"]["batch_size"]
         groups[(method(results), batch)].append({

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from dpbench import metering
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
 
@@ -110,16 +111,8 @@ def method_name(row: RunRow) -> str:
 
 
 def own_peak_bytes(results: RunResults) -> int | None:
-    """The run's own peak memory, comparable across methods on one device: on a GPU the allocator's
-    maximum (`cuda_max_allocated`, else the reserved peak); on the CPU the peak resident size minus
-    the resident size at the start of the run (the interpreter, torch and the data are not the run's).
-    The rule of dpbench/tools/benchmarks/table.py."""
-    memory = results.memory
-    if memory.peak_bytes is None:
-        return None
-    if (memory.kind or "").startswith("cuda"):
-        return memory.cuda_max_allocated if memory.cuda_max_allocated is not None else memory.peak_bytes
-    return memory.peak_bytes - memory.start_bytes if memory.start_bytes is not None else None
+    """The run's own peak memory (dpbench.metering.own_peak_bytes: the rule of every table)."""
+    return metering.own_peak_bytes(results.memory)
 
 
 def unproven_sampling(privacy, config: dict) -> bool:
