@@ -32,7 +32,7 @@ def run(rank: int, world: int, port: int, out: str, where: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     distributed.init_from_environment()
-    distributed.STEP_PATIENCE_S = 10.0  # rank 1's wait for rank 0 (stuck inside the step in "inside_step")
+    distributed.STEP_PATIENCE_S = 5.0  # rank 1's wait for rank 0 (stuck inside the step in "inside_step")
     algorithm, task, _ = build_algorithm("dpsgd", sigma=1.0, clip=1.0, batch=32.0)
     callbacks = []
     if where == "after_collectives":
