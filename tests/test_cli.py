@@ -34,12 +34,11 @@ def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
-@pytest.mark.slow  # the console script
 def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, *FIXED_SIGMA, "threads=1", "device=cpu",
             f"hydra.sweep.dir={sweep}"]
-    first = dpbench(*args, cwd=tmp_path)
+    first = dpbench_in_process(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     files = sorted(sweep.glob("*/results.json"))
     assert len(files) == 4
@@ -48,7 +47,7 @@ def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     assert {json.loads(f.read_text())["algo"] for f in files} == {"adam", "dpsgd"}
     stamps = {f: f.stat().st_mtime_ns for f in files}
     files[0].unlink()  # as if the grid had been interrupted before this job finished
-    second = dpbench(*args, cwd=tmp_path)
+    second = dpbench_in_process(*args, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stderr.count("skipping") == 3
     assert files[0].is_file()
