@@ -38,11 +38,10 @@ def console_script_in_process(main, prog: str, *args: str, cwd: Path, **env: str
     would end the process is its stderr with status 1, as Python's would be."""
     import contextlib
     import io
+    import logging
     import traceback
 
     from hydra.core.global_hydra import GlobalHydra
-
-    import logging
 
     environment = {"WANDB_MODE": "disabled", "HOME": str(cwd), **env}
     saved_env = {key: os.environ.get(key) for key in environment}
