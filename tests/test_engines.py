@@ -154,6 +154,38 @@ def test_bk_and_ghost_sum_candidate_rows_per_example(tied, mode):
     assert_same_tensors(expected, actual, rtol=1e-5)
 
 
+class SharedOutputGradient(nn.Module):
+    """Two Linear layers whose outputs are added (autograd hands both the same output gradient
+    tensor), then narrower ones; 4 tokens, so book-keeping keeps (a, g) for the first three."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.left, self.right = nn.Linear(16, 32), nn.Linear(16, 32)
+        self.narrow = nn.Linear(32, 24)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):  # [B, 1, 8, 8] -> 4 tokens of 16 features
+        tokens = x.reshape(x.shape[0], 4, 16)
+        h = self.left(tokens) + self.right(torch.tanh(tokens))
+        return self.head(torch.tanh(self.narrow(torch.tanh(h)))).mean(dim=1)
+
+
+@pytest.mark.parametrize("weights", [None, "one_inf"], ids=["finite", "one_non_finite"])
+def test_bk_sums_are_right_when_layers_share_an_output_gradient(weights):
+    """Book-keeping scales a kept output gradient in place when no other piece reads it: two
+    layers fed one gradient tensor must each see it unscaled, with or without a dropped example."""
+    w = None
+    if weights == "one_inf":
+        w = torch.ones(12)
+        w[5] = float("inf")
+    task = image_task(weights=w)
+    _, expected, _ = clipped_sums("dpadam", "materialize", SharedOutputGradient(), task, clip=0.05)
+    _, actual, _ = clipped_sums("dpadam", "bk", SharedOutputGradient(), task, clip=0.05)
+    assert all(torch.isfinite(t).all() for t in actual)
+    assert_same_tensors(expected, actual)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_non_finite_example_is_dropped(mode):
     """A non-finite example gets clip factor 0 in both engines, as in materialize: no halt, whose

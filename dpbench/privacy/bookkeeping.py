@@ -40,6 +40,7 @@ tokens; an output layer tied to the input embedding keeps both parts and adds th
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Protocol
 
 import torch
@@ -106,7 +107,7 @@ class Instantiated:
     def norm_sq(self) -> torch.Tensor:
         return self.grad_sample.reshape(self.grad_sample.shape[0], -1).float().pow(2).sum(dim=1)
 
-    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         return clipped_sum([self.grad_sample], factors)[0]  # small tensors: always sanitised
 
 
@@ -141,11 +142,23 @@ class OuterProduct:
         gram_g = torch.bmm(g, g.transpose(1, 2))
         return (gram_a * gram_g).sum(dim=(1, 2)).clamp(min=0)
 
-    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
-        """Σ_i f_i G_i = (f ⊙ g)ᵀ a. Rows of dropped examples (f_i = 0: a non-finite gradient) are
-        zeroed in a and g, unless `all_finite` says no f_i is 0 (then every row is finite)."""
-        a = self.a.float() if all_finite else _keep_rows(self.a.float(), factors > 0)
-        g = _scaled_rows(self.g, factors, all_finite)
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        """Σ_i f_i G_i = (f ⊙ g)ᵀ a = gᵀ (f ⊙ a). Rows of dropped examples (f_i = 0: a non-finite
+        gradient) are zeroed in a and g, unless `all_finite` says no f_i is 0 (then every row is
+        finite). The factors scale g in place when `own_g` says nothing else reads it (book-keeping
+        after its backward: no copy, no new memory), else a copy of the narrower of a and g."""
+        keep = None if all_finite else factors > 0
+        if own_g and self.g.dtype == torch.float32 and self.g.is_contiguous():
+            g = self.g.mul_(factors.float().view(-1, 1, 1))
+            if keep is not None:
+                g.masked_fill_(~keep.view(-1, 1, 1), 0.0)
+            a = self.a.float() if keep is None else _keep_rows(self.a.float(), keep)
+        elif self.a.shape[2] < self.g.shape[2]:
+            a = _scaled_rows(self.a, factors, all_finite)
+            g = self.g.float() if keep is None else _keep_rows(self.g.float(), keep)
+        else:
+            a = self.a.float() if keep is None else _keep_rows(self.a.float(), keep)
+            g = _scaled_rows(self.g, factors, all_finite)
         return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
 
     def merge(self, other: "OuterProduct") -> "OuterProduct":
@@ -179,7 +192,7 @@ class EmbeddingRows:
         same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).float()  # [B, T, T]
         return (same_row * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
 
-    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         g = _scaled_rows(self.g, factors, all_finite)
         table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
         return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
@@ -227,7 +240,7 @@ class TiedPieces:
         cross = _outer_embedding_cross(self.outer, self.rows)
         return (self.outer.norm_sq() + self.rows.norm_sq() + 2 * cross).clamp(min=0)
 
-    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         return self.outer.clipped_sum(factors, all_finite) + self.rows.clipped_sum(factors, all_finite)
 
     def merge(self, other):
@@ -305,7 +318,7 @@ def _layer_norm_pieces(module: nn.LayerNorm, activations, backprops, examples: i
     pieces = {}
     if module.weight is not None and module.weight.requires_grad:
         normed = F.layer_norm(activations[0].reshape(examples, -1, *shape).float(), shape, eps=module.eps)
-        pieces[module.weight] = Instantiated(torch.einsum("bt...,bt...->b...", normed, g))
+        pieces[module.weight] = Instantiated(normed.mul_(g).sum(dim=1))  # normed is new: no copy
     if module.bias is not None and module.bias.requires_grad:
         pieces[module.bias] = Instantiated(g.sum(dim=1))
     return pieces
@@ -560,9 +573,16 @@ class BookKeeping:
         # sums skip zeroing dropped rows: a copy of every kept input and a pass over every output
         # gradient (about 6% of a ViT step on the CPU).
         all_finite = bool((factors > 0).all())
+        # After the backward, a kept output gradient is read by the pieces that hold it and nothing
+        # else: the last of them may scale it in place (one g can reach several layers, e.g. the
+        # summed word and position embeddings, so pieces are counted by storage).
+        readers = Counter(_storage(t) for piece in self._kept.values() for t in piece.tensors())
         sums = {}
         for p in list(self._kept):
-            sums[p] = self._kept.pop(p).clipped_sum(factors, all_finite)
+            piece = self._kept.pop(p)
+            own_g = isinstance(piece, OuterProduct) and readers[_storage(piece.g)] == 1
+            sums[p] = piece.clipped_sum(factors, all_finite, own_g=own_g)
+            readers.subtract(_storage(t) for t in piece.tensors())
         return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 
     def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
