@@ -186,6 +186,47 @@ def test_bk_sums_are_right_when_layers_share_an_output_gradient(weights):
     assert_same_tensors(expected, actual)
 
 
+class OutputChangedInPlace(nn.Module):
+    """A layer's output scaled in place after its forward, and one layer called twice on
+    different inputs: each call's output gradient must reach its own call's inputs. `view`: the
+    first layer reads [B, T, d] tokens, so its output is a view, whose in-place change autograd
+    records on the base (no hook sees the changed output's node)."""
+
+    def __init__(self, view=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.view = view
+        self.first, self.shared = nn.Linear(16, 32), nn.Linear(32, 24)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):
+        tokens = x.reshape(x.shape[0], 4, 16)
+        h = self.first(tokens) if self.view else self.first(tokens.reshape(-1, 16))  # rows: example-major
+        h.mul_(3.0)
+        h = h.reshape(x.shape[0], 4, 32)
+        both = self.shared(torch.tanh(h)) + 0.5 * self.shared(torch.sin(h)).flip(1)
+        return self.head(torch.tanh(both)).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engines_follow_in_place_outputs_and_repeated_calls(mode):
+    task = image_task()
+    algo = build("dpadam", OutputChangedInPlace(), task, clip=0.05, per_sample=mode)
+    batches = [task.batch(range(0, 7)), task.batch(range(7, 12))]
+    actual, _ = algo.clip_and_accumulate(batches)
+    reference = OutputChangedInPlace()
+    expected = [a + b for a, b in zip(*(autograd_clipped_sum(reference, task, b, 0.05) for b in batches))]
+    assert_same_tensors(expected, actual, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_view_changed_in_place_is_refused_not_summed_wrong(mode):
+    task = image_task()
+    algo = build("dpadam", OutputChangedInPlace(view=True), task, clip=0.05, per_sample=mode)
+    with pytest.raises(UserError, match="first.weight"):
+        algo.clip_and_accumulate([task.batch(range(0, 7))])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_non_finite_example_is_dropped(mode):
     """A non-finite example gets clip factor 0 in both engines, as in materialize: no halt, whose

@@ -141,7 +141,7 @@ class Algorithm(ABC):
             distributed.all_reduce_sum(part.values)
         if distributed.is_main_process():
             noise = self.privacy.noise
-            noisy = [[v + noise.sample(v.shape, part.noise_std) for v in part.values] for part in parts]
+            noisy = [[_plus(v, noise.sample(v.shape, part.noise_std)) for v in part.values] for part in parts]
         else:  # receives rank 0's noisy values; the dtype is that of value + fp32 noise
             noisy = [[torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
                       for v in part.values] for part in parts]
@@ -236,6 +236,13 @@ class Algorithm(ABC):
     def checkpointed_attributes(self) -> list[str]:
         names = [a for cls in reversed(type(self).__mro__) for a in vars(cls).get("checkpoint_attributes", ())]
         return list(dict.fromkeys(names))
+
+
+def _plus(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """value + noise, into the fresh noise tensor where the result has its dtype (no third tensor)."""
+    if torch.promote_types(value.dtype, noise.dtype) == noise.dtype and value.shape == noise.shape:
+        return noise.add_(value)
+    return value + noise
 
 
 def _halt_unless_finite(name: str, noisy: list[list[torch.Tensor]]) -> None:

@@ -37,7 +37,7 @@ class GaussianNoise:
             values = torch.from_numpy(secure_standard_normal(int(np.prod(shape))).reshape(tuple(shape)))
             return (values * std).to(device=self.device, dtype=dtype)
         noise = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
-        return (noise * std).to(dtype)
+        return noise.mul_(std).to(dtype)
 
 
 def secure_standard_normal(count: int) -> np.ndarray:
