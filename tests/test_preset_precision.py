@@ -6,6 +6,7 @@ the loss stays finite. Every point of every preset grid composes (`dpbench -m ex
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -22,7 +23,7 @@ from helpers.text_data import write_dataset
 from dpbench.api import compose
 from dpbench.paths import config_dir
 from dpbench.run import setup
-from dpbench.schema import checked_composition
+from dpbench.schema import algo_schemas, check_keys, checked_composition
 
 PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
 BATCH = 8
@@ -30,6 +31,7 @@ SMALL_IMAGES = ["dataset=synthetic", "dataset.image_size=8", "dataset.channels=1
                 "dataset.num_classes=4", "dataset.train_size=64", "dataset.test_size=16"]
 
 
+@functools.cache
 def sweep(name: str) -> dict[str, list[str]]:
     """The preset's grid (hydra.sweeper.params) as lists of override values."""
     with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
@@ -133,13 +135,17 @@ GROUPS = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}  # algo=, 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_point_of_every_preset_grid_composes(name):
-    """Hydra composes each combination of the grid's config groups; the other keys are set on it
-    (as an override would) and every interpolation of the point must resolve."""
+    """Hydra composes each combination of the grid's config groups, each algorithm with its own
+    schema and no key outside every schema (presets set options of some algorithms for their
+    whole grid: algo.rank=64 for grape and dpadam jobs alike); the other keys are set on it (as an
+    override would) and every interpolation of the point must resolve."""
     grid = sweep(name)
     groups = {k: v for k, v in grid.items() if k in GROUPS}
     values = {k.lstrip("+"): v for k, v in grid.items() if k not in GROUPS}
     for choice in itertools.product(*[[f"{k}={v}" for v in vs] for k, vs in groups.items()]):
         base = compose([f"experiment={name}", *choice])
+        assert OmegaConf.get_type(base.algo) is algo_schemas()[base.algo.name], (name, choice)
+        check_keys(base)
         for point in itertools.product(*values.values()):
             cfg = base.copy()
             with open_dict(cfg):

@@ -126,28 +126,6 @@ def test_an_option_of_another_algorithm_is_ignored_with_a_note_and_an_unknown_on
         compose(["algo.rank=abc"])
 
 
-def grid_algorithms(preset: Path) -> list[str]:
-    params = ((yaml.safe_load(preset.read_text()).get("hydra") or {}).get("sweeper") or {}).get("params") or {}
-    return [a.strip() for a in str(params.get("algo") or "").split(",") if a.strip()]
-
-
-def test_every_preset_composes_with_every_algorithm_of_its_grid():
-    """Presets set options of some algorithms for their whole grid (algo.rank=64 for grape and
-    dpadam jobs alike): each grid point composes, and no key lies outside every schema.
-    (Each preset with its own algorithm: tests/test_config.py.)"""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register()
-    jobs = [(p.stem, algo) for p in sorted((CONF / "experiment").glob("*.yaml")) for algo in grid_algorithms(p)]
-    assert len(jobs) > 40
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        for preset, algo in jobs:
-            cfg = hydra_compose(config_name="config", overrides=[f"experiment={preset}", f"algo={algo}"])
-            assert OmegaConf.get_type(cfg.algo) is algo_schemas()[algo], (preset, algo)
-            check_keys(cfg)
-
-
 BAD = [
     (["algo=grape", "algo.rank=abc"], "error: algo.rank must be an integer, got 'abc'"),
     (["algo.per_sample=vmap"], "error: algo.per_sample='vmap' is not known; use one of bk, ghost, materialize"),
