@@ -12,9 +12,14 @@ runs in its own process (memory peaks do not mix), the methods alternate within 
 slow spell of the machine hits all of them), and the table gives the median samples/s and the
 run's own peak memory (peak minus the process's memory before the model was built; on CUDA the
 allocated and reserved peaks, with every step synchronised), each also as a ratio to non-private
-Adam and to Opacus's hooks. On CPU a third figure, the tensor peak (live tensors during one
-more, profiled step: CUDA's max_allocated on CPU), separates the method's working set from what
-glibc's heap keeps after frees. Benchmarks are run by hand on an idle machine, never inside the tests.
+Adam and to Opacus's hooks. On CPU two more figures separate the method's working set from what
+glibc's heap keeps after frees (its mmap threshold rises with every large tensor freed, so later
+ones come from a heap that is not returned, and the RSS peak then depends on the order of
+allocations): the own peak of a second, untimed process per method with glibc's mmap threshold
+fixed at 128 KiB (`MALLOC_MMAP_THRESHOLD_`: every large tensor is returned to the OS when freed,
+too slow to time with, as in the memory-vs-batch tables), and the tensor peak (live tensors during
+one more, profiled step: CUDA's max_allocated on CPU). Benchmarks are run by hand on an idle
+machine, never inside the tests.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -266,20 +272,33 @@ def tensor_peak_bytes(step) -> int | None:
         return None
 
 
+FIXED_MMAP_THRESHOLD = 128 * 1024  # bytes: glibc returns every larger block to the OS when it is freed
+
+
+def _worker(args, method: str, steps: int, warmup: int, env=None) -> dict:
+    command = [sys.executable, "-m", "dpbench.tools.benchmarks.engines", "--worker", method, "--shape", args.shape,
+               "--batch", str(args.batch), "--steps", str(steps), "--warmup", str(warmup),
+               "--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_all(args) -> dict[str, list[dict]]:
-    """Each method in its own process, alternating: repeat r runs the methods rotated by r."""
+    """Each method in its own process, alternating: repeat r runs the methods rotated by r. On CPU,
+    each method's first repeat also runs one untimed step in a process whose glibc returns freed
+    tensors at once (`own_peak_freed_bytes`)."""
     methods = list(args.methods)
     results: dict[str, list[dict]] = {m: [] for m in methods}
+    freed_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(FIXED_MMAP_THRESHOLD)}
     for repeat in range(args.repeats):
         for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
-            command = [sys.executable, "-m", "dpbench.tools.benchmarks.engines", "--worker", method, "--shape", args.shape,
-                       "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                       "--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                results[method].append({"error": (done.stderr.strip().splitlines() or ["failed"])[-1]})
-            else:
-                results[method].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            result = _worker(args, method, args.steps, args.warmup)
+            if repeat == 0 and args.device == "cpu" and "error" not in result:
+                freed = _worker(args, method, 1, 1, env=freed_env)
+                result["own_peak_freed_bytes"] = freed.get("own_peak_bytes")
+            results[method].append(result)
             print(f"  {method} (repeat {repeat + 1}/{args.repeats}): "
                   f"{_short(results[method][-1])}", file=sys.stderr, flush=True)
     return results
@@ -303,6 +322,7 @@ def table_rows(results: dict[str, list[dict]]) -> list[dict]:
         ok = [r for r in runs if "error" not in r]
         medians[method] = ({"speed": statistics.median(r["samples_per_s"] for r in ok),
                             "own": statistics.median(r["own_peak_bytes"] for r in ok) / MIB,
+                            "freed": _median_or_none([r.get("own_peak_freed_bytes") for r in ok]),
                             "tensors": _median_or_none([r.get("tensor_peak_bytes") for r in ok])}
                            if ok else {"error": runs[-1]["error"] if runs else "not run"})
 
@@ -313,6 +333,7 @@ def table_rows(results: dict[str, list[dict]]) -> list[dict]:
     return [{"method": m, **medians[m],
              "speed_vs_adam": ratio(m, "adam", "speed"), "speed_vs_opacus": ratio(m, "opacus_hooks", "speed"),
              "own_vs_adam": ratio(m, "adam", "own"), "own_vs_opacus": ratio(m, "opacus_hooks", "own"),
+             "freed_vs_adam": ratio(m, "adam", "freed"), "freed_vs_opacus": ratio(m, "opacus_hooks", "freed"),
              "tensors_vs_adam": ratio(m, "adam", "tensors"), "tensors_vs_opacus": ratio(m, "opacus_hooks", "tensors")}
             for m in medians]
 
@@ -325,7 +346,7 @@ def render(rows: list[dict], fmt: str, title: str) -> str:
         return "–" if value is None else f"{value:.0f}"
 
     header = ["method", "samples/s", "÷ Adam", "÷ Opacus hooks", "own peak MiB", "÷ Adam", "÷ Opacus hooks",
-              "tensor peak MiB", "÷ Adam", "÷ Opacus hooks"]
+              "own peak, freed at once MiB", "÷ Adam", "÷ Opacus hooks", "tensor peak MiB", "÷ Adam", "÷ Opacus hooks"]
     body = []
     for r in rows:
         if "error" in r:
@@ -333,6 +354,7 @@ def render(rows: list[dict], fmt: str, title: str) -> str:
         else:
             body.append([r["method"], f"{r['speed']:.1f}", x(r["speed_vs_adam"]), x(r["speed_vs_opacus"]),
                          f"{r['own']:.0f}", x(r["own_vs_adam"]), x(r["own_vs_opacus"]),
+                         mib(r.get("freed")), x(r.get("freed_vs_adam")), x(r.get("freed_vs_opacus")),
                          mib(r.get("tensors")), x(r.get("tensors_vs_adam")), x(r.get("tensors_vs_opacus"))])
     if fmt == "markdown":
         lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -345,7 +367,7 @@ def render(rows: list[dict], fmt: str, title: str) -> str:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in body:
         table.add_row(*row)
-    console = Console(record=True, width=180, file=io.StringIO())
+    console = Console(record=True, width=220, file=io.StringIO())
     console.print(table)
     return console.export_text()
 
