@@ -425,8 +425,8 @@ class BookKeeping:
     # --- hooks ---------------------------------------------------------------------------
     def _capture_activations(self, module, inputs, output):
         """Forward hook: keep the layer's inputs and ask for its output's gradient. A pre-hook on
-        the output's autograd node rather than a full module backward hook: the latter wraps every
-        input and output in an extra autograd node (about 9% of an OPT-shaped step on the CPU)."""
+        the output's autograd node rather than a full module backward hook, which wraps every input
+        and output of the layer in an extra autograd node."""
         if not (self._enabled and torch.is_grad_enabled()):
             return
         self._activations.setdefault(module, []).append([t.detach() for t in inputs])
