@@ -71,11 +71,12 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _scaled_rows(g: torch.Tensor, factors: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
-    """f_i · g_i in fp32 (one new tensor: bf16 · fp32 promotes in the product), rows with f_i = 0
-    zeroed in place so that 0 · inf cannot poison the sum (unless `all_finite`: no f_i is 0)."""
+def _scaled_rows(g: torch.Tensor, factors: torch.Tensor, all_finite: bool = False, in_place: bool = False) -> torch.Tensor:
+    """f_i · g_i in fp32 (one new tensor: bf16 · fp32 promotes in the product; `in_place`: into an
+    fp32 g nothing else reads), rows with f_i = 0 zeroed in place so that 0 · inf cannot poison the
+    sum (unless `all_finite`: no f_i is 0)."""
     factors = factors.float().view(-1, *([1] * (g.dim() - 1)))
-    scaled = torch.mul(g, factors)
+    scaled = g.mul_(factors) if in_place else torch.mul(g, factors)
     if not all_finite:
         scaled.masked_fill_(factors == 0, 0.0)
     return scaled.float()  # (a float64 model: cast back)
@@ -148,18 +149,15 @@ class OuterProduct:
         gradient) are zeroed in a and g, unless `all_finite` says no f_i is 0 (then every row is
         finite). The factors scale g in place when `own_g` says nothing else reads it (book-keeping
         after its backward: no copy, no new memory), else a copy of the narrower of a and g."""
-        keep = None if all_finite else factors > 0
+        def unscaled(x):
+            return x.float() if all_finite else _keep_rows(x.float(), factors > 0)
+
         if own_g and self.g.dtype == torch.float32 and self.g.is_contiguous():
-            g = self.g.mul_(factors.float().view(-1, 1, 1))
-            if keep is not None:
-                g.masked_fill_(~keep.view(-1, 1, 1), 0.0)
-            a = self.a.float() if keep is None else _keep_rows(self.a.float(), keep)
+            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite, in_place=True)
         elif self.a.shape[2] < self.g.shape[2]:
-            a = _scaled_rows(self.a, factors, all_finite)
-            g = self.g.float() if keep is None else _keep_rows(self.g.float(), keep)
+            a, g = _scaled_rows(self.a, factors, all_finite), unscaled(self.g)
         else:
-            a = self.a.float() if keep is None else _keep_rows(self.a.float(), keep)
-            g = _scaled_rows(self.g, factors, all_finite)
+            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite)
         return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
 
     def merge(self, other: "OuterProduct") -> "OuterProduct":
