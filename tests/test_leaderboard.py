@@ -15,9 +15,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.config import compose_point
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from dpbench.logging.results import (MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults,
                                      write_results)
@@ -272,26 +273,6 @@ def grid_points(overrides: list[str], product: bool) -> tuple[list[list[str]], i
     return [fixed + p for p in points], size
 
 
-GROUPS = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}  # experiment=, algo=, model=, ...
-
-
-def compose_point(point: list[str], bases: dict):
-    """The grid point's config: Hydra composes its config-group choices once (cached in `bases`),
-    the other keys are set on a copy as their overrides would set them (Hydra's own parser reads
-    each value), a fraction of the time of composing every point."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    groups = tuple(o for o in point if o.split("=")[0].lstrip("+") in GROUPS)
-    if groups not in bases:
-        bases[groups] = hydra_compose(config_name="config", overrides=list(groups))
-    cfg = bases[groups].copy()
-    parsed = OverridesParser.create().parse_overrides([o for o in point if o not in groups])
-    with open_dict(cfg):
-        for override in parsed:
-            OmegaConf.update(cfg, override.key_or_group, override.value(), force_add=True)
-    return cfg
-
-
 @pytest.mark.parametrize("name", sorted(BENCH))
 def test_every_grid_point_of_the_bench_presets_composes(name):
     text = (EXPERIMENTS / f"{name}.yaml").read_text()
@@ -303,12 +284,11 @@ def test_every_grid_point_of_the_bench_presets_composes(name):
     sized = [grid_points(grid, product=name == "bench_mini") for grid in grids]
     jobs, points, sizes = [], [p for grid, _ in sized for p in grid], [size for _, size in sized]
     bases = {}
-    with initialize_config_dir(version_base="1.3", config_dir=config_dir()):
-        for point in points:
-            cfg = compose_point(point, bases)
-            assert OmegaConf.get_type(cfg.algo) is algo_schemas()[cfg.algo.name]
-            validate(cfg)  # values a run would refuse (physical batch > batch, ...), before any training
-            jobs.append(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    for point in points:
+        cfg = compose_point(point, bases)
+        assert OmegaConf.get_type(cfg.algo) is algo_schemas()[cfg.algo.name]
+        validate(cfg)  # values a run would refuse (physical batch > batch, ...), before any training
+        jobs.append(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     methods = {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs}
     algos = {a for a, _ in methods}
     assert algos >= FIRST_ORDER_PRIVATE | {"adam", "dpzero"} | ({"dcdpsgd", "dpdr"} if BENCH[name] else set())

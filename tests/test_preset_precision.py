@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf, open_dict
+from helpers.config import compose_point
 from helpers.text_data import write_dataset
 
 from dpbench.api import compose
@@ -130,28 +130,18 @@ def test_one_step_of_each_preset_algorithm_trains_its_weights(name, algo, text_d
     assert math.isfinite(loss) and math.isfinite(after), (loss, after)
 
 
-GROUPS = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}  # algo=, dataset=, model=, ...
-
-
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_point_of_every_preset_grid_composes(name):
     """Hydra composes each combination of the grid's config groups, each algorithm with its own
     schema and no key outside every schema (presets set options of some algorithms for their
     whole grid: algo.rank=64 for grape and dpadam jobs alike); the other keys are set on it (as an
     override would) and every interpolation of the point must resolve."""
-    grid = sweep(name)
-    groups = {k: v for k, v in grid.items() if k in GROUPS}
-    values = {k.lstrip("+"): v for k, v in grid.items() if k not in GROUPS}
-    for choice in itertools.product(*[[f"{k}={v}" for v in vs] for k, vs in groups.items()]):
-        base = compose([f"experiment={name}", *choice])
-        assert OmegaConf.get_type(base.algo) is algo_schemas()[base.algo.name], (name, choice)
-        check_keys(base)
-        for point in itertools.product(*values.values()):
-            cfg = base.copy()
-            with open_dict(cfg):
-                for key, value in zip(values, point):
-                    OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
-            OmegaConf.to_container(cfg, resolve=True)  # per-algorithm / per-size interpolations included
+    bases = {}
+    for point in itertools.product(*[[f"{k}={v}" for v in vs] for k, vs in sweep(name).items()]):
+        cfg = compose_point([f"experiment={name}", *point], bases)
+        assert OmegaConf.get_type(cfg.algo) is algo_schemas()[cfg.algo.name], (name, point)
+        check_keys(cfg)
+        OmegaConf.to_container(cfg, resolve=True)  # per-algorithm / per-size interpolations included
 
 
 def _tiny_opt(text_data: Path, *overrides: str):
