@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from dpbench.errors import UserError
 from dpbench.privacy.clipping import clipped_sum, sum_rows_per_example
@@ -403,6 +404,7 @@ class BookKeeping:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}  # ghost's second pass, or the coverage check
         self._factors: torch.Tensor | None = None  # set while the second pass sums
         self._entry_params: set[nn.Parameter] = set()
+        self._entry_edges: list[tuple] = []  # bottom layers' calls: (module, its inputs, its output's edge)
         self._readers: dict[int, int] = {}  # layers reading each input storage in this forward
         self._held: set[int] = set()  # storages of the kept pieces (a shared input is held once)
         self._examples = 0
@@ -427,7 +429,8 @@ class BookKeeping:
         and output of the layer in an extra autograd node."""
         if not (self._enabled and torch.is_grad_enabled()):
             return
-        self._activations.setdefault(module, []).append([t.detach() for t in inputs])
+        activations = [t.detach() for t in inputs]
+        self._activations.setdefault(module, []).append(activations)
         if inputs and torch.is_tensor(inputs[0]):
             storage = _storage(inputs[0])
             self._readers[storage] = self._readers.get(storage, 0) + 1
@@ -440,12 +443,16 @@ class BookKeeping:
             # On the node that made the output, not on the tensor: an in-place change of the
             # output after this forward would hand a tensor hook the gradient of the changed value.
             first.grad_fn.register_prehook(partial(self._capture_backprops, module, first.output_nr))
+            if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
+                self._entry_edges.append((module, activations, get_gradient_edge(first)))
 
     def _capture_backprops(self, module, index, output_grads):
-        if not self._enabled or output_grads[index] is None:
-            return
-        output_grad = output_grads[index]
-        activations = self._activations[module].pop()
+        if self._enabled and output_grads[index] is not None:
+            self._take(module, self._activations[module].pop(), output_grads[index])
+
+    def _take(self, module, activations, output_grad) -> None:
+        """One layer call's input and output gradient: its pieces, closed when its parameters'
+        last call is in."""
         if self.passes == 2 and self._factors is None:
             self._replay.setdefault(module, []).append(activations)
         backprops = output_grad.detach()
@@ -467,6 +474,27 @@ class BookKeeping:
             return _layer_norm_pieces(module, activations, backprops, self._examples)
         sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
         return _instantiated_pieces(sampler, module, activations, backprops, self._examples)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backpropagate to every layer's output, computing no weight gradient.
+
+        autograd is asked for the gradients of the bottom layers' outputs (layers none of whose
+        inputs requires grad), at the nodes that made them: every other layer's backward runs (its
+        hook fires) and nothing below those outputs does, so not even the bottom layers' weight
+        gradients are formed. That matters for a tied table: asking for the input embedding's
+        gradient (`backward_through_layers`) also computes the tied output layer's [V, d] weight
+        gradient, a matmul as large as its input gradient's. The bottom layers' own hooks do not
+        fire (their nodes do not run): their output gradients come back from autograd instead."""
+        if not self._entry_edges:
+            backward_through_layers(loss, self._entry_params, retain_graph=retain_graph)
+            return
+        edges = [edge for _, _, edge in self._entry_edges]
+        grads = torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
+        for (module, activations, _), grad in zip(self._entry_edges, grads):
+            stack = self._activations[module]
+            del stack[next(i for i, kept in enumerate(stack) if kept is activations)]  # this call's inputs
+            if grad is not None:
+                self._take(module, activations, grad)
 
     def _close(self, p: nn.Parameter) -> None:
         """All calls of p are in: its squared norms and, by pass, what is kept of it."""
@@ -514,7 +542,7 @@ class BookKeeping:
             self._calls = dict(self._pending)
             keep_graph = self.passes == 2
             if self._coverage_checked:
-                backward_through_layers(losses.sum(), self._entry_params, retain_graph=keep_graph)
+                self._backward(losses.sum(), retain_graph=keep_graph)
             else:  # autograd's own weight gradients too, once, for the coverage check
                 losses.sum().backward(retain_graph=keep_graph)
             self._finish_pass()
@@ -603,7 +631,7 @@ class BookKeeping:
         self._pending = dict(self._calls)
         self._activations = {m: list(reversed(kept)) for m, kept in self._replay.items()}
         self._replay = {}
-        backward_through_layers(losses.sum(), self._entry_params)
+        self._backward(losses.sum())
         self._finish_pass()
         self._drop_grads()
         return [self._summed.get(p, torch.zeros(p.shape, device=p.device)) for p in self.params]
@@ -623,6 +651,7 @@ class BookKeeping:
         self._summed.clear()
         self._factors = None
         self._entry_params.clear()
+        self._entry_edges.clear()
         self._readers.clear()
         self._held.clear()
 
