@@ -235,3 +235,18 @@ def test_zero_size_poisson_batches_are_possible_and_handled(tiny_cfg, tmp_path):
     results = run_job(tiny_cfg("algo=dpadam", "train.batch_size=1", "train.steps=10"), tmp_path, show_progress=False)
     assert results.privacy.steps == 10
     assert sum(r["count"] for r in results.privacy.ledger) == 10
+
+
+def test_a_release_halts_on_any_non_finite_entry_and_not_on_large_finite_ones():
+    """The finiteness check reads each tensor's sum: a non-finite entry makes it non-finite, and a
+    sum that overflowed from finite entries is checked entry by entry, not halted on."""
+    from dpbench.algorithms.base import _halt_unless_finite
+    from dpbench.errors import DivergedError
+
+    _halt_unless_finite("gradient", [[torch.full((3,), 3e38), torch.zeros(2)]])  # its sum overflows
+    _halt_unless_finite("gradient", [])
+    for bad in ([float("inf")], [float("-inf")], [float("nan")], [float("inf"), float("-inf")]):
+        value = torch.zeros(5)
+        value[: len(bad)] = torch.tensor(bad)
+        with pytest.raises(DivergedError, match="not finite"):
+            _halt_unless_finite("gradient", [[torch.ones(2)], [torch.full((3,), 3e38), value.to(torch.bfloat16)]])

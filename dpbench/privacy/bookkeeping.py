@@ -111,7 +111,10 @@ class Instantiated:
         return self.grad_sample.reshape(self.grad_sample.shape[0], -1).float().pow(2).sum(dim=1)
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
-        return clipped_sum([self.grad_sample], factors)[0]  # small tensors: always sanitised
+        if not all_finite:  # zero the rows of dropped examples first (0 · inf)
+            return clipped_sum([self.grad_sample], factors)[0]
+        flat = self.grad_sample.reshape(self.grad_sample.shape[0], -1).float()
+        return (factors.float() @ flat).view(self.grad_sample.shape[1:])
 
 
 class OuterProduct:

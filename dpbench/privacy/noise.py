@@ -36,8 +36,8 @@ class GaussianNoise:
         if self.secure:
             values = torch.from_numpy(secure_standard_normal(int(np.prod(shape))).reshape(tuple(shape)))
             return (values * std).to(device=self.device, dtype=dtype)
-        noise = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
-        return noise.mul_(std).to(dtype)
+        noise = torch.empty(shape, device=self.device, dtype=torch.float32)
+        return noise.normal_(0.0, std, generator=self.generator).to(dtype)  # scaled as drawn: one pass
 
 
 def secure_standard_normal(count: int) -> np.ndarray:
