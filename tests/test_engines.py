@@ -415,3 +415,46 @@ def test_examples_whose_gradients_cancel_under_bf16_are_not_refused(mode):
     losses = torch.tensor([1.0, -1.0] * 16) * per_token.view(32, -1).sum(1)
     sums = engine.clipped_sum(losses, torch.ones_like)
     assert all(torch.isfinite(s).all() for s in sums)
+
+
+class SharedLayerOnDataAndHidden(nn.Module):
+    """One Linear called on a hidden state, then on the data itself (a bottom-layer call whose
+    output gradient autograd hands back rather than a hook), and a bottom layer whose output is
+    thrown away."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.shared, self.out, self.unused = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        self.unused(x)
+        hidden = torch.tanh(self.shared(torch.tanh(self.first(x))))
+        return self.out(hidden + self.shared(2 * x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_called_on_data_and_on_a_hidden_state_gets_each_calls_inputs(mode):
+    """Norms equal per-example autograd in the coverage-checking first call and in later calls,
+    where the data call's output gradient comes back from autograd after the other call's hook."""
+    from dpbench.privacy.engines import build_engine
+
+    torch.manual_seed(0)
+    model = SharedLayerOnDataAndHidden().double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 4, (6,))
+    params = list(model.parameters())
+    expected = torch.stack([
+        torch.sqrt(sum(g.pow(2).sum() for g in torch.autograd.grad(
+            F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params, allow_unused=True) if g is not None))
+        for i in range(6)])
+    engine = build_engine(mode, model)
+    seen = []
+
+    def factors(norms):
+        seen.append(norms.detach().clone())
+        return torch.ones_like(norms)
+
+    for _ in range(3):
+        engine.clipped_sum(F.cross_entropy(model(x), y, reduction="none"), factors)
+    assert len(seen) == 3
+    for norms in seen:
+        torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)

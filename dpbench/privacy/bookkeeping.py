@@ -491,12 +491,16 @@ class BookKeeping:
         if not self._entry_edges:
             backward_through_layers(loss, self._entry_params, retain_graph=retain_graph)
             return
+        for module, activations, _ in self._entry_edges:
+            # Off the stacks first: a layer also called on a hidden state pops only that call's inputs.
+            stack = self._activations.get(module, [])
+            index = next((i for i, kept in enumerate(stack) if kept is activations), None)
+            if index is not None:
+                del stack[index]
         edges = [edge for _, _, edge in self._entry_edges]
         grads = torch.autograd.grad(loss, edges, retain_graph=retain_graph, allow_unused=True)
         for (module, activations, _), grad in zip(self._entry_edges, grads):
-            stack = self._activations[module]
-            del stack[next(i for i, kept in enumerate(stack) if kept is activations)]  # this call's inputs
-            if grad is not None:
+            if grad is not None:  # (None: the call's output did not reach the loss)
                 self._take(module, activations, grad)
 
     def _close(self, p: nn.Parameter) -> None:
