@@ -12,6 +12,7 @@ from helpers.projected import TensorTask, build, image_task, tiny_vit
 from torch import nn
 
 from dpbench.errors import UserError
+from dpbench.privacy.engines import build_engine
 from dpbench.run import run_job
 
 MODES = ["ghost", "bk"]
@@ -370,8 +371,6 @@ def test_a_gradient_that_is_zero_but_for_rounding_is_not_refused(mode):
     """Large losses make the key bias's rounding noise exceed an absolute floor, and the two sums'
     noise differs by as much as it is large: the coverage check measures it against the whole
     gradient and does not refuse the model (it did before)."""
-    from dpbench.privacy.engines import build_engine
-
     torch.manual_seed(0)
     model = SoftmaxAttention()
     engine = build_engine(mode, model)
@@ -402,8 +401,6 @@ def test_examples_whose_gradients_cancel_under_bf16_are_not_refused(mode):
     """Losses of alternating sign make the examples' gradients cancel in the sum, where autograd's
     bf16 rounding is large against the sum but not against what was summed (the coverage check's
     scale): dpbench-audit's RoBERTa under train.precision=bf16 was refused on a LayerNorm weight."""
-    from dpbench.privacy.engines import build_engine
-
     torch.manual_seed(0)
     model = NormedHead()
     engine = build_engine(mode, model)
@@ -436,8 +433,6 @@ class SharedLayerOnDataAndHidden(nn.Module):
 def test_a_layer_called_on_data_and_on_a_hidden_state_gets_each_calls_inputs(mode):
     """Norms equal per-example autograd in the coverage-checking first call and in later calls,
     where the data call's output gradient comes back from autograd after the other call's hook."""
-    from dpbench.privacy.engines import build_engine
-
     torch.manual_seed(0)
     model = SharedLayerOnDataAndHidden().double()
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 4, (6,))

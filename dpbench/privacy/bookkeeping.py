@@ -336,26 +336,6 @@ def _instantiated_pieces(sampler, module, activations, backprops, examples: int)
     return {p: Instantiated(sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
 
 
-def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
-    """Forward-hook helper: a layer none of whose inputs requires grad sits at the bottom of the
-    graph; its parameters are the targets of `backward_through_layers`."""
-    if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
-        entry.update(p for p in module.parameters() if p.requires_grad)
-
-
-def backward_through_layers(loss: torch.Tensor, entry_params: set, retain_graph: bool = False) -> None:
-    """Backpropagate to every layer's output (the hooks fire) without computing weight gradients.
-
-    Every trainable layer lies on a path from the loss down to a bottom layer's parameters, so
-    asking autograd for those parameters' gradients only runs every layer's backward, and skips
-    the weight gradients (and their memory) of all the others: the hooks need only the output
-    gradients. The bottom layers' `.grad` is dropped by the caller."""
-    if entry_params:
-        torch.autograd.backward(loss, inputs=list(entry_params), retain_graph=retain_graph)
-    else:
-        loss.backward(retain_graph=retain_graph)
-
-
 def _hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
     """Modules that own trainable parameters, as Opacus walks them: a module without a known
     per-sample rule is handed whole to functorch, so its children are not walked."""
@@ -406,7 +386,6 @@ class BookKeeping:
         self._norm_sq: dict[nn.Parameter, torch.Tensor] = {}
         self._summed: dict[nn.Parameter, torch.Tensor] = {}  # ghost's second pass, or the coverage check
         self._factors: torch.Tensor | None = None  # set while the second pass sums
-        self._entry_params: set[nn.Parameter] = set()
         self._entry_edges: list[tuple] = []  # bottom layers' calls: (module, its inputs, its output's edge)
         self._readers: dict[int, int] = {}  # layers reading each input storage in this forward
         self._held: set[int] = set()  # storages of the kept pieces (a shared input is held once)
@@ -437,7 +416,6 @@ class BookKeeping:
         if inputs and torch.is_tensor(inputs[0]):
             storage = _storage(inputs[0])
             self._readers[storage] = self._readers.get(storage, 0) + 1
-        track_entry_params(self._entry_params, module, inputs)
         for p in module.parameters(recurse=module in self._functorch):
             if p.requires_grad:
                 self._pending[p] = self._pending.get(p, 0) + 1
@@ -485,11 +463,12 @@ class BookKeeping:
         inputs requires grad), at the nodes that made them: every other layer's backward runs (its
         hook fires) and nothing below those outputs does, so not even the bottom layers' weight
         gradients are formed. That matters for a tied table: asking for the input embedding's
-        gradient (`backward_through_layers`) also computes the tied output layer's [V, d] weight
-        gradient, a matmul as large as its input gradient's. The bottom layers' own hooks do not
-        fire (their nodes do not run): their output gradients come back from autograd instead."""
+        gradient (`backward_through_layers`, the materialize engine's way) also computes the tied
+        output layer's [V, d] weight gradient, a matmul as large as its input gradient's. The bottom
+        layers' own hooks do not fire (their nodes do not run): their output gradients come back
+        from autograd instead. No bottom layer (the data itself requires grad): a full backward."""
         if not self._entry_edges:
-            backward_through_layers(loss, self._entry_params, retain_graph=retain_graph)
+            loss.backward(retain_graph=retain_graph)
             return
         for module, activations, _ in self._entry_edges:
             # Off the stacks first: a layer also called on a hidden state pops only that call's inputs.
@@ -664,7 +643,6 @@ class BookKeeping:
         self._norm_sq.clear()
         self._summed.clear()
         self._factors = None
-        self._entry_params.clear()
         self._entry_edges.clear()
         self._readers.clear()
         self._held.clear()

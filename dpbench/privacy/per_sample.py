@@ -18,7 +18,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.bookkeeping import backward_through_layers, is_layer_norm, track_entry_params
+from dpbench.privacy.bookkeeping import is_layer_norm
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
@@ -65,6 +65,26 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
             activations = [merge(activations[0], tail), *activations[1:]]
         module.max_batch_len = examples  # the per-sample buffers Opacus allocates: [B, ...]
         return activations, merge(backprops, tail)
+
+
+def track_entry_params(entry: set, module: nn.Module, inputs) -> None:
+    """Forward-hook helper: a layer none of whose inputs requires grad sits at the bottom of the
+    graph; its parameters are the targets of `backward_through_layers`."""
+    if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
+        entry.update(p for p in module.parameters() if p.requires_grad)
+
+
+def backward_through_layers(loss: torch.Tensor, entry_params: set, retain_graph: bool = False) -> None:
+    """Backpropagate to every layer's output (the hooks fire) without computing weight gradients.
+
+    Every trainable layer lies on a path from the loss down to a bottom layer's parameters, so
+    asking autograd for those parameters' gradients only runs every layer's backward, and skips
+    the weight gradients (and their memory) of all the others: the hooks need only the output
+    gradients. The bottom layers' `.grad` is dropped by the caller."""
+    if entry_params:
+        torch.autograd.backward(loss, inputs=list(entry_params), retain_graph=retain_graph)
+    else:
+        loss.backward(retain_graph=retain_graph)
 
 
 def _merges_rows(module: nn.Module) -> bool:
