@@ -306,10 +306,12 @@ def _attribute(obj, dotted: str):
     return obj
 
 
-def algorithm_state(algorithm) -> dict:
+def algorithm_state(algorithm, log_private_stats: bool = True) -> dict:
     """What continuing a run needs of an `Algorithm`: trainable parameters and buffers (frozen
     parameters are rebuilt from config and seed; their fingerprint is kept), a torch `optimizer`'s
-    state and the attributes its class lists in `checkpoint_attributes`."""
+    state and the attributes its class lists in `checkpoint_attributes` (None for its un-noised
+    private statistics unless `log_private_stats`: resuming does not need them)."""
+    withheld = set() if log_private_stats else algorithm.private_statistics()
     model = algorithm.model
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = getattr(algorithm, "optimizer", None)
@@ -320,7 +322,8 @@ def algorithm_state(algorithm) -> dict:
         "buffers": {n: pack(b, names) for n, b in model.named_buffers()},
         "frozen": algorithm._frozen_fingerprint,
         "optimizer": pack(optimizer.state_dict(), names) if isinstance(optimizer, torch.optim.Optimizer) else None,
-        "attributes": {a: pack(_attribute(algorithm, a), names) for a in algorithm.checkpointed_attributes()},
+        "attributes": {a: None if a in withheld else pack(_attribute(algorithm, a), names)
+                       for a in algorithm.checkpointed_attributes()},
     }
 
 
@@ -344,6 +347,8 @@ def load_algorithm_state(algorithm, state: dict) -> None:
         raise CheckpointMismatch(f"it holds {sorted(state['attributes'])}, {type(algorithm).__name__} needs {sorted(needed)}")
     device = next(iter(parameters.values())).device if parameters else torch.device("cpu")
     for dotted, saved in state["attributes"].items():
+        if saved is None and dotted in algorithm.private_statistics():
+            continue  # withheld (privacy.log_private_stats=false): the fresh value stays
         owner, _, name = dotted.rpartition(".")
         target = _attribute(algorithm, owner) if owner else algorithm
         setattr(target, name, unpack(saved, getattr(target, name), device, parameters))

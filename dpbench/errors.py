@@ -6,4 +6,7 @@ class UserError(Exception):
 
 
 class DivergedError(Exception):
-    """Training produced a non-finite loss; what was measured so far is still written."""
+    """Training produced a non-finite loss; what was measured so far is still written.
+    `mechanisms`: what the halted step released before it stopped (charged in the ledger)."""
+
+    mechanisms: list = []

@@ -28,7 +28,7 @@ from dpbench.logging.results import (
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.precision import Precision, require_native_bf16
-from dpbench.privacy.plan import PrivacyPlan, plan_privacy
+from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
 from dpbench.schema import RUN_INVARIANT_KEYS, check_keys, default_of
 from dpbench.tasks import Task, build_task
@@ -170,6 +170,19 @@ def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
     return RunResults.from_json(existing)
 
 
+EARLIER_ATTEMPT_FILES = ("checkpoint.pt", "wandb", "error.txt", "results.json")  # what an attempt leaves
+
+
+def earlier_attempt_note(run_dir: Path) -> str | None:
+    """A run starting from step 0 in a folder an earlier attempt used: that attempt's releases (its
+    published evaluations, its W&B run) are in no epsilon, and results.json says so."""
+    left = [name for name in EARLIER_ATTEMPT_FILES if (Path(run_dir) / name).exists()]
+    if not left:
+        return None
+    return (f"this run started from step 0 in a folder an earlier attempt left ({', '.join(left)}); whatever that "
+            "attempt released or published is outside this run's epsilon (their privacy costs add up)")
+
+
 def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
     """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
     if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
@@ -280,6 +293,7 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
             trainer.load_state_dict(checkpoint["trainer"])
         except (CheckpointMismatch, KeyError, TypeError, ValueError, RuntimeError) as error:
             raise incompatible(checkpointer.path, str(error).strip("'\"")) from error
+        distributed.check_replicas(job.model)  # every rank loaded the same state
         console.print(f"resuming from step {trainer.state.step} of {job.steps} ({checkpointer.path})", soft_wrap=True)
         for note in trainer.resume_notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -304,6 +318,19 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         privacy = PrivacyResults(private=False, sample_rate=sample_rate, expected_batch_size=sample_rate * job.task.train_size,
                                  steps=state.step, planned_steps=job.steps, ledger=[])
     privacy.sampling = cfg.privacy.sampling
+    memory_figures = {
+        **memory.read(),
+        "per_sample_grad_bytes": algorithm.per_sample_grad_bytes,
+        "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in job.model.parameters()),
+    }
+    throughput = {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}
+    if job.privacy is not None and not job.privacy.log_private_stats:  # they depend on realised batch sizes
+        for section, figures in ((memory_figures, "memory"), (throughput, "throughput")):
+            section.update(dict.fromkeys(PRIVATE_STATISTIC_FIGURES[figures]))
+        notes = [*notes, "memory and throughput figures that depend on realised batch sizes ("
+                 + ", ".join(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys)
+                 + ") are withheld, as privacy.log_private_stats is off; the benchmarks measure them"]
     counters = algorithm.unnoised_counters()
     extra = {**algorithm.extra_results(), **counters}
     if job.privacy is not None and not job.privacy.log_private_stats:
@@ -315,13 +342,8 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
             metric=job.task.metric_name, test_accuracy=last.test_accuracy, best_test_accuracy=state.best_accuracy,
             train_loss=last.train_loss, test_loss=last.test_loss, train_accuracy=last.train_accuracy,
         ),
-        memory=MemoryResults.from_json({
-            **memory.read(),
-            "per_sample_grad_bytes": algorithm.per_sample_grad_bytes,
-            "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
-            "parameter_bytes": sum(p.numel() * p.element_size() for p in job.model.parameters()),
-        }),
-        throughput=ThroughputResults.from_json({**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}),
+        memory=MemoryResults.from_json(memory_figures),
+        throughput=ThroughputResults.from_json(throughput),
         algorithm=extra,
         history=state.history,
         notes=notes,
@@ -350,6 +372,9 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     memory.reset()
     started = time.perf_counter()
     checkpoint = resumable_checkpoint(cfg, run_dir)  # before setup: a damaged file fails fast
+    # every rank resumes from rank 0's choice, or none starts
+    distributed.check_same_as_rank_zero("checkpoint to resume", {"step": None if checkpoint is None else checkpoint["step"]})
+    earlier = earlier_attempt_note(run_dir) if checkpoint is None and main else None
     job, setup_error = None, None
     try:
         job = setup(cfg)
@@ -365,13 +390,15 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
-    logger = build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags)
+    logger = build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags,
+                          system_metrics=job.privacy is None or job.privacy.log_private_stats)
     try:
         trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
     except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished
         logger.abort(error)
         raise
-    results = record(job, trainer, status, memory, started, notes=list(trainer.resume_notes))
+    results = record(job, trainer, status, memory, started,
+                     notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []))
     results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
     results.resumed_from_step = trainer.resumed_from_step
     results_file, write_error = None, None

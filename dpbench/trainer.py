@@ -89,7 +89,7 @@ class Trainer:
         return step == self.config.steps or (every > 0 and step % every == 0)
 
     def evaluate(self) -> EvalRecord:
-        """Test metrics of the current model, appended to the history."""
+        """Test metrics of the current model, appended to the history (`_publish` shows them)."""
         state = self.state
         metrics = self.task.evaluate(self.algorithm.model)
         accuracy = metrics["accuracy"]
@@ -102,9 +102,17 @@ class Trainer:
             record.train_accuracy = train_metrics(self.algorithm.model, self.config.train_eval_size)["accuracy"]
         state.history.append(record)
         self._window_loss, self._window_count = 0.0, 0
-        for callback in self.callbacks:
-            callback.on_eval(self, record)
         return record
+
+    def _publish(self, result: StepResult | None, record: EvalRecord | None) -> None:
+        """Show a step and its evaluation (console, W&B) once they are safe to publish: every rank
+        finished the step and the checkpoint that covers the evaluation is written, so a rerun
+        never redraws a release behind a published figure; a failed step publishes nothing."""
+        for callback in self.callbacks:
+            if result is not None:
+                callback.on_step(self, result)
+            if record is not None:
+                callback.on_eval(self, record)
 
     def _record(self, result: StepResult) -> None:
         """Ledger and loss bookkeeping for one finished step."""
@@ -124,6 +132,14 @@ class Trainer:
         self._window_count += result.batch_size
         state.train_loss = self._window_loss / self._window_count
 
+    def _charge_halted_step(self, mechanisms) -> None:
+        """The step whose release halted the run (a non-finite noisy release) is in the ledger, and
+        so in the epsilon reported: its outcome is published through status and steps."""
+        if self.privacy is not None:
+            self.privacy.check_step(self.state.step, mechanisms)
+        self.state.ledger.add_step(mechanisms)
+        self.state.step += 1
+
     def fit(self) -> TrainingState:
         """Train for the configured steps (zero steps: evaluate the model as it is).
 
@@ -133,40 +149,41 @@ class Trainer:
             callback.on_fit_start(self)
         try:
             if self.config.steps == 0:
-                self.evaluate()
+                self._publish(None, self.evaluate())
             batches = iter(self.sampler)
             replay = self.config.replay_sampler and not self._sampler_restored
             for _ in range(self.state.step if replay else 0):
                 next(batches)  # a resumed run with a seeded sampler continues its data order
             while self.state.step < self.config.steps:
-                step, started, failure, evaluated = self.state.step, time.monotonic(), None, False
+                step, started, failure, result, record = self.state.step, time.monotonic(), None, None, None
                 try:
-                    evaluated = self._step(batches)
+                    result, record = self._step(batches)
                 except Exception as error:  # noqa: BLE001 - every rank stops with it, below
                     failure = error
                 self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - started)
                 patience = max(distributed.STEP_PATIENCE_S, 3 * self._slowest_step_s)
                 distributed.raise_together(failure, f"in step {step + 1}", patience_s=patience)
                 if self.checkpointer is not None:
-                    self.checkpointer.after_step(self, evaluated)
+                    self.checkpointer.after_step(self, record is not None)
+                self._publish(result, record)
         finally:
             for callback in self.callbacks:
                 callback.on_fit_end(self)
         return self.state
 
-    def _step(self, batches) -> bool:
-        """One step: train, record, tell the callbacks, evaluate when due (returns whether it did)."""
+    def _step(self, batches) -> tuple[StepResult, EvalRecord | None]:
+        """One step: train, record, evaluate when due; `fit` publishes them once they are safe."""
         physical = self._physical_batches(next(batches))
         self.throughput.step_started()
-        result = self.algorithm.train_step(physical, self.state.step)
+        try:
+            result = self.algorithm.train_step(physical, self.state.step)
+        except DivergedError as error:  # its release ran and the halt is published: charge it
+            if error.mechanisms:
+                self._charge_halted_step(error.mechanisms)
+            raise
         self.throughput.step_finished(result.batch_size)
         self._record(result)
-        for callback in self.callbacks:
-            callback.on_step(self, result)
-        evaluated = self._due_for_eval()
-        if evaluated:
-            self.evaluate()
-        return evaluated
+        return result, (self.evaluate() if self._due_for_eval() else None)
 
     # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------
     def state_dict(self, generators: list[dict] | None = None) -> dict:
@@ -181,10 +198,12 @@ class Trainer:
             "best_accuracy": state.best_accuracy,
             "history": [record.to_json() for record in state.history],
             "window": [self._window_loss, self._window_count],
-            "throughput": [throughput.steps, throughput.examples, throughput.measured_time],
+            # realised batch sizes: kept only where they may be reported (log_private_stats)
+            "throughput": [throughput.steps, throughput.examples, throughput.measured_time]
+            if self.config.log_private_stats else None,
             "rng": rank_rng_states() if generators is None else generators,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "algorithm": algorithm_state(self.algorithm),
+            "algorithm": algorithm_state(self.algorithm, self.config.log_private_stats),
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -197,7 +216,8 @@ class Trainer:
         state.history = [EvalRecord.from_json(record) for record in saved["history"]]
         state.ledger = self._planned_ledger(Ledger.from_records(saved["ledger"]))
         self._window_loss, self._window_count = saved["window"]
-        self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
+        if saved["throughput"] is not None:
+            self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
         if saved.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(saved["sampler"])
             self._sampler_restored = True

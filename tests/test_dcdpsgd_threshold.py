@@ -80,16 +80,19 @@ def test_threshold_selection_releases_a_histogram_of_sensitivity_1_and_plans_c1(
     algorithm.train_step([(images, labels)], 0)
     assert algorithm.last_tail.sum() == 0  # step 0: no threshold released yet, every example is body
     algorithm.train_step([(images, labels)], 1)
-    (score_name, score_parts, _), (grad_name, grad_parts, grad_mech) = releases[-2:]
-    assert score_name == "scores" and score_parts[0].sensitivity == 1.0
-    assert score_parts[0].values[0].shape == (len(SCORE_BIN_EDGES) - 1,) and score_parts[0].values[0].sum() == 16
-    assert grad_name == "gradient" and grad_parts[0].sensitivity == pytest.approx(algorithm.tail_clip)
-    assert grad_mech.noise_multiplier == pytest.approx(algorithm.sigma_dp)
+    assert len(releases) == 2  # one release per step: histogram and gradient together
+    name, (score_part, grad_part), mechanism = releases[-1]
+    assert name == "scores_and_gradient" and score_part.sensitivity == 1.0
+    assert score_part.values[0].shape == (len(SCORE_BIN_EDGES) - 1,) and score_part.values[0].sum() == 16
+    assert grad_part.sensitivity == pytest.approx(algorithm.tail_clip)
+    assert grad_part.noise_std == pytest.approx(algorithm.sigma_dp * algorithm.tail_clip)
+    assert score_part.noise_std == pytest.approx(algorithm.sigma_tr)
+    assert mechanism.noise_multiplier == pytest.approx(1.0)  # (sigma_tr^-2 + sigma_dp^-2)^-1/2 = base sigma
     cfg = compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=threshold"]).algo
-    planned = dcdpsgd.DCDPSGD.planned_mechanisms(cfg, 1.0, 0.01, 0, 0.1)
-    assert planned[1].noise_multiplier == pytest.approx(algorithm.sigma_dp)  # c1 sensitivity: sigma_dp itself
-    rank = dcdpsgd.DCDPSGD.planned_mechanisms(compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=rank"]).algo, 1.0, 0.01, 0, 0.1)
-    assert rank[1].noise_multiplier < planned[1].noise_multiplier  # rank selection pays 2 c1 - c2
+    (planned,) = dcdpsgd.DCDPSGD.planned_mechanisms(cfg, 1.0, 0.01, 0, 0.1)
+    assert planned.noise_multiplier == pytest.approx(1.0)  # c1 sensitivity: the pair costs DP-SGD at sigma
+    (rank,) = dcdpsgd.DCDPSGD.planned_mechanisms(compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=rank"]).algo, 1.0, 0.01, 0, 0.1)
+    assert rank.noise_multiplier < planned.noise_multiplier  # rank selection pays 2 c1 - c2
 
 
 def test_the_released_histogram_average_survives_a_checkpoint():

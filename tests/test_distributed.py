@@ -171,6 +171,8 @@ def test_a_rank_that_fails_makes_every_rank_exit_non_zero_promptly(tmp_path, whe
     if where == "after_collectives":  # both stop at step 2, rank 0 naming rank 1's error
         assert said[1] == "RuntimeError: injected failure after the step's collectives"
         assert said[0] == "PeerFailure: rank 1 failed in step 2: RuntimeError: injected failure after the step's collectives"
+        # rank 0 evaluated step 2 too, but a failed step publishes nothing (a rerun redraws it)
+        assert (tmp_path / "published0.txt").read_text().split() == ["1"]
     else:  # rank 0 waited inside the step's collective: rank 1 closes the group, which ends that wait
         assert said[1] == "RuntimeError: injected failure before the step's collectives"
         assert "Connection closed by peer" in said[0] or said[0].startswith("PeerFailure: another rank stopped")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import dp_accounting as dpa
@@ -13,9 +14,11 @@ from torch import nn
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
-from dpbench.errors import UserError
+from dpbench.errors import DivergedError, UserError
+from dpbench.logging.results import RunResults
 from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, planned_ledger
 from dpbench.privacy.clipping import per_sample_norms
+from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.plan import PlanMismatchError
 from dpbench.run import run_job
 from dpbench.tasks.image import ImageClassificationTask, ldam_margins, public_class_profile
@@ -24,7 +27,8 @@ from dpbench.tasks.image import ImageClassificationTask, ldam_margins, public_cl
 # --- 1. DC-DPSGD with an absolute algo.tail_clip ------------------------------------------------
 def _gradient_multiplier(*overrides, clip=0.1, sigma=1.0):
     cfg = compose([f"privacy.clip_norm={clip}", "algo=dcdpsgd", "algo.tail_selection=rank", *overrides]).algo
-    return dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, 0.01, 0, clip)[1].noise_multiplier
+    _, sigma_dp = dcdpsgd.noise_multipliers(cfg, sigma)
+    return dcdpsgd.gradient_mechanism(cfg, sigma_dp, 0.01, clip).noise_multiplier
 
 
 def test_absolute_tail_clip_is_planned_as_its_ratio_to_the_body_clip():
@@ -47,12 +51,10 @@ def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path)
     results = run_job(cfg, tmp_path, show_progress=False)
     q = results.privacy.sample_rate
     sigma_tr = sigma_dp = math.sqrt(2)
-    events = [
-        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), 5)
-        for s in (sigma_tr, sigma_dp * 10 / 19)
-    ]
+    joint = (sigma_tr**-2 + (sigma_dp * 10 / 19) ** -2) ** -0.5  # scores and gradient: one batch, one mechanism
+    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(joint)), 5)
     accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
-    expected = accountant.compose(dpa.ComposedDpEvent(events)).get_epsilon(1e-5)
+    expected = accountant.compose(event).get_epsilon(1e-5)
     assert results.privacy.epsilon == pytest.approx(expected, rel=1e-3)
     assert results.algorithm["tail_clip_c1"] == pytest.approx(1.0)
 
@@ -69,8 +71,8 @@ def test_two_pass_dcdpsgd_clips_each_recomputed_gradient_to_its_threshold(monkey
         contributions.append(per_sample_norms(per_sample) * factors)
         return original_clipped_sum(per_sample, factors)
 
-    def recording_thresholds(noisy):
-        tail, limit = original_thresholds(noisy)
+    def recording_thresholds(noisy, finite=None):
+        tail, limit = original_thresholds(noisy, finite)
         thresholds.append(limit)
         return tail, limit
 
@@ -203,3 +205,74 @@ def test_training_accuracy_is_logged_only_with_private_stats(tmp_path):
     quiet = run_job(compose(TINY + ["algo=dpsgd", "train.train_eval_size=64", "privacy.log_private_stats=false"]),
                     tmp_path / "off", show_progress=False)
     assert all("train_accuracy" not in r.to_json() for r in quiet.history) and quiet.metrics.train_accuracy is None
+
+
+# --- the step whose release halted a run is charged ----------------------------------------------
+def test_a_release_that_halts_the_run_is_charged_in_the_ledger(tmp_path, monkeypatch):
+    """A non-finite noisy release stops the run (status diverged, published): that step's release
+    ran, so its mechanism is in the ledger and in the epsilon reported."""
+    from dpbench.privacy.noise import GaussianNoise
+
+    sample, add_noise, releases = GaussianNoise.sample, DPFirstOrderAlgorithm.add_noise, []
+
+    def poisoned_add_noise(self, sums):
+        releases.append(len(releases))
+        return add_noise(self, sums)
+
+    def poisoned_sample(self, shape, std, dtype=torch.float32):
+        noise = sample(self, shape, std, dtype)
+        return noise.fill_(math.inf) if len(releases) == 2 else noise  # the second step's release
+
+    monkeypatch.setattr(DPFirstOrderAlgorithm, "add_noise", poisoned_add_noise)
+    monkeypatch.setattr(GaussianNoise, "sample", poisoned_sample)
+    cfg = compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0", "train.steps=5"])
+    with pytest.raises(DivergedError):
+        run_job(cfg, tmp_path, show_progress=False)
+    results = RunResults.from_json(json.loads((tmp_path / "results.json").read_text()))
+    assert results.status == "diverged" and len(releases) == 2
+    (entry,) = results.privacy.ledger
+    assert entry["count"] == 2 and results.privacy.steps == 2  # the halted step is charged
+    one_step = PLDAccountant().epsilon(planned_ledger(lambda step: [GaussianMechanism(1.0, results.privacy.sample_rate)], 1), 1e-5)
+    assert results.privacy.epsilon > one_step
+
+
+# --- no figure depends on realised batch sizes unless log_private_stats -------------------------
+def test_without_private_stats_no_figure_or_checkpoint_depends_on_realised_batches(tmp_path, monkeypatch):
+    import dpbench.checkpoint as checkpoint_module
+    from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES
+
+    cfg = compose(TINY + ["algo=dcdpsgd", "algo.subspace_dim=8", "privacy.noise_multiplier=1.0",
+                          "privacy.log_private_stats=false", "train.steps=4", "train.checkpoint_every=1"])
+    stored, write = {}, checkpoint_module.write_checkpoint
+
+    def keep(run_dir, state):
+        stored["state"] = state
+        return write(run_dir, state)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", keep)
+    results = run_job(cfg, tmp_path, show_progress=False)
+    for section, keys in PRIVATE_STATISTIC_FIGURES.items():
+        for key in keys:
+            assert getattr(getattr(results, section), key, None) is None, f"{section}.{key}"
+    assert results.memory.optimizer_state_bytes is not None and results.memory.parameter_bytes is not None
+    assert any("withheld" in note for note in results.notes)
+    assert "mean_tail_fraction" not in results.algorithm
+    trainer_state = stored["state"]["trainer"]
+    assert trainer_state["throughput"] is None
+    attributes = trainer_state["algorithm"]["attributes"]
+    assert attributes["engine.peak_bytes"] is None and attributes["tail_fraction_seen"] is None
+
+
+def test_with_private_stats_the_figures_are_reported(tmp_path):
+    cfg = compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0", "privacy.log_private_stats=true"])
+    results = run_job(cfg, tmp_path, show_progress=False)
+    assert results.memory.peak_bytes and results.throughput.wall_s and results.memory.per_sample_grad_bytes
+
+
+def test_a_fresh_start_in_a_used_folder_says_the_earlier_attempt_is_outside_epsilon(tmp_path):
+    (tmp_path / "error.txt").write_text("an earlier attempt failed\n")
+    cfg = compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0"])
+    results = run_job(cfg, tmp_path, show_progress=False)
+    assert any("earlier attempt" in note and "error.txt" in note for note in results.notes)
+    fresh = run_job(compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0"]), tmp_path / "new", show_progress=False)
+    assert not any("earlier attempt" in note for note in fresh.notes)

@@ -17,7 +17,7 @@ from torch import nn
 from dpbench import distributed
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
-from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, under_relation
+from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, one_batch_mechanism, under_relation
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.clipping import clip_factors
 from dpbench.privacy.engines import PER_SAMPLE_ENGINES, build_engine
@@ -39,21 +39,30 @@ def adam_betas() -> list[float]:
 class StepResult:
     loss: float  # mean per-example training loss over the logical batch (nan when empty)
     batch_size: int  # realised logical batch size
-    mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the noisy releases that ran
+    mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the step's release: one mechanism (or none)
 
 
 class LossTally:
-    """Mean per-example training loss and realised size of one logical batch."""
+    """Mean per-example training loss and realised size of one logical batch.
+
+    The mean is over the examples whose loss is finite: a NaN or inf record contributes nothing to
+    any release (clip factor 0) and must not halt the run through a non-finite mean either. Only a
+    non-empty batch with no finite loss at all (a diverged model, not one record) gives nan."""
 
     def __init__(self) -> None:
-        self.loss_total, self.count = 0.0, 0  # the total stays a tensor until result(): one host sync a step
+        self.count = 0
+        self.totals: torch.Tensor | float = 0.0  # [loss sum, finite count]; a tensor until result(): one host sync a step
 
     def add(self, losses: torch.Tensor) -> None:
-        self.loss_total = self.loss_total + losses.detach().double().sum()
+        losses = losses.detach().double()
+        finite = torch.isfinite(losses)
+        kept = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+        self.totals = self.totals + torch.stack([kept.sum(), finite.sum().double()])
         self.count += losses.shape[0]
 
     def result(self) -> StepResult:
-        return StepResult(float(self.loss_total) / self.count if self.count else float("nan"), self.count)
+        total, finite = self.totals.tolist() if torch.is_tensor(self.totals) else (0.0, 0.0)
+        return StepResult(total / finite if finite else float("nan"), self.count)
 
 
 @dataclass
@@ -95,8 +104,9 @@ class Algorithm(ABC):
     def planned_mechanisms(
         cls, cfg, noise_multiplier: float, sample_rate: float, step: int, clip_norm: float
     ) -> list[GaussianMechanism]:
-        """Mechanisms that step `step` will run for a base noise multiplier and clip norm: the one
-        planning function, used to calibrate sigma and to check every step that ran."""
+        """The mechanism step `step` will run for a base noise multiplier and clip norm (a list of at
+        most one: all of a step's releases read one sampled batch, see `one_batch_mechanism`): the
+        one planning function, used to calibrate sigma and to check every step that ran."""
         return [GaussianMechanism(noise_multiplier, sample_rate)] if cls.private else []
 
     @classmethod
@@ -147,13 +157,13 @@ class Algorithm(ABC):
                       for v in part.values] for part in parts]
         for values in noisy:
             distributed.broadcast(values)
-        _halt_unless_finite(name, noisy)  # on every rank alike: the noisy values are rank 0's
         mechanism = GaussianMechanism(
             joint_noise_multiplier([(part.noise_std, part.sensitivity) for part in parts]),
             self.privacy.sample_rate,
             self.privacy.neighboring,
         )
-        self.step_mechanisms.append(mechanism)
+        self.step_mechanisms.append(mechanism)  # recorded first: a release that halts the run ran too
+        _halt_unless_finite(name, noisy)  # on every rank alike: the noisy values are rank 0's
         if self.release_observer is not None:
             self.release_observer(name, list(parts), noisy, mechanism)
         return noisy
@@ -173,8 +183,13 @@ class Algorithm(ABC):
         """Run step `step_index` (the trainer's counter, the only one) and report what it released."""
         self.step_mechanisms = []
         self.task.set_step(step_index)
-        result = self.step(batches, step_index)
-        result.mechanisms = self.step_mechanisms
+        try:
+            result = self.step(batches, step_index)
+        except DivergedError as error:  # the releases that ran before the halt are charged (trainer)
+            error.mechanisms = one_batch_mechanism(self.step_mechanisms)
+            self.step_mechanisms = []
+            raise
+        result.mechanisms = one_batch_mechanism(self.step_mechanisms)  # every release read this one batch
         self.step_mechanisms = []
         if distributed.is_distributed():  # report the logical batch's loss and size, not this rank's
             local_loss = result.loss * result.batch_size if result.batch_size else 0.0
@@ -232,10 +247,17 @@ class Algorithm(ABC):
     # State that lives in attributes, as dotted names (tensors, generators, dicts keyed by
     # parameters, containers of them); each class adds its own, collected along the MRO.
     checkpoint_attributes: ClassVar[tuple[str, ...]] = ()
+    # Those of them that are un-noised statistics of the private batches, kept only for reporting
+    # (realised sizes, tail fractions): a checkpoint of a run with privacy.log_private_stats=false
+    # stores None for them, since resuming does not need them.
+    private_statistic_attributes: ClassVar[tuple[str, ...]] = ()
 
     def checkpointed_attributes(self) -> list[str]:
         names = [a for cls in reversed(type(self).__mro__) for a in vars(cls).get("checkpoint_attributes", ())]
         return list(dict.fromkeys(names))
+
+    def private_statistics(self) -> set[str]:
+        return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
 
 
 def _plus(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -325,6 +347,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 
     checkpoint_attributes = ("engine.peak_bytes",)  # the engine meters the per-example working set
+    private_statistic_attributes = ("engine.peak_bytes",)  # it depends on the largest realised batch
 
     def sampler_overrides(self) -> dict[nn.Module, GradSampler]:
         return {}
@@ -345,13 +368,18 @@ class DPFirstOrderAlgorithm(Algorithm):
             sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
         return (self.zero_sums() if sums is None else sums), tally  # an empty batch releases pure noise
 
-    def example_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        """Per-example factors of the privacy's clipping rule; a non-finite example gets 0 (and is
-        counted, without a host sync)."""
+    def example_factors(self, norms: torch.Tensor, clip: float | torch.Tensor | None = None,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-example factors of the privacy's clipping rule at privacy.clip_norm, or flat clipping
+        at `clip` (an algorithm's own bound: DPDR's C_perp, DIFF's C_d). An example whose norm is
+        non-finite, or that `keep` leaves out, gets 0 and is counted, without a host sync."""
         p = self.privacy
-        dropped = (~torch.isfinite(norms)).sum()
+        kept = torch.isfinite(norms) if keep is None else torch.isfinite(norms) & keep
+        dropped = (~kept).sum()
         self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
-        return clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma)
+        if clip is None:
+            return clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma, keep=kept)
+        return clip_factors(norms, clip, keep=kept)
 
     def gradient_sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum under add/remove-one: what clipping enforces."""

@@ -13,22 +13,24 @@ Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not ho
   * the gradient release has sensitivity c1 (the larger threshold), so ONE noise vector of std
     sigma_dp*c1 goes on the sum; the paper's per-sample noise over-noises, the code's mixture
     noise under-noises by ~7x;
-  * the two releases are two subsampled Gaussian mechanisms per step on the same batch and are
-    composed by the accountant (no basic composition, no delta doubling).
+  * the score release and the gradient release read the same Poisson batch, so a step is ONE
+    subsampled Gaussian mechanism whose multiplier is that of the whitened pair,
+    (sigma_tr^-2 + sigma_dp'^-2)^-1/2 with sigma_dp' = sigma_dp * c1 / (gradient sensitivity)
+    (`one_batch_mechanism`). Charging them as two independently subsampled mechanisms, as an
+    earlier version did, understated epsilon (8 reported, 13.5 true at dcdpsgd_mnist).
   * Budget split, `algo.budget_split`:
     renyi (default): the spine calibrates one base multiplier sigma; with f =
       `algo.score_budget_fraction`, sigma_tr = sigma/sqrt(f), sigma_dp = sigma/sqrt(1-f), so
-      sigma_tr^-2 + sigma_dp^-2 = sigma^-2: f is the share of the Renyi/zCDP privacy loss (which
-      is proportional to 1/sigma^2 for a Gaussian) spent on the scores, and the composed epsilon
-      of the pair meets the target.
-    epsilon: the paper's eps = eps_tr + eps_dp (Tables 3-5 write 2+6, 4+4, 6+2), eps_tr = f eps
-      with f = `algo.score_epsilon_fraction`. Each mechanism is calibrated alone (`calibrate_noise`)
-      to (its share, delta/2): basic composition then gives (eps_tr + eps_dp, delta), where the
-      paper's Theorem 5.1 claims delta while each half spends delta. The accountant
-      still composes the two exact mechanisms, so privacy.epsilon (<= eps_tr + eps_dp) is what ran;
-      the algorithm's results give the paper-style eps_tr and eps_dp. privacy.noise_multiplier is
-      then sigma_dp; sigma_tr reaches planning and the algorithm in an `EpsilonSplit`
-      (PrivacySetup.derived), and results.json reports it as algorithm.sigma_tr.
+      sigma_tr^-2 + sigma_dp^-2 = sigma^-2: in threshold mode a step costs exactly DP-SGD at sigma,
+      and f is the share of the step's Renyi/zCDP loss (proportional to 1/sigma^2) spent on scores.
+    epsilon: keeps only the paper's ratio (eps = eps_tr + eps_dp, Tables 3-5 write 2+6, 4+4, 6+2,
+      eps_tr = f eps with f = `algo.score_epsilon_fraction`): each part is first calibrated alone
+      to its share at delta/2 (`calibrate_noise`), then both multipliers are scaled by one factor
+      until the joint mechanism meets (privacy.epsilon, delta). privacy.epsilon is the joint
+      mechanism's; the paper's eps_tr + eps_dp at the sigmas that ran is reported beside it,
+      labelled paper accounting, not a bound. privacy.noise_multiplier is then sigma_dp; sigma_tr
+      reaches planning and the algorithm in an `EpsilonSplit` (PrivacySetup.derived), and
+      results.json reports it as algorithm.sigma_tr.
   * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
     batch, so adding or removing one example can also move one *other* example across the tail
     boundary (the tail count and the ranking both change), and the per-example noisy scores are
@@ -54,9 +56,9 @@ Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not ho
         function of that example alone, so adding example x leaves every other example's clipped
         gradient unchanged and adds x's own, of norm <= c1. Sensitivity c1, noise sigma_dp*c1:
         noise multiplier sigma_dp.
-    Both are subsampled Gaussian mechanisms on the step's batch, composed adaptively by the
-    accountant exactly as for rank selection. The per-example score noise is then unnecessary
-    (membership is no release), so none is drawn. The realised tail fraction varies around p
+    Both parts read the step's batch, and tau_t is known before either is formed, so they are
+    released together: one Gaussian release of two parts, one mechanism at sigma (renyi split).
+    The per-example score noise is then unnecessary (membership is no release), so none is drawn. The realised tail fraction varies around p
     (results.json: algorithm.mean_tail_fraction).
 
 The subspace lives on the model's device (its generator too): drawn there once per step, never
@@ -84,7 +86,7 @@ import torch
 
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
 from dpbench.errors import UserError
-from dpbench.privacy.mechanisms import GaussianMechanism
+from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 from dpbench.schema import AlgoOptions, Choice
 
@@ -147,13 +149,15 @@ def budget_split(cfg) -> str:
 @dataclass(frozen=True)
 class EpsilonSplit:
     """A calibrated `algo.budget_split=epsilon` (`DCDPSGD.calibrate_noise`, PrivacySetup.derived):
-    each mechanism alone meets its share of the target epsilon at delta_each = delta/2 over the
-    planned run (the paper's eps = eps_tr + eps_dp); privacy.noise_multiplier is sigma_dp."""
+    sigma_tr / sigma_dp in the paper's ratio (each part alone calibrated to its share of epsilon
+    at delta/2), scaled together until the joint mechanism meets the target;
+    privacy.noise_multiplier is sigma_dp. epsilon_tr + epsilon_dp is the paper's accounting at
+    these sigmas, not a bound (the parts read one batch)."""
 
     sigma_tr: float  # the scores' noise multiplier
     sigma_dp: float  # the gradient release's
-    epsilon_tr: float  # the score mechanism alone, at delta_each
-    epsilon_dp: float  # the gradient mechanism alone, at delta_each
+    epsilon_tr: float  # the score part alone, at delta_each (paper accounting)
+    epsilon_dp: float  # the gradient part alone, at delta_each (paper accounting)
     delta_each: float
 
     def fixed_noise_options(self) -> dict:
@@ -178,6 +182,12 @@ def noise_multipliers(cfg, noise_multiplier: float, split: EpsilonSplit | None =
         raise UserError("algo.budget_split=epsilon with a given privacy.noise_multiplier (sigma_dp) needs "
                         "algo.score_noise_multiplier (sigma_tr) too; or set privacy.epsilon to calibrate both")
     return cfg.score_noise_multiplier, noise_multiplier
+
+
+def joint_mechanism(cfg, sigma_tr: float, sigma_dp: float, sample_rate: float, clip_norm: float) -> list[GaussianMechanism]:
+    """A step's one mechanism: its score and gradient releases whitened together (one batch)."""
+    return one_batch_mechanism([score_mechanism(sigma_tr, sample_rate),
+                                gradient_mechanism(cfg, sigma_dp, sample_rate, clip_norm)])
 
 
 def score_mechanism(sigma_tr: float, sample_rate: float) -> GaussianMechanism:
@@ -385,6 +395,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
     # public projection RNG; threshold selection: the average of the released score histograms
     checkpoint_attributes = ("projection_generator", "tail_fraction_seen", "score_histogram_average")
+    private_statistic_attributes = ("tail_fraction_seen",)  # un-noised: reporting only
 
     def __init__(self, model, task, cfg, lr, privacy):
         if not 0 < cfg.tail_fraction < 1:
@@ -411,6 +422,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         self.last_tail: torch.Tensor | None = None
         self.threshold_selection = tail_selection(cfg) == "threshold"
         self.score_histogram_average: torch.Tensor | None = None  # EMA of released histograms (public)
+        self.pending_histogram: torch.Tensor | None = None  # this step's, released with its gradient
 
     def _identification_indices(self, spec) -> list[int]:
         """Which trainable tensors feed the score: all | first | a list of name substrings."""
@@ -433,9 +445,9 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         if budget_split(cfg) == "epsilon":
             notes.append(
                 "algo.budget_split=epsilon: privacy.noise_multiplier is sigma_dp (algorithm.sigma_tr is the "
-                "score noise); calibrated, each mechanism alone meets its share of the target at delta/2 "
-                "(algorithm.epsilon_tr, epsilon_dp: the paper's accounting); privacy.epsilon composes both and "
-                "is at most their sum"
+                "score noise), in the paper's ratio and scaled together until the joint mechanism of a step "
+                "(both parts read one batch) meets the target; privacy.epsilon is that joint mechanism's; "
+                "algorithm.epsilon_tr + epsilon_dp is the paper's accounting, not a bound"
             )
         if cfg.gradient_sensitivity == "tail_clip" and tail_selection(cfg) == "rank":
             notes.append(
@@ -447,8 +459,9 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     @classmethod
     def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm, derived: EpsilonSplit | None = None):
+        """ONE mechanism: the score and gradient releases read the same sampled batch."""
         sigma_tr, sigma_dp = noise_multipliers(cfg, noise_multiplier, derived)
-        return [score_mechanism(sigma_tr, sample_rate), gradient_mechanism(cfg, sigma_dp, sample_rate, clip_norm)]
+        return joint_mechanism(cfg, sigma_tr, sigma_dp, sample_rate, clip_norm)
 
     @classmethod
     def calibrate_noise(cls, cfg, calibration, epsilon: float, delta: float) -> tuple[float, EpsilonSplit | None]:
@@ -466,8 +479,13 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         f = cfg.score_epsilon_fraction
         score = lambda s, step: [score_mechanism(s, q)]  # noqa: E731
         gradient = lambda s, step: [gradient_mechanism(cfg, s, q, clip)]  # noqa: E731
-        sigma_tr = calibration.noise_multiplier(score, f * epsilon, delta / 2)
-        sigma_dp = calibration.noise_multiplier(gradient, (1 - f) * epsilon, delta / 2)
+        # the paper's ratio: each part alone at its share (delta/2 each) ...
+        ratio = calibration.noise_multiplier(score, f * epsilon, delta / 2) / \
+            calibration.noise_multiplier(gradient, (1 - f) * epsilon, delta / 2)
+        # ... then one scale for both, until the joint mechanism (one batch) meets the target
+        sigma_dp = calibration.noise_multiplier(
+            lambda s, step: joint_mechanism(cfg, ratio * s, s, q, clip), epsilon, delta)
+        sigma_tr = ratio * sigma_dp
         return sigma_dp, EpsilonSplit(
             sigma_tr=sigma_tr, sigma_dp=sigma_dp,
             epsilon_tr=calibration.epsilon(lambda step: score(sigma_tr, step), delta / 2),
@@ -477,30 +495,35 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     # --- one step (DPFirstOrderAlgorithm's phases, clip_and_accumulate and the noise changed) ---
     def clip_and_accumulate(self, batches):
-        """Scores of every example (pass 1), the noisy scores' release, then the sum of each
-        example's gradient clipped at its threshold (pass 2). With several physical chunks pass 2
+        """Scores of every example (pass 1), the tail set (rank mode: from the noisy scores' release;
+        threshold mode: exact scores above the public tau_t, the histogram kept for `add_noise`),
+        then the sum of each example's gradient clipped at its threshold (pass 2). With several physical chunks pass 2
         recomputes per-example gradients (dropout may differ) and clips each with its own norm;
         only the tail/body assignment comes from pass 1."""
         chunks = [b for b in batches if self.task.batch_size(b) > 0]
         basis = None if self.subspaces is None else self.subspaces.draw()
-        tally, scores, kept = LossTally(), [], None
+        tally, scores, finite, kept = LossTally(), [], [], None
         for _, losses in self.chunks(chunks, tally):
             per_sample = self.engine.backward_per_sample(losses)
             scores.append(self.example_scores(per_sample, basis))
+            finite.append(torch.isfinite(per_sample_norms(per_sample)))  # a non-finite example is in no release
             kept = per_sample if len(chunks) == 1 else None  # one chunk: reused in pass 2
             del per_sample
+        device = self.params[0].device
+        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=device)
+        finite_all = torch.cat(finite) if finite else torch.zeros(0, dtype=torch.bool, device=device)
         if self.threshold_selection:
-            tail, thresholds = self.threshold_clip_thresholds(scores)
+            tail, thresholds = self.threshold_clip_thresholds(scores_all, finite_all)
         else:
-            tail, thresholds = self.clip_thresholds(self.release_scores(scores))
+            tail, thresholds = self.clip_thresholds(self.release_scores(scores_all[finite_all]), finite_all)
         if tally.count:
             self.last_tail = tail  # [B] bool, for diagnostics and tests
-            self.tail_fraction_seen.append(tail.float().mean().item())
+            self.tail_fraction_seen.append(tail[finite_all].float().mean().item() if bool(finite_all.any()) else 0.0)
         sums, start = self.zero_sums(), 0
         for batch in chunks:
             per_sample = kept if kept is not None else self.engine.backward_per_sample(self.per_example_losses(batch))
             size = per_sample[0].shape[0]
-            factors = clip_factors(per_sample_norms(per_sample), thresholds[start : start + size])
+            factors = self.example_factors(per_sample_norms(per_sample), thresholds[start : start + size])
             for s, c in zip(sums, clipped_sum(per_sample, factors)):
                 s.add_(c)
             start += size
@@ -511,11 +534,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
         return subspace_scores(ident, basis)  # [b]; basis: drawn on the model's device
 
-    def release_scores(self, scores: list[torch.Tensor]) -> torch.Tensor:
+    def release_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores + N(0, sigma_tr^2) (sensitivity 1). Runs on every step: an empty batch releases
         an empty vector."""
-        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
-        ((noisy,),) = self.gaussian_release("scores", ReleasePart([scores_all], 1.0, self.sigma_tr))
+        ((noisy,),) = self.gaussian_release("scores", ReleasePart([scores], 1.0, self.sigma_tr))
         return noisy
 
     def current_threshold(self) -> float:
@@ -524,20 +546,41 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             return math.inf
         return histogram_threshold(self.score_histogram_average, self.cfg.tail_fraction)
 
-    def threshold_clip_thresholds(self, scores: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Threshold selection: tail = exact score > tau_t (public), then the step's histogram
-        release (sensitivity 1), folded into the average that sets tau_{t+1}. Runs on every step."""
-        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=self.params[0].device)
-        tail = scores_all > self.current_threshold()
-        ((noisy,),) = self.gaussian_release("scores", ReleasePart([score_histogram(scores_all)], 1.0, self.sigma_tr))
-        noisy = noisy.detach().float()
-        average = self.score_histogram_average
-        self.score_histogram_average = noisy if average is None else average.mul_(HISTOGRAM_DECAY).add_(noisy, alpha=1 - HISTOGRAM_DECAY)
+    def threshold_clip_thresholds(self, scores: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Threshold selection: tail = exact score > tau_t (public). The step's score histogram of
+        the finite examples (sensitivity 1) waits for `add_noise`, which releases it with the
+        gradient sum."""
+        tail = (scores > self.current_threshold()) & finite
+        self.pending_histogram = score_histogram(scores[finite])
         return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
-    def clip_thresholds(self, noisy_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tail mask (the top-p noisy scores) and [B] per-example thresholds: c1 tail, c2 body."""
+    def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradient release; in threshold mode one release of two parts, the score histogram
+        (sensitivity 1, std sigma_tr) and the clipped sum, whose noisy histogram is folded into the
+        average that sets tau_{t+1}. Rank mode released its scores before the tail was chosen;
+        both releases still make one mechanism (`Algorithm.train_step`)."""
+        if not self.threshold_selection:
+            return super().add_noise(sums)
+        histogram, self.pending_histogram = self.pending_histogram, None
+        if histogram is None:  # no scores were formed (a bare privatize): the empty batch's histogram
+            histogram = score_histogram(torch.zeros(0, device=self.params[0].device))
+        (noisy_histogram,), noisy = self.gaussian_release(
+            "scores_and_gradient",
+            ReleasePart([histogram], 1.0, self.sigma_tr),
+            ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()),
+        )
+        released = noisy_histogram.detach().float()
+        average = self.score_histogram_average
+        self.score_histogram_average = released if average is None else \
+            average.mul_(HISTOGRAM_DECAY).add_(released, alpha=1 - HISTOGRAM_DECAY)
+        return noisy
+
+    def clip_thresholds(self, noisy_scores: torch.Tensor, finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tail mask (the top-p noisy scores, which are those of the `finite` examples) and [B]
+        per-example thresholds: c1 tail, c2 body."""
         tail = tail_mask(noisy_scores, self.cfg.tail_fraction)
+        if finite is not None:  # back to the batch's positions; a dropped example is body (its factor is 0)
+            tail = torch.zeros_like(finite).masked_scatter(finite, tail)
         return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
     def gradient_sensitivity(self) -> float:
@@ -551,9 +594,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
 
     def epsilon_split_results(self) -> dict:
-        """The paper-style budget of an epsilon split: eps_tr and eps_dp of each mechanism alone over
-        the planned run, at delta/2 each (their sum is the paper's epsilon; privacy.epsilon is the
-        tighter composition of what ran). Empty for a renyi split or noise given without them."""
+        """The paper-style budget of an epsilon split: eps_tr and eps_dp of each part alone over the
+        planned run, at delta/2 each. Their sum is the paper's accounting, NOT a bound (the parts
+        read one batch); privacy.epsilon is the joint mechanism's. Empty for a renyi split or noise
+        given without them."""
         split = self.epsilon_split
         if budget_split(self.cfg) != "epsilon" or split is None:
             return {}
@@ -563,7 +607,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             "score_epsilon_fraction": self.cfg.score_epsilon_fraction,
             "epsilon_tr": split.epsilon_tr,
             "epsilon_dp": split.epsilon_dp,
-            "epsilon_tr_plus_dp": split.epsilon_tr + split.epsilon_dp,
+            "epsilon_tr_plus_dp": split.epsilon_tr + split.epsilon_dp,  # paper accounting, not a bound (notes)
             "epsilon_split_delta_each": split.delta_each,
         }
 

@@ -21,7 +21,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clipped_sum, per_sample_norms
 from dpbench.schema import AlgoOptions
 
 
@@ -51,9 +51,10 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
 
     def clipped_difference(self, differences: list[torch.Tensor]) -> list[torch.Tensor]:
-        """sum_i clip_{C_d}(d_i) over one physical chunk; d_i flat-clipped over all tensors."""
+        """sum_i clip_{C_d}(d_i) over one physical chunk; d_i flat-clipped over all tensors (a
+        non-finite d_i is dropped and counted)."""
         self.engine.meter(tensor_bytes(differences))
-        return clipped_sum(differences, clip_factors(per_sample_norms(differences), self.difference_clip))
+        return clipped_sum(differences, self.example_factors(per_sample_norms(differences), self.difference_clip))
 
     def privatize_difference(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
         """The noisy release of a step: (sum of clipped differences + N(0, (sigma C_d)^2 I)) / B.

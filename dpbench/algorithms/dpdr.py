@@ -31,7 +31,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms, scale_rows
 from dpbench.schema import AlgoOptions
 
 
@@ -66,7 +66,8 @@ def is_decomposition_step(cfg, step: int) -> bool:
 
 
 def decompose(per_sample: list[torch.Tensor], bases: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per-sample alpha [B, m] and orthogonal parts (list of [B, ...]) for unit bases b_l."""
+    """Per-sample alpha [B, m] and orthogonal parts (list of [B, ...]) for unit bases b_l. A
+    non-finite gradient gives a non-finite alpha and orthogonal part (dropped by the clipping)."""
     alphas, perps = [], []
     for g, b in zip(per_sample, bases):
         flat = g.reshape(g.shape[0], -1).float()  # [B, d_l]
@@ -76,9 +77,11 @@ def decompose(per_sample: list[torch.Tensor], bases: list[torch.Tensor]) -> tupl
     return torch.stack(alphas, dim=1), perps
 
 
-def clip_alpha(alpha: torch.Tensor, clip: float) -> torch.Tensor:
-    """Scale each example's alpha vector [B, m] to L2 norm at most `clip` (either sign)."""
-    return alpha * clip_factors(alpha.norm(dim=1), clip)[:, None]
+def clip_alpha(alpha: torch.Tensor, clip: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale each example's alpha vector [B, m] to L2 norm at most `clip` (either sign). A
+    non-finite alpha, or an example `keep` leaves out, becomes zeros: selected, not multiplied by
+    its factor 0 (0 · NaN is NaN, which halted DPDR on one NaN record)."""
+    return scale_rows(alpha, clip_factors(alpha.norm(dim=1), clip, keep=keep))
 
 
 @ALGORITHMS.register("dpdr", options=DPDROptions)
@@ -115,14 +118,17 @@ class DPDR(DPFirstOrderAlgorithm):
                       for g in gradients]
 
     def decomposed_sums(self, batches):
-        """Sums over the logical batch of clipped g_perp (list) and clipped alpha ([m])."""
+        """Sums over the logical batch of clipped g_perp (list) and clipped alpha ([m]). An example
+        non-finite in either part is dropped from both (and counted in nonfinite_examples)."""
         perp_sums, alpha_sum, tally = self.zero_sums(), torch.zeros(len(self.params), device=self.params[0].device), LossTally()
         for _, losses in self.chunks(batches, tally):
             alpha, perps = decompose(self.engine.backward_per_sample(losses), self.bases)
-            perp_factors = clip_factors(per_sample_norms(perps), self.cfg.perp_clip)
+            alpha_norms, perp_norms = alpha.norm(dim=1), per_sample_norms(perps)
+            keep = torch.isfinite(alpha_norms) & torch.isfinite(perp_norms)
+            perp_factors = self.example_factors(perp_norms, self.cfg.perp_clip, keep=keep)
             for s, c in zip(perp_sums, clipped_sum(perps, perp_factors)):
                 s.add_(c)
-            alpha_sum += clip_alpha(alpha, self.cfg.alpha_clip).sum(dim=0)
+            alpha_sum += clip_alpha(alpha, self.cfg.alpha_clip, keep=keep).sum(dim=0)
         return perp_sums, alpha_sum, tally
 
     def decomposed_gradient(self, batches) -> tuple[list[torch.Tensor], LossTally]:

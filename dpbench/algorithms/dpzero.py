@@ -90,6 +90,7 @@ class ZerothOrderAlgorithm(Algorithm):
         self.seed_generator = torch.Generator()
         self.seed_generator.manual_seed(int(torch.randint(0, SEED_RANGE, ()).item()))
         self.perturbation_bytes = 0  # largest fp32 working set one module's perturbation held
+        self.nonfinite_examples: torch.Tensor | None = None  # private runs: examples dropped (a tensor: no sync)
 
     # --- the direction -----------------------------------------------------------------------
     def next_seed(self) -> int:
@@ -166,7 +167,11 @@ class ZerothOrderAlgorithm(Algorithm):
         return (plus - minus) / (2 * self.smoothing), (plus + minus) / 2
 
     def estimate(self, batches: list[Batch], seed: int, scale: float, clip: float | None):
-        """Sum over the logical batch of (clipped) s_i, the mean loss and the realised batch size."""
+        """Sum over the logical batch of (clipped) s_i, the mean loss and the realised batch size.
+
+        Clipped (private): an example whose s_i or loss is non-finite (a NaN or inf record)
+        contributes nothing, selected away (0 · NaN is NaN); clamping an inf to ±C would add C.
+        The mean loss is over the finite losses (nan only when none is), as LossTally's."""
         totals, count = [], 0  # double-precision sums on the device, synced once
         was_training = self.model.training
         self.model.eval()  # dropout off for both evaluations, as in MeZO/DPZero
@@ -176,16 +181,20 @@ class ZerothOrderAlgorithm(Algorithm):
                     if self.task.batch_size(batch) == 0:
                         continue
                     differences, losses = self.finite_differences(batch, seed, scale)
+                    finite = torch.isfinite(losses)
                     if clip is not None:
-                        # a non-finite loss must not break the [-C, C] bound; the loss still reports it
-                        differences = torch.nan_to_num(differences, nan=0.0, posinf=clip, neginf=-clip)
-                        differences = differences.clamp(-clip, clip)  # = min(1, C/|s|) s, DPZero's clip
-                    totals.append(torch.stack([differences.double().sum(), losses.double().sum()]))
+                        kept = finite & torch.isfinite(differences)
+                        dropped = (~kept).sum()
+                        self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
+                        # = min(1, C/|s|) s, DPZero's clip; a dropped example's s_i is replaced, not scaled
+                        differences = torch.where(kept, differences.clamp(-clip, clip), torch.zeros_like(differences))
+                    losses = torch.where(finite, losses, torch.zeros_like(losses))
+                    totals.append(torch.stack([differences.double().sum(), losses.double().sum(), finite.double().sum()]))
                     count += differences.numel()
         finally:
             self.model.train(was_training)
-        total, loss_total = torch.stack(totals).sum(dim=0).tolist() if totals else (0.0, 0.0)
-        return total, (loss_total / count if count else float("nan")), count
+        total, loss_total, finite_count = torch.stack(totals).sum(dim=0).tolist() if totals else (0.0, 0.0, 0.0)
+        return total, (loss_total / finite_count if finite_count else float("nan")), count
 
     def apply_update(self, seed: int, scale: float, projected_gradient: float) -> None:
         """theta <- theta - lr (g z + wd theta), parameter by parameter, in fp32 then cast."""

@@ -50,7 +50,7 @@ def remove_unfinished_offline_runs(wandb_dir: Path) -> list[Path]:
 
 
 class WandbLogger:
-    def __init__(self, cfg, run_dir: Path, run_name: str, config: dict, tags: list[str]):
+    def __init__(self, cfg, run_dir: Path, run_name: str, config: dict, tags: list[str], system_metrics: bool = True):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or cfg.mode
@@ -70,7 +70,9 @@ class WandbLogger:
             dir=str(run_dir),
             config=config,
             reinit="finish_previous",
-            settings=wandb.Settings(console="off", silent=True, disable_git=True),
+            # system metrics (process memory every 15 s) track realised batch sizes: off where private
+            # statistics are not to be logged
+            settings=wandb.Settings(console="off", silent=True, disable_git=True, x_disable_stats=not system_metrics),
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -126,7 +128,8 @@ class LoggerCallback:
     def on_fit_end(self, trainer) -> None: ...
 
 
-def build_logger(cfg, run_dir: Path, run_name: str, config: dict, tags: list[str] | None = None):
+def build_logger(cfg, run_dir: Path, run_name: str, config: dict, tags: list[str] | None = None,
+                 system_metrics: bool = True):
     if cfg.name == "none":
         return NullLogger()
-    return WandbLogger(cfg, run_dir, run_name, config, tags or [])
+    return WandbLogger(cfg, run_dir, run_name, config, tags or [], system_metrics)

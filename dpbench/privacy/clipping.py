@@ -2,6 +2,10 @@
 
 Shared by every per-example engine (per_sample.py, bookkeeping.py) and by the algorithms that
 clip their own per-example quantities (DC-DPSGD, DPDR, DIFF).
+
+A non-finite example (a NaN or inf the data holds, or a gradient that overflowed) gets clip factor
+0 and contributes nothing to any sum. It is dropped with a select (`torch.where`), never by
+multiplying by its factor: 0 · NaN and 0 · inf are NaN.
 """
 
 from __future__ import annotations
@@ -45,16 +49,32 @@ CLIP_FACTORS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = 
 }
 
 
-def clip_factors(norms: torch.Tensor, clip_norm: float, rule: str = "flat", gamma: float = 0.01) -> torch.Tensor:
+def clip_factors(norms: torch.Tensor, clip_norm: float | torch.Tensor, rule: str = "flat", gamma: float = 0.01,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example factors [B] of `rule` at `clip_norm` (a float, or one bound per example); 0 for
+    an example whose norm is non-finite or that `keep` ([B] bool) leaves out, > 0 for every other.
+
+    `keep` drops an example from every part of a release at once (DPDR's alpha and orthogonal
+    parts: a NaN gradient must not be kept in one part because only the other's norm saw it)."""
     factors = CLIP_FACTORS[rule](norms, clip_norm, gamma)
+    kept = torch.isfinite(norms) if keep is None else torch.isfinite(norms) & keep
     # A NaN/inf gradient from one example must not poison the sum: it contributes nothing.
-    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+    return torch.where(kept, factors, torch.zeros_like(factors))
+
+
+def scale_rows(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """f_i · v_i for per-example rows [B, ...]: a row whose factor is 0 is selected as zeros,
+    not multiplied (its values may be NaN or inf, and 0 · NaN is NaN)."""
+    shape = (-1, *([1] * (values.dim() - 1)))
+    scaled = values * factors.to(values.dtype).view(shape)
+    return torch.where((factors != 0).view(shape), scaled, torch.zeros((), dtype=scaled.dtype, device=scaled.device))
 
 
 def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor, overwrite: bool = False) -> list[torch.Tensor]:
     """sum_i factor_i * g_i for each tensor, accumulated in float32.
 
-    A non-finite example has factor 0, but 0 · inf is NaN: its entries are zeroed first. With
+    A non-finite example has factor 0, but 0 · inf is NaN: its entries are first replaced by zeros
+    (nan_to_num, a select; an example with a finite norm has no such entry to replace). With
     `overwrite=True` (the caller drops the per-sample tensors afterwards) fp32 tensors are zeroed
     in place, so no per-sample-sized copy is made."""
     factors = factors.float()

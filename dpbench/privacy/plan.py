@@ -81,7 +81,15 @@ UNNOISED_RELEASES = (
     "realised Poisson batch sizes (W&B train/batch_size)",
     "algorithm statistics of the private batch (e.g. DC-DPSGD mean_tail_fraction)",
     "halting on a non-finite training loss (status: diverged)",
+    "peak memory, the per-example working set, throughput and wall time (memory.*, throughput.*: they "
+    "depend on the realised batch sizes and the longest sampled record), and W&B's system metrics",
 )
+
+# results.json figures that depend on realised batch sizes: withheld (None) unless log_private_stats
+PRIVATE_STATISTIC_FIGURES = {
+    "memory": ("peak_bytes", "cuda_max_allocated", "per_sample_grad_bytes"),
+    "throughput": ("samples_per_s", "wall_s"),
+}
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ class PrivacyPlan:
             "accountant": self.accountant.name, "delta": self.delta, "target_epsilon": self.target_epsilon,
             "sampling": self.sampling, "batches_per_epoch": self.batches_per_epoch, "steps": self.steps,
             "algo": self.algo_config, "derived": asdict(setup.derived) if setup.derived is not None else None,
+            "log_private_stats": self.log_private_stats,  # what else the run publishes
         }
 
     def check_step(self, step: int, ran: list[GaussianMechanism]) -> None:

@@ -45,7 +45,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.privacy.mechanisms import GaussianMechanism, same_mechanisms
+from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, same_mechanisms
 
 
 @dataclass
@@ -193,25 +193,21 @@ MAX_LAGS = 8  # independence across steps: steps t and t+lag for lag 1..MAX_LAGS
 
 
 def planned_stds(releases: list[Release], planned: list[GaussianMechanism]) -> list[list[float]] | None:
-    """Per release and part, the noise std the PLAN declares (None: not as many releases as planned).
+    """Per release and part, the noise std the PLAN declares (None: releases the plan cannot cover).
 
-    Releases and planned mechanisms are paired in the order `same_mechanisms` compares them. A
-    planned mechanism fixes the noise multiplier of its release: std / sensitivity for one part;
-    for parts released together (DPDR) the multiplier of the whitened parts, so each part keeps
-    the proportions the algorithm stated and the scale the plan declares."""
-    if len(releases) != len(planned):
-        return None
-    key = lambda m: (m.neighboring, m.sample_rate, m.noise_multiplier)  # noqa: E731
-    order = sorted(range(len(releases)), key=lambda i: key(releases[i].mechanism))
-    stds: list[list[float]] = [[] for _ in releases]
-    for i, plan in zip(order, sorted(planned, key=key)):
-        release = releases[i]
-        stated = release.mechanism.noise_multiplier
-        if stated > 0:
-            stds[i] = [part.noise_std * plan.noise_multiplier / stated for part in release.parts]
-        else:  # a release that states no noise: the plan's multiplier spread evenly over its parts
-            stds[i] = [plan.noise_multiplier * part.sensitivity * math.sqrt(len(release.parts)) for part in release.parts]
-    return stds
+    All releases of a step read its one sampled batch and make ONE planned mechanism
+    (`one_batch_mechanism`), so the plan fixes the multiplier of all their parts whitened together:
+    each part keeps the proportions the algorithm stated and the scale the plan declares."""
+    if not planned or len(planned) > 1:
+        return [] if not planned and not releases else None
+    plan, parts = planned[0], [part for release in releases for part in release.parts]
+    stated = one_batch_mechanism([release.mechanism for release in releases])
+    if stated and stated[0].noise_multiplier > 0:
+        factor = plan.noise_multiplier / stated[0].noise_multiplier
+        return [[part.noise_std * factor for part in release.parts] for release in releases]
+    # releases that state no noise: the plan's multiplier spread evenly over their parts
+    return [[plan.noise_multiplier * part.sensitivity * math.sqrt(len(parts)) for part in release.parts]
+            for release in releases]
 
 
 def _normal_quantile(alpha: float, tests: int) -> float:
@@ -269,7 +265,8 @@ class DrawnNoise:
                     f"step {step} ran {_describe(recorder.ledger[step])}, its plan {_describe(planned)}")
             stds = planned_stds(releases, planned)
             if stds is None:
-                self.unplanned[step] = f"step {step} made {len(releases)} releases but its plan declares {len(planned)}"
+                self.unplanned[step] = (f"step {step} made {len(releases)} releases but its plan declares "
+                                        f"{len(planned)} mechanisms (a step's releases are one mechanism)")
                 continue
             for release, part_stds in zip(releases, stds):
                 for k, std in enumerate(part_stds):
