@@ -12,7 +12,7 @@ from dpbench.registry import Registry
 
 @dataclass
 class ImageDataset:
-    train_images: torch.Tensor  # [N, C, H, W] float32, normalised
+    train_images: torch.Tensor  # [N, C, H, W] float32, normalised with public constants (images.PUBLIC_STATS)
     train_labels: torch.Tensor  # [N] int64
     test_images: torch.Tensor
     test_labels: torch.Tensor

@@ -11,11 +11,38 @@ from dpbench.data import DATASETS, ImageDataset
 from dpbench.errors import UserError
 
 
-def _normalise(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel standardisation with training-set statistics."""
-    mean = train.mean(dim=(0, 2, 3), keepdim=True)
-    std = train.std(dim=(0, 2, 3), keepdim=True).clamp(min=1e-6)
-    return (train - mean) / std, (test - mean) / std
+# Per-channel (mean, std) that image inputs are standardised with: fixed constants, never
+# statistics of the loaded training set (those would make every input, and so the test loss
+# of an untrained model, depend on every training record, uncharged). Each is a published value,
+# public information fixed before any run (no record a run loads can change it); one line per
+# constant says where it comes from.
+PUBLIC_STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    # digits: pixels 0..16 scaled by the format's fixed range (x/16 in [0, 1]), then 0.5/0.5 -> [-1, 1]; no data read.
+    "digits": ((0.5,), (0.5,)),
+    # MNIST: 0.1307 / 0.3081, the published values of the PyTorch MNIST example (public, fixed).
+    "mnist": ((0.1307,), (0.3081,)),
+    # Fashion-MNIST: 0.2860 / 0.3530, the per-pixel values widely published for it (public, fixed).
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    # CIFAR-10: the widely published per-channel mean and per-pixel std of its train split (public, fixed).
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    # CIFAR-100: the widely published per-channel mean and std of its train split (public, fixed).
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    # SVHN: the widely published per-channel mean and std of its train split (public, fixed).
+    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+    # ImageNette (an ImageNet subset): torchvision's published ImageNet values (public, fixed).
+    "imagenette": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+
+def _normalise(name: str, *splits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-channel standardisation of [N, C, H, W] images in [0, 1] with the public constants of
+    `name` (PUBLIC_STATS): a fixed map, the same for every record, read from no data."""
+    if name not in PUBLIC_STATS:
+        raise KeyError(f"no public normalisation constants for dataset {name!r}; add them to PUBLIC_STATS")
+    mean, std = PUBLIC_STATS[name]
+    mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return tuple((split - mean) / std for split in splits)
 
 
 @DATASETS.register("digits")
@@ -25,11 +52,11 @@ def load_digits(cfg, seed: int) -> ImageDataset:
     from sklearn.model_selection import train_test_split
 
     digits = sklearn_digits()
-    images = digits.images.astype(np.float32)[:, None] / 16.0
+    images = digits.images.astype(np.float32)[:, None] / 16.0  # the format's fixed 0..16 range, not a statistic
     train_x, test_x, train_y, test_y = train_test_split(
         images, digits.target, test_size=0.2, stratify=digits.target, random_state=cfg.split_seed
     )
-    train, test = _normalise(torch.from_numpy(train_x), torch.from_numpy(test_x))
+    train, test = _normalise("digits", torch.from_numpy(train_x), torch.from_numpy(test_x))
     return ImageDataset(
         train, torch.from_numpy(train_y).long(), test, torch.from_numpy(test_y).long(), 10, cfg.patch_size
     )
@@ -99,7 +126,7 @@ def _to_tensors(split) -> tuple[torch.Tensor, torch.Tensor]:
 def _load_torchvision(cfg, seed: int) -> ImageDataset:
     train_x, train_y = _to_tensors(_torchvision_split(cfg, train=True))
     test_x, test_y = _to_tensors(_torchvision_split(cfg, train=False))
-    train_x, test_x = _normalise(train_x, test_x)
+    train_x, test_x = _normalise(cfg.name, train_x, test_x)
     return ImageDataset(train_x, train_y, test_x, test_y, cfg.num_classes, cfg.patch_size)
 
 
@@ -140,7 +167,7 @@ def load_imagenette(cfg, seed: int) -> ImageDataset:
 
     train_x, train_y = split("train")
     test_x, test_y = split("val")
-    train_x, test_x = _normalise(train_x, test_x)
+    train_x, test_x = _normalise("imagenette", train_x, test_x)
     return ImageDataset(train_x, train_y, test_x, test_y, 10, cfg.patch_size)
 
 

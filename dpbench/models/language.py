@@ -91,21 +91,41 @@ def _from_pretrained(loader, source: str, **kwargs):
         ) from error
 
 
-def load_tokenizer(model_cfg, corpus: Iterable[str] = ()):
-    """The model's tokenizer; for a from-scratch tiny model, a byte-level BPE trained on `corpus`."""
+def load_tokenizer(model_cfg, public_texts: Iterable[str] = ()):
+    """The model's tokenizer; for a from-scratch tiny model, a byte-level BPE trained on public
+    text only (`public_tokenizer_corpus`): `public_texts` (the task's prompt templates, label
+    words and candidates) and a fixed list of common English words. Never pass training or test
+    records: the vocabulary is released with the model and nothing charges for it."""
     source = _source(model_cfg)
     if source is None:
-        return train_tiny_tokenizer(model_cfg.name, corpus)
+        return train_tiny_tokenizer(model_cfg.name, public_tokenizer_corpus(public_texts))
     from transformers import AutoTokenizer
 
     return _from_pretrained(AutoTokenizer, source)
 
 
+SENTENCE_INITIAL_WORDS = 200  # the bundled words also kept bare (sentence-initial, lower-case)
+
+
+def public_tokenizer_corpus(public_texts: Iterable[str] = ()) -> list[str]:
+    """What a tiny tokenizer is trained on: `public_texts` first, then the bundled common-English
+    words (dpbench/data/public_text.py) as ' word' (inside a sentence) and 'Word' (capitalised
+    at its start), and the first SENTENCE_INITIAL_WORDS of them (the frequent function words)
+    also bare, lower-case: every such form is one token (about 3,700 of the 4,096 entries). A fixed function of public text: the vocabulary is the same whatever the
+    data splits hold."""
+    from dpbench.data.public_text import COMMON_ENGLISH_WORDS
+
+    words = list(dict.fromkeys(COMMON_ENGLISH_WORDS))  # de-duplicated, order kept
+    forms = [form for w in words for form in (" " + w, w.capitalize())]
+    return [*public_texts, *forms, *words[:SENTENCE_INITIAL_WORDS]]
+
+
 def train_tiny_tokenizer(name: str, corpus: Iterable[str], vocab_size: int = 4096):
     """Byte-level BPE (RoBERTa's and OPT's scheme) trained on `corpus`, as a transformers tokenizer.
 
-    Masked LMs encode `<s> x </s>` (RoBERTa); causal LMs prepend `</s>` as their BOS (OPT), as the
-    real tokenizers do.
+    Runs pass a public corpus only (`load_tokenizer`); every byte is in the initial alphabet, so
+    any text encodes. Masked LMs encode `<s> x </s>` (RoBERTa); causal LMs prepend `</s>` as
+    their BOS (OPT), as the real tokenizers do.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast

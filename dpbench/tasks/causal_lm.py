@@ -34,6 +34,13 @@ class CausalBatch:
     rows_per_example: int
 
 
+class _PlaceholderRow(dict):
+    """A row whose every field reads "text": renders a template without reading any data."""
+
+    def __missing__(self, key):
+        return "text"
+
+
 @TASKS.register("causal_lm")
 class CausalLMTask(LanguageTask):
     default_data_seed = 0
@@ -53,12 +60,13 @@ class CausalLMTask(LanguageTask):
         test = [test_rows[i] for i in sample_subset(len(test_rows), int(data.num_test), self.data_seed)]
         return train, dev, test
 
-    def corpus(self, rows):
-        texts = []
-        for row in rows:
-            continuations = self.prompt.answers(row) if self.prompt.generation else self.prompt.candidates(row)
-            texts += [self.prompt.prompt(row) + c for c in continuations]
-        return texts
+    def public_corpus(self):
+        # The template rendered on a placeholder row (every field the word "text"), with each
+        # fixed candidate continuation; a generation task's answers are data, so none is added.
+        row = _PlaceholderRow()
+        prompt = self.prompt.prompt(row)
+        continuations = [] if self.prompt.generation else self.prompt.candidates(row)
+        return [prompt + c for c in continuations or [""]] * 50
 
     # --- encoding -------------------------------------------------------------------------
     def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:

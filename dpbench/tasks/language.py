@@ -53,7 +53,9 @@ class LanguageTask(Task):
             raise UserError(f"dataset {data.name}: the sampled train or {data.get('eval_split', 'test')} split is empty")
         self.train_rows = train
         self.train_size = len(train)
-        self.tokenizer = load_tokenizer(cfg.model, self.corpus(train + test))
+        # A tiny model's tokenizer is trained on public text only: the prompt's own text, never
+        # the sampled rows (a record's rare word would otherwise become a vocabulary entry).
+        self.tokenizer = load_tokenizer(cfg.model, self.public_corpus())
         self.prepare()
 
     # --- per kind -------------------------------------------------------------------------
@@ -62,8 +64,9 @@ class LanguageTask(Task):
         """(train, dev, test) rows under the papers' sampling."""
 
     @abstractmethod
-    def corpus(self, rows: list[dict]) -> list[str]:
-        """Texts to train a from-scratch tiny tokenizer on."""
+    def public_corpus(self) -> list[str]:
+        """Public texts a from-scratch tiny tokenizer learns the task's words from: the template's
+        literal text, label words and candidates (dpbench/tasks/prompts.py), read from no row."""
 
     @abstractmethod
     def prepare(self) -> None:

@@ -85,9 +85,10 @@ class PromptMLMTask(LanguageTask):
         test = sample_subset(len(test_rows), int(self.cfg.dataset.num_test), LM_BFF_TEST_SEED)
         return [train_rows[i] for i in train], [train_rows[i] for i in dev], [test_rows[i] for i in test]
 
-    def corpus(self, rows):
-        words = " ".join(" " + w for w in self.prompt.label_words)
-        return [self.prompt.render(r) for r in rows] + [words] * 200
+    def public_corpus(self):
+        template = "".join(part for part in self.prompt.parts if isinstance(part, str))  # e.g. " It was."
+        words = " ".join(" " + w for w in self.prompt.label_words)  # frequent: each label word one token
+        return [template] * 50 + [words] * 200
 
     def prepare(self):
         max_length = int(self.cfg.dataset.get("max_length") or self.prompt.max_length)
