@@ -99,7 +99,7 @@ def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
     original, drawn = GaussianNoise.sample, {}
 
     def repeated(self, shape, std, dtype=torch.float32):
-        key = (id(self), tuple(shape), std)
+        key = (self, tuple(shape), std)  # the object, not its id: a collected job's id can be reused
         if key not in drawn:
             drawn[key] = original(self, shape, std, dtype)
         return drawn[key].clone()
@@ -195,3 +195,37 @@ def test_console_script_exit_codes(tmp_path):
     assert failed.returncode == 1 and "FAIL" in failed.stderr
     refused = audit("algo=adam")
     assert refused.returncode == 2 and "not private" in refused.stderr
+
+
+def test_audit_fails_a_step_charged_as_two_independent_mechanisms(tmp_path, monkeypatch):
+    """DC-DPSGD's histogram and gradient read one Poisson batch: planning them as two independently
+    subsampled mechanisms (the old charge, 8 reported for 13.5 true at dcdpsgd_mnist) is refused."""
+    from dpbench.algorithms import dcdpsgd
+
+    def two_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm, derived=None):
+        sigma_tr, sigma_dp = dcdpsgd.noise_multipliers(cfg, noise_multiplier, derived)
+        return [dcdpsgd.score_mechanism(sigma_tr, sample_rate),
+                dcdpsgd.gradient_mechanism(cfg, sigma_dp, sample_rate, clip_norm)]
+
+    monkeypatch.setattr(dcdpsgd.DCDPSGD, "planned_mechanisms", classmethod(two_mechanisms))
+    for fixed in ([], ["privacy.noise_multiplier=1.0"]):  # calibrated, and sigma given
+        report = run_audit(compose(TINY + AUDIT + ["algo=dcdpsgd", "algo.subspace_dim=8", *fixed]), tmp_path)
+        (check,) = checks(report, "accounting", "one mechanism per sampled batch")
+        assert not check.passed and not report.passed
+    assert json.loads((tmp_path / "audit.json").read_text())["passed"] is False
+
+
+def test_audit_fails_when_a_nan_record_halts_dpdr(tmp_path, monkeypatch):
+    """The old DPDR clipped alpha by multiplying with the clip factor: 0 * NaN is NaN, the release is
+    NaN and the run halts on one record. The sensitivity check adds such a record."""
+    from dpbench.algorithms import dpdr
+    from dpbench.privacy.clipping import clip_factors
+
+    monkeypatch.setattr(dpdr, "clip_alpha", lambda alpha, clip, keep=None: alpha * clip_factors(alpha.norm(dim=1), clip)[:, None])
+    cfg = compose(TINY + AUDIT + ["algo=dpdr", "privacy.noise_multiplier=1.0", "audit.sensitivity_steps=2"])
+    report = run_audit(cfg, tmp_path)
+    (nonfinite,) = checks(report, "sensitivity", "a non-finite record")
+    assert not nonfinite.passed and "step 1" in nonfinite.detail and not report.passed
+    monkeypatch.undo()
+    clean = run_audit(cfg, tmp_path)
+    assert all(c.passed for c in checks(clean, "sensitivity"))

@@ -20,8 +20,9 @@ only with what the algorithm says it drew:
                 every loss scaled up so that every example is clipped, the neighbour's gradient
                 pointing either way) move each released quantity by at most the sensitivity the
                 ledger assumes (2x for a replacement); for DC-DPSGD the added example can take the
-                tail from another one;
-  accounting    every audited step's ledger entries (the mechanisms derived from the released std
+                tail from another one; an added record whose loss is NaN never halts a step;
+  accounting    a step's releases (which read one sampled batch) are planned as ONE mechanism; every
+                audited step's ledger entries (the mechanisms derived from the released std
                 and stated sensitivity) are its planned ones (the trainer's per-step check), and
                 the planned ledger's epsilon, recomputed with Google's dp-accounting (RDP and PLD)
                 apart from the configured accountant, is not above the epsilon the run reports.
@@ -45,7 +46,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, same_mechanisms
+from dpbench.privacy.mechanisms import (
+    GaussianMechanism, SeveralMechanismsPerBatchError, one_batch_mechanism, same_mechanisms,
+)
 
 
 @dataclass
@@ -419,8 +422,9 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
     batch = int(cfg.audit.batch)
     worst: dict[str, tuple[float, float, str]] = {}  # part -> (ratio, distance, how)
     generator = torch.Generator().manual_seed(1)
+    halted: list[str] = []  # steps a non-finite record halted
     for step in range(int(cfg.audit.sensitivity_steps)):
-        for trial in range(int(cfg.audit.trials)):
+        for trial in range(int(cfg.audit.trials) + 1):
             pair = [_audited_job(cfg, zero_noise=True) for _ in range(2)]
             n = pair[0][0].task.train_size
             order = torch.randperm(n, generator=generator).tolist()
@@ -437,22 +441,34 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
                 "remove": (base[:-1], [scale] * (batch - 1)),
                 "replace": (base[:-1] + [outsider], [scale] * (batch - 1) + [sign * scale]),
             }
-            kind = ("add", "remove", "replace")[trial % 3]
-            for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbours[kind]]):
-                recorder.releases.clear()
-                torch.manual_seed(10_000 + step)
-                _train_step(job, recorder, _physical(job, indices, weights), step)
+            # the last trial adds a record whose loss is NaN: it must contribute nothing and never halt
+            neighbours["add non-finite"] = (base + [outsider], [scale] * batch + [math.nan])
+            kind = "add non-finite" if trial == int(cfg.audit.trials) else ("add", "remove", "replace")[trial % 3]
+            try:
+                for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbours[kind]]):
+                    recorder.releases.clear()
+                    torch.manual_seed(10_000 + step)
+                    _train_step(job, recorder, _physical(job, indices, weights), step)
+            except DivergedError as error:
+                if kind != "add non-finite":
+                    raise
+                halted.append(f"step {step}: {error}")
+                continue
             factor = 2.0 if kind == "replace" else 1.0
             for part, distance, sensitivity in _release_differences(pair[0][1], pair[1][1]):
                 ratio = distance / (factor * sensitivity)
                 if part not in worst or ratio > worst[part][0]:
                     worst[part] = (ratio, distance, f"{kind} at step {step}")
     tolerance = 1 + 1e-4
-    return [
+    checks = [
         Check("sensitivity", part, ratio, 1.0, ratio <= tolerance,
               f"largest change {distance:.4g} = {ratio:.4f} x the stated sensitivity ({how}; {scaling})")
         for part, (ratio, distance, how) in sorted(worst.items())
     ]
+    return checks + [Check(
+        "sensitivity", "a non-finite record", float(len(halted)), 0.0, not halted,
+        "; ".join(halted) if halted else "a record with a NaN loss never halted a step (its clip factor is 0; "
+        "the releases it moved are in the rows above)")]
 
 
 def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
@@ -482,10 +498,19 @@ def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
     return out
 
 
+def several_mechanisms_check(error: Exception) -> Check:
+    """A plan that charges a step's releases as several independent mechanisms: refused."""
+    return Check("accounting", "one mechanism per sampled batch", 2.0, 1.0, False,
+                 f"{error} (charging them as independent understates epsilon)")
+
+
 def accounting_check(job) -> list[Check]:
     """The planned ledger's epsilon by dp-accounting vs the epsilon the configured accountant reports."""
     plan = job.privacy
-    ledger = plan.planned_ledger(job.steps)  # Poisson steps, or a shuffled run's epochs
+    try:
+        ledger = plan.planned_ledger(job.steps)  # Poisson steps, or a shuffled run's epochs
+    except SeveralMechanismsPerBatchError as error:
+        return [several_mechanisms_check(error)]
     if not ledger:
         return [Check("accounting", "ledger", 0.0, 0.0, True, "the planned run releases nothing")]
     reported = plan.epsilon(ledger)
@@ -508,13 +533,17 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
     import logging
     import warnings
 
-    from dpbench.paths import atomic_write
-
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
-        job, _ = _audited_job(cfg, zero_noise=False)  # calibrates sigma (if asked to) once
+        try:
+            job, _ = _audited_job(cfg, zero_noise=False)  # calibrates sigma (if asked to) once
+        except SeveralMechanismsPerBatchError as error:  # calibration composed the plan's ledger
+            return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name,
+                                        [several_mechanisms_check(error)]), run_dir)
         accounting = accounting_check(job)
+        if not accounting[0].passed and accounting[0].release == "one mechanism per sampled batch":
+            return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, accounting), run_dir)
         # the other checks build many jobs: at the calibrated sigma they skip calibration
         fixed = cfg.copy()
         OmegaConf.update(fixed, "privacy.noise_multiplier", float(job.privacy.setup.noise_multiplier))
@@ -523,7 +552,12 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
             OmegaConf.update(fixed, f"algo.{key}", value)
         checks = [*noise_check(fixed), *sensitivity_check(fixed), *accounting]
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
-    report = AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks)
+    return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks), run_dir)
+
+
+def _written(report: AuditReport, run_dir: Path) -> AuditReport:
+    from dpbench.paths import atomic_write
+
     atomic_write(Path(run_dir) / "audit.json", lambda handle: json.dump(report.to_json(), handle, indent=2))
     return report
 
