@@ -18,11 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 import dpbench
 from dpbench import distributed
 from dpbench.algorithms import Algorithm, algorithm_class
-from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible, read_checkpoint
+from dpbench.checkpoint import CHECKPOINT_FILE, Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible, read_checkpoint
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
-    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results,
+    RESULTS_FILE, EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results,
     write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
@@ -170,7 +170,8 @@ def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
     return RunResults.from_json(existing)
 
 
-EARLIER_ATTEMPT_FILES = ("checkpoint.pt", "wandb", "error.txt", "results.json")  # what an attempt leaves
+# what an attempt leaves in its folder (error.txt: dpbench.cli.ERROR_FILE, written for a failed grid job)
+EARLIER_ATTEMPT_FILES = (CHECKPOINT_FILE, "wandb", "error.txt", RESULTS_FILE)
 
 
 def earlier_attempt_note(run_dir: Path) -> str | None:
@@ -326,8 +327,8 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     }
     throughput = {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}
     if job.privacy is not None and not job.privacy.log_private_stats:  # they depend on realised batch sizes
-        for section, figures in ((memory_figures, "memory"), (throughput, "throughput")):
-            section.update(dict.fromkeys(PRIVATE_STATISTIC_FIGURES[figures]))
+        for values, section in ((memory_figures, "memory"), (throughput, "throughput")):
+            values.update(dict.fromkeys(PRIVATE_STATISTIC_FIGURES[section]))
         notes = [*notes, "memory and throughput figures that depend on realised batch sizes ("
                  + ", ".join(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys)
                  + ") are withheld, as privacy.log_private_stats is off; the benchmarks measure them"]

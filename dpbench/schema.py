@@ -134,6 +134,10 @@ class AuditOptions:
     trials: int = 6
     loss_scale: float = 1.0e4
     alpha: float = 1.0e-3
+    one_run: bool = False
+    canaries: int = 1000
+    guesses: int = 800
+    confidence: float = 0.95
 
 
 @dataclass

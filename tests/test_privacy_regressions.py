@@ -276,3 +276,15 @@ def test_a_fresh_start_in_a_used_folder_says_the_earlier_attempt_is_outside_epsi
     assert any("earlier attempt" in note and "error.txt" in note for note in results.notes)
     fresh = run_job(compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0"]), tmp_path / "new", show_progress=False)
     assert not any("earlier attempt" in note for note in fresh.notes)
+
+
+def test_a_poisson_ledger_refuses_a_step_of_several_mechanisms():
+    from dpbench.privacy.mechanisms import Ledger, SeveralMechanismsPerBatchError, one_batch_mechanism
+
+    ledger = Ledger()
+    with pytest.raises(SeveralMechanismsPerBatchError):
+        ledger.add_step([GaussianMechanism(1.0, 0.01), GaussianMechanism(2.0, 0.01)])
+    (joint,) = one_batch_mechanism([GaussianMechanism(1.0, 0.01), GaussianMechanism(2.0, 0.01)])
+    assert joint.noise_multiplier == pytest.approx((1 + 0.25) ** -0.5) and joint.sample_rate == 0.01
+    with pytest.raises(ValueError):  # releases of one step read one batch: one sample rate
+        one_batch_mechanism([GaussianMechanism(1.0, 0.01), GaussianMechanism(2.0, 0.02)])

@@ -16,7 +16,9 @@ from scipy.stats import norm
 from dpbench.algorithms import algorithm_class
 from dpbench.checkpoint import CheckpointMismatch
 from dpbench.errors import UserError
-from dpbench.privacy.mechanisms import GaussianMechanism, ShuffledLedger
+from dpbench.privacy.mechanisms import (
+    GaussianMechanism, SeveralMechanismsPerBatchError, ShuffledLedger, one_batch_mechanism,
+)
 from dpbench.privacy.plan import PlanMismatchError, plan_privacy
 from dpbench.privacy.sampling import ShuffledBatches, batches_per_epoch, build_sampler
 from dpbench.run import planned_steps, run_job, setup
@@ -92,9 +94,11 @@ def test_an_epoch_is_charged_its_least_noisy_step_and_a_partial_epoch_its_least_
     assert sorted((m.noise_multiplier, n) for m, n in ledger.items()) == [(1.0, 1), (2.5, 1)]
     assert all(m.sample_rate == 1.0 for m, _ in ledger.items())
     two = ShuffledLedger(batches_per_epoch=2)  # two releases of one batch: one Gaussian, (3^-2 + 4^-2)^-1/2
-    two.add_step([GaussianMechanism(3.0, 0.5), GaussianMechanism(4.0, 0.5)])
+    two.add_step(one_batch_mechanism([GaussianMechanism(3.0, 0.5), GaussianMechanism(4.0, 0.5)]))
     ((mechanism, count),) = two.items()
     assert mechanism.noise_multiplier == pytest.approx(2.4) and count == 1
+    with pytest.raises(SeveralMechanismsPerBatchError):  # a step declares one mechanism, never two
+        two.add_step([GaussianMechanism(3.0, 0.5), GaussianMechanism(4.0, 0.5)])
     with pytest.raises(TypeError):
         two.extend(one(1.0))  # never a Poisson-style multiset: steps go through add_step
 

@@ -58,8 +58,8 @@ Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not ho
         noise multiplier sigma_dp.
     Both parts read the step's batch, and tau_t is known before either is formed, so they are
     released together: one Gaussian release of two parts, one mechanism at sigma (renyi split).
-    The per-example score noise is then unnecessary (membership is no release), so none is drawn. The realised tail fraction varies around p
-    (results.json: algorithm.mean_tail_fraction).
+    The per-example score noise is then unnecessary (membership is no release), so none is
+    drawn. The realised tail fraction varies around p (results.json: algorithm.mean_tail_fraction).
 
 The subspace lives on the model's device (its generator too): drawn there once per step, never
 copied per physical chunk. When d_id x k exceeds MAX_PROJECTION_ELEMENTS (cnn5's 357k parameters

@@ -1,0 +1,156 @@
+"""dpbench-audit audit.one_run=true: the one-run lower bound on epsilon (Steinke, Nasr, Jagielski 2023)
+against the paper's reference values and an exact second implementation; white-box gradient
+canaries; a clean DP-SGD run passes and one whose update skips the noise it releases fails."""
+
+from __future__ import annotations
+
+import json
+from math import exp, fsum, lgamma, log1p
+
+import numpy as np
+import pytest
+import torch
+from helpers.cli import console_script_in_process
+from helpers.config import compose
+
+from dpbench.algorithms.base import DPFirstOrderAlgorithm
+from dpbench.algorithms.dpsgd import DPSGD
+from dpbench.errors import UserError
+from dpbench.tools.audit import run_audit
+from dpbench.tools.one_run import (
+    GradientCanaries, Guesses, ceiling, epsilon_lower_bound, one_run_p_value, one_run_options,
+)
+
+# c = 0.05, delta = 1e-5 (the spec's reference values of the paper's bound)
+REFERENCE = [
+    (1000, 1000, 1000, 5.78), (1000, 100, 100, 3.47), (1000, 10, 10, 1.01), (100, 100, 100, 3.49),
+    (1000, 1000, 900, 2.02), (1000, 1000, 800, 1.25), (1000, 1000, 700, 0.73), (1000, 1000, 600, 0.30),
+]
+
+
+@pytest.mark.parametrize("m, r, v, expected", REFERENCE)
+def test_lower_bound_matches_the_reference_values(m, r, v, expected):
+    assert epsilon_lower_bound(m, r, v, delta=1e-5, confidence=0.95) == pytest.approx(expected, abs=0.01)
+    if v == r:
+        assert ceiling(m, r, 1e-5, 0.95) == pytest.approx(expected, abs=0.01)
+
+
+def direct_p_value(epsilon: float, delta: float, m: int, r: int, v: int) -> float:
+    """The same p-value by direct summation of the binomial pmf in pure Python (each term from
+    log-gamma, tails by exactly rounded sums), independent of scipy."""
+    log_p, log_q = -log1p(exp(-epsilon)), -log1p(exp(epsilon))  # log p, log (1 - p), p = e^eps / (1 + e^eps)
+    pmf = [exp(lgamma(r + 1) - lgamma(k + 1) - lgamma(r - k + 1) + k * log_p + (r - k) * log_q) for k in range(r + 1)]
+
+    def tail(j: int) -> float:  # P[Binomial(r, p) >= j]
+        return fsum(pmf[max(j, 0):])
+
+    beta = tail(v)
+    if delta == 0 or v == 0:
+        return beta
+    alpha = max((tail(v - i) - beta) / i for i in range(1, v + 1))
+    return min(1.0, beta + 2 * m * delta * alpha)
+
+
+@pytest.mark.parametrize("epsilon, delta, m, r, v", [
+    (1.0, 1e-5, 1000, 100, 80), (0.5, 0.0, 100, 50, 35), (2.0, 1e-5, 1000, 1000, 850), (0.0, 1e-5, 200, 100, 60),
+    (3.0, 1e-3, 100, 20, 20), (0.3, 1e-5, 1000, 1000, 600), (4.0, 1e-5, 500, 200, 150), (1.0, 1e-2, 1000, 30, 25),
+])
+def test_p_value_matches_a_direct_summation(epsilon, delta, m, r, v):
+    assert one_run_p_value(epsilon, delta, m, r, v) == pytest.approx(direct_p_value(epsilon, delta, m, r, v),
+                                                                     rel=1e-8, abs=1e-15)
+
+
+def test_lower_bound_edges():
+    assert epsilon_lower_bound(1000, 1000, 500, 1e-5) == 0.0  # chance level refutes nothing
+    assert epsilon_lower_bound(1000, 1000, 520, 1e-5) == 0.0  # nor does a little above it
+    # the bound grows with the correct guesses and never exceeds the ceiling
+    bounds = [epsilon_lower_bound(1000, 1000, v, 1e-5) for v in (600, 700, 800, 900, 1000)]
+    assert bounds == sorted(bounds) and bounds[-1] == ceiling(1000, 1000, 1e-5)
+    # at the bound the p-value is at 1 - confidence: just below rejected, just above not
+    eps = bounds[2]
+    assert one_run_p_value(eps - 1e-4, 1e-5, 1000, 1000, 800) <= 0.05 < one_run_p_value(eps + 1e-4, 1e-5, 1000, 1000, 800)
+    assert ceiling(1000, 1000, 1e-5, confidence=0.99) < ceiling(1000, 1000, 1e-5, confidence=0.95)
+
+
+def test_guesses_are_the_extremes_of_the_scores():
+    scores = np.array([0.5, -2.0, 3.0, 0.0, 1.0, -1.0])
+    guesses = Guesses.from_scores(scores, 4)
+    assert sorted(guesses.guessed_in) == [2, 4] and sorted(guesses.guessed_out) == [1, 5]
+    included = np.array([True, False, True, False, False, False])
+    assert guesses.correct(included) == 3  # 2 in (right), 4 in (wrong), 1 and 5 out (right)
+
+
+def test_canaries_replace_their_coordinates_of_the_clipped_sum():
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    marks = GradientCanaries(params, count=10, norm=0.7, sample_rate=1.0, seed=0)
+    again = GradientCanaries(params, count=10, norm=0.7, sample_rate=1.0, seed=0)
+    positions = [(k, tuple(i.tolist() for i in index)) for k, _, index in marks.placements]
+    assert positions == [(k, tuple(i.tolist() for i in index)) for k, _, index in again.placements]  # public, seeded
+    sums = [torch.full((3, 4), 5.0), torch.full((5,), 5.0)]
+    marks.insert(sums)  # q = 1: every included canary joins
+    flat = torch.cat([s.flatten() for s in sums])
+    assert int((flat == 5.0).sum()) == 17 - 10  # the other coordinates are untouched
+    values = torch.cat([sums[k][index] for k, _, index in marks.placements])
+    ids = torch.cat([ids for _, ids, _ in marks.placements])
+    expected = torch.as_tensor(marks.included[ids.numpy()], dtype=torch.float32) * 0.7
+    assert torch.equal(values, expected)  # the real gradient is masked; +C exactly where a canary is in
+    assert (marks.joins == marks.included).all() and marks.steps == 1
+    with pytest.raises(UserError, match="exceeds the 17 trained parameters"):
+        GradientCanaries(params, count=18, norm=1.0, sample_rate=0.5, seed=0)
+
+
+def test_options_and_unsupported_algorithms_are_refused(tmp_path):
+    with pytest.raises(UserError, match="even"):
+        one_run_options(compose(["audit.one_run=true", "audit.guesses=101"]))
+    with pytest.raises(UserError, match="audit.canaries=100"):
+        one_run_options(compose(["audit.one_run=true", "audit.canaries=100", "audit.guesses=200"]))
+    with pytest.raises(UserError, match="supports algo=dpsgd | dpadam.*algo=grape"):
+        run_audit(compose(["dataset=synthetic", "logger=none", "algo=grape", "audit.one_run=true"]), tmp_path)
+    with pytest.raises(UserError, match="poisson"):
+        run_audit(compose(["dataset=synthetic", "logger=none", "algo=dpsgd", "audit.one_run=true",
+                           "privacy.sampling=shuffle"]), tmp_path)
+
+
+# 200 canaries, 100 guesses: the ceiling is 3.49, well above the claims audited below
+# (a CNN of width 8: 1364 parameters, 200 of them carry a canary; one thread, as each xdist worker has)
+RUN = ["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "threads=1",
+       "train.batch_size=32", "train.eval_every=0", "audit.one_run=true", "audit.canaries=200", "audit.guesses=100"]
+
+
+@pytest.mark.parametrize("algo", ["dpsgd", "dpadam"])
+def test_a_clean_run_passes(algo, tmp_path):
+    report = run_audit(compose(RUN + [f"algo={algo}", "train.steps=200", "privacy.epsilon=2"]), tmp_path)
+    (check,) = report.checks
+    stored = json.loads((tmp_path / "audit.json").read_text())
+    figures = stored["one_run"]
+    assert check.name == "one_run" and report.passed and stored["passed"] is True
+    assert figures["claimed_epsilon"] == pytest.approx(2.0, abs=0.02)
+    assert 0 <= figures["epsilon_lower_bound"] <= figures["claimed_epsilon"]
+    assert figures["ceiling"] == pytest.approx(ceiling(200, 100, 1e-5), abs=1e-9)
+    assert (figures["canaries"], figures["guesses"], figures["steps"]) == (200, 100, 200)
+    assert 0 <= figures["correct"] <= 100
+    assert figures["epsilon_lower_bound"] == pytest.approx(epsilon_lower_bound(200, 100, figures["correct"], 1e-5))
+    assert DPSGD.clip_and_accumulate is DPFirstOrderAlgorithm.clip_and_accumulate  # the class is untouched
+
+
+@pytest.mark.parametrize("algo", ["dpsgd", "dpadam"])
+def test_an_update_without_its_released_noise_fails(algo, tmp_path, monkeypatch):
+    """Seeded bug `unnoised_update`: the noisy sum is released (and charged) but the update uses the
+    clipped sum without noise. The ledger is unchanged, so only an audit of what the model learned
+    sees it: every guess is right and the bound reaches the ceiling, far above the claimed 1."""
+    from dpbench.tools.audit import main
+
+    def unnoised_update(self, sums):
+        self.add_noise([s.clone() for s in sums])  # released and in the ledger, then ignored
+        return self.scale_grad(sums)
+
+    monkeypatch.setattr(DPFirstOrderAlgorithm, "privatize", unnoised_update)
+    run = console_script_in_process(main, "dpbench-audit", *RUN, f"algo={algo}", "train.steps=150",
+                                    "privacy.epsilon=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "FAIL" in run.stderr and "one_run" in run.stderr
+    stored = json.loads((tmp_path / "run" / "audit.json").read_text())
+    figures = stored["one_run"]
+    assert stored["passed"] is False and figures["claimed_epsilon"] == pytest.approx(1.0, abs=0.02)
+    assert figures["correct"] >= 95 and figures["epsilon_lower_bound"] > 2.5
+    assert figures["epsilon_lower_bound"] <= figures["ceiling"]
