@@ -25,6 +25,10 @@ layer's pieces and sums f_i G_i in fp32 as they arrive, capped per parameter at 
 pass measured (so the bound holds even if the GPU's kernels are not deterministic). Opacus's ghost
 clipping instead backpropagates Σ_i f_i ℓ_i with autograd, which under autocast sums in bf16.
 
+Every piece's squared norm is an upper bound that covers its own rounding (N̂_i + E_i, E_i bounding
+|N̂_i − ‖G_i‖²| for the arithmetic used): the Gram identities cancel when an example's tokens do.
+README, "Rounding and the clip norm".
+
 Both engines check once, against autograd's own summed gradient, that every trainable parameter's
 gradient is made only of what the hooks saw (a parameter read outside its module's forward would
 otherwise be released without a per-example norm), and give a non-finite example clip factor 0.
@@ -40,6 +44,8 @@ tokens; an output layer tied to the input embedding keeps both parts and adds th
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections import Counter
 from functools import partial
 from typing import Callable, Protocol
@@ -89,6 +95,119 @@ def _keep_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+# --- rounding bounds of the clip norm ------------------------------------------------------------
+# Each piece's `norm_sq()` is N̂_i + E_i in fp64: the computed squared norm plus a bound E_i on
+# |N̂_i − ‖G_i‖²| for the arithmetic that computed it, ‖G_i‖ the exact norm of the per-example
+# gradient the kept tensors sum to; so it is ≥ ‖G_i‖² however an example's terms cancel (no clamp
+# but on the total, `_norms`). Bounds are Higham's: an n-term dot product in unit roundoff u is off
+# by at most γ_n Σ_k |x_k y_k| (γ_n = nu / (1 − nu)) in any summation order, with or without FMA.
+# README, "Rounding and the clip norm".
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# Absolute error of one operation near underflow: the smallest normal number (flush-to-zero included).
+UNDERFLOW = {torch.float64: 2.0**-1022, torch.float32: 2.0**-126}
+REDUCED_MATMUL_ROUNDING = 2.0**-8  # fp32 matmul inputs under TF32 / bf16 modes: at most 8 significant bits
+GRAM_FP32_LIMIT = 1e-2  # γ_width · T beyond which a Gram is formed in fp64 (`_gram_dtype`)
+
+
+def _gamma(n: int, u: float) -> float:
+    """Higham's γ_n = nu / (1 − nu) (inf when nu ≥ 1)."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1.0 else math.inf
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp64 for a float64 model's pieces, else fp32 (bf16 and fp16 pieces widen exactly)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _gram_dtype(width: int, tokens: int, *tensors: torch.Tensor) -> torch.dtype:
+    """fp32 Gram products over `width` features, unless the bound would inflate a typical norm:
+    its E is about γ_width · T · ρ of ‖G‖² (ρ ≈ 0.3 measured, ρ ≤ 1), so beyond γ_width(u₃₂) · T = 1e-2
+    (a language model's output layer: width = the vocabulary) a Gram of a is formed in fp64, one of g
+    gets the |g| Gram bound (`_gram_norm_sq`)."""
+    dtype = _compute_dtype(*tensors)
+    if dtype == torch.float32 and _gamma(width, UNIT_ROUNDOFF[torch.float32]) * tokens > GRAM_FP32_LIMIT:
+        return torch.float64
+    return dtype
+
+
+def _input_rounding(dtype: torch.dtype) -> float:
+    """Relative rounding of an fp32 matmul's inputs when torch may run it reduced (TF32 on CUDA,
+    bf16 passes under float32_matmul_precision 'high'/'medium'); private runs set 'highest'."""
+    if dtype == torch.float32 and (torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32):
+        return REDUCED_MATMUL_ROUNDING
+    return 0.0
+
+
+def _dot_error(n: int, dtype: torch.dtype) -> float:
+    """Relative bound of an n-term dot product (a matmul entry) in dtype: |x̂ − x| ≤ this · Σ|x_k y_k|
+    (+ the underflow term n · UNDERFLOW): (1 + u_in)² (1 + γ_n) − 1."""
+    return (1.0 + _input_rounding(dtype)) ** 2 * (1.0 + _gamma(n, UNIT_ROUNDOFF[dtype])) - 1.0
+
+
+def _fp64_slack(ops: int) -> float:
+    """Covers the fp64 rounding of a bound computed from nonnegative terms `ops` operations deep
+    (relative γ_ops(2^-53), doubled)."""
+    return 1.0 + 4.0 * ops * UNIT_ROUNDOFF[torch.float64]
+
+
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """Upper bounds, fp64, on the exact ‖x_t‖ of the last axis ([B, T, d] -> [B, T]): the computed
+    sum of squares is at least (1 − γ_{d+3}) times the exact one, less d underflows."""
+    dtype = _compute_dtype(x)
+    computed = torch.linalg.vector_norm(x, dim=-1, dtype=dtype).double()
+    d = x.shape[-1]
+    return ((computed.pow(2) + (d + 2) * UNDERFLOW[dtype]) / (1.0 - _gamma(d + 3, UNIT_ROUNDOFF[dtype]))).sqrt() * _fp64_slack(4)
+
+
+def _quadratic(left: torch.Tensor, matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Upper bound, fp64 [B], on Σ_ts l_t M_ts r_s for fp64 l, r ≥ 0 [B, T], [B, T'] and M ≥ 0
+    [B, T, T'], computed in M's dtype: l and r rounded into it (relative u each) and two sums of
+    nonnegative products (T and T' terms), all widened by 1 / (1 − γ_{T+T'+4})."""
+    dtype = matrix.dtype
+    value = torch.bmm(torch.bmm(left.to(dtype).unsqueeze(1), matrix), right.to(dtype).unsqueeze(2)).view(-1).double()
+    return value * ((1.0 + 4 * UNIT_ROUNDOFF[torch.float64]) / (1.0 - _gamma(left.shape[1] + right.shape[1] + 4, UNIT_ROUNDOFF[dtype])))
+
+
+def _products_sum(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """Σ x ⊙ y per example ([B, T, T'] -> [B]): products in their common dtype, summed in fp64 (no
+    fp64 copy of x and y). Returns it with (r, t): it is off by at most r Σ|x ⊙ y| + t."""
+    products = x * y
+    dtype, count = products.dtype, x.shape[1] * x.shape[2]
+    u = UNIT_ROUNDOFF[dtype]
+    rounding = u + _gamma(count + 1, UNIT_ROUNDOFF[torch.float64]) * (1 + u)
+    return products.sum(dim=(1, 2), dtype=torch.float64), rounding, 2 * count * UNDERFLOW[dtype]
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Upper bound, fp64 [B], on the exact Σ x² of each example's [B, ...] tensor: fp32 sums along
+    the last axis (relative γ_{last+3}, with the norm's sqrt), then fp64 across rows."""
+    dtype = _compute_dtype(x)
+    rows = x.reshape(x.shape[0], -1, x.shape[-1] if x.dim() > 1 else 1)
+    last, count = rows.shape[2], rows.shape[1]
+    computed = torch.linalg.vector_norm(rows, dim=-1, dtype=dtype).double().pow(2).sum(dim=1)
+    scale = _fp64_slack(count + 4) / (1.0 - _gamma(last + 3, UNIT_ROUNDOFF[dtype]))
+    return computed.add_(count * (last + 2) * UNDERFLOW[dtype]).mul_(scale)
+
+
+def _exact_arithmetic(device: torch.device):
+    """Norms and sums in the dtypes the bounds assume, not autocast's."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _round_up_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp64 -> the nearest fp32 at or above."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+def _round_down_fp32(x: torch.Tensor) -> torch.Tensor:
+    y = x.float()
+    return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
+
+
 class Instantiated:
     """Per-example gradients [B, ...] of one parameter."""
 
@@ -108,7 +227,9 @@ class Instantiated:
         return self
 
     def norm_sq(self) -> torch.Tensor:
-        return self.grad_sample.reshape(self.grad_sample.shape[0], -1).float().pow(2).sum(dim=1)
+        """Bound: the sum of squares of the tensor that is summed, / (1 − γ_{d+3}) (fp32 along its
+        last axis d, fp64 across); its clipped sum's rounding is relative to ‖G_i‖ (not counted)."""
+        return _sum_of_squares(self.grad_sample)
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         if not all_finite:  # zero the rows of dropped examples first (0 · inf)
@@ -140,13 +261,18 @@ class OuterProduct:
         return Instantiated(self.instantiate()) if instantiated <= kept else self
 
     def norm_sq(self) -> torch.Tensor:
+        """N̂ + E, N̂ by the Gram identity ‖G_i‖² = Σ_ts (a aᵀ)_ts (g gᵀ)_ts (Grams fp32, or fp64 where
+        `_gram_dtype` says, the rest fp64),
+        E = ε_in Σ_ts ‖a_t‖‖a_s‖|ĝg_ts| + ε_out Σ_ts ‖g_t‖‖g_s‖|âa_ts| + ε_in ε_out S² + γ_{T²+1}(fp64) Σ|products|
+        (ε_n: an n-term dot product's relative bound, S = Σ_t ‖a_t‖‖g_t‖); when T² ≥ in·out, from G_i
+        instantiated in fp32, E = (√(N̂/(1 − γ_{in+3})) + ε_T S)² − N̂."""
+        estimate, error, _ = self.bounds()
+        return estimate + error
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N̂, E, S) per example, fp64."""
         tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
-        a, g = self.a.float(), self.g.float()
-        if tokens * tokens >= d_in * d_out:
-            return self.instantiate().float().flatten(1).pow(2).sum(dim=1)
-        gram_a = torch.bmm(a, a.transpose(1, 2))  # [B, T, T]
-        gram_g = torch.bmm(g, g.transpose(1, 2))
-        return (gram_a * gram_g).sum(dim=(1, 2)).clamp(min=0)
+        return (_instantiated_norm_sq if tokens * tokens >= d_in * d_out else _gram_norm_sq)(self.a, self.g)
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         """Σ_i f_i G_i = (f ⊙ g)ᵀ a = gᵀ (f ⊙ a). Rows of dropped examples (f_i = 0: a non-finite
@@ -167,6 +293,68 @@ class OuterProduct:
     def merge(self, other: "OuterProduct") -> "OuterProduct":
         """Two calls of one layer: their tokens concatenate (G_i = Σ over both calls)."""
         return OuterProduct(torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1))
+
+
+def _gram_weights(gram: torch.Tensor, width: int) -> tuple[torch.Tensor, float]:
+    """w_t = √(x̂_tt + t) from a computed Gram's diagonal, in its dtype, and κ with ‖x_t‖ ≤ κ w_t:
+    x̂_tt ≥ (1 − ε_width) ‖x_t‖² − t (nonnegative terms), the add and the sqrt round by u each."""
+    dtype, u = gram.dtype, UNIT_ROUNDOFF[gram.dtype]
+    weights = gram.diagonal(dim1=1, dim2=2).add(2 * width * UNDERFLOW[dtype]).sqrt_()
+    return weights, (1.0 + 4 * UNIT_ROUNDOFF[torch.float64]) / ((1.0 - u) ** 1.5 * math.sqrt(1.0 - _dot_error(width, dtype)))
+
+
+def _gram_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖G_i‖² of G_i = g_iᵀ a_i by the Gram identity: (N̂, E, S) per example, fp64. The Grams are
+    formed in fp32 (fp64 for a float64 model or a wide side, `_gram_dtype`), their products (exact:
+    products in fp32) summed in fp64. With x̂ = âa_ts, ŷ = ĝg_ts the computed Grams,
+    |x̂ − x| ≤ e_a α_ts + t_a, |ŷ − y| ≤ e_g β_ts + t_g (α_ts = ‖a_t‖‖a_s‖, β_ts = ‖g_t‖‖g_s‖, e the dot
+    products' relative bounds, t their underflow), so |x̂ŷ − xy| ≤ (e_a α + t_a)|ŷ| + |x̂|(e_g β + t_g)
+    + (e_a α + t_a)(e_g β + t_g); products and sum add (u + γ_{T²+1}(fp64)) Σ|x̂ŷ|, Σ|x̂ŷ| ≤ (1 + e_a) Σ α|ŷ| + t_a Σ|ŷ|."""
+    (tokens, d_in), d_out = a.shape[1:], g.shape[2]
+    dtype_a, dtype_g = _gram_dtype(d_in, tokens, a, g), _gram_dtype(d_out, tokens, a, g)
+    # A wide output side (the vocabulary): its Gram stays fp32 and the bound takes the Gram of |g|
+    # (|ŷ − y| ≤ e_g |g_t|·|g_s|: small for softmax gradients), one more fp32 product instead of fp64.
+    wide_g = dtype_g != _compute_dtype(a, g)
+    dtype_g = _compute_dtype(a, g) if wide_g else dtype_g
+    a_, g_ = a.to(dtype_a), g.to(dtype_g)
+    gram_a = torch.bmm(a_, a_.transpose(1, 2))  # [B, T, T]
+    gram_g = torch.bmm(g_, g_.transpose(1, 2))
+    estimate, rounding, underflow = _products_sum(gram_a, gram_g)
+    (w_a, k_a), (w_g, k_g) = _gram_weights(gram_a, d_in), _gram_weights(gram_g, d_out)  # ‖a_t‖ ≤ k_a w_a,t
+    e_a, e_g = _dot_error(d_in, dtype_a), _dot_error(d_out, dtype_g)
+    t_a, t_g = 2 * d_in * UNDERFLOW[dtype_a], 2 * d_out * UNDERFLOW[dtype_g]  # underflow: absolute per entry
+    area = tokens * tokens
+    # Σ_ts α|ŷ| and Σ_ts β|x̂| (in each Gram's dtype, widened for their own rounding)
+    quadratic = 1.0 / (1.0 - _gamma(2 * tokens + 4, max(UNIT_ROUNDOFF[dtype_a], UNIT_ROUNDOFF[dtype_g])))
+    weighted_a = torch.bmm(torch.bmm(w_a.to(dtype_g).unsqueeze(1), gram_g.abs()), w_a.to(dtype_g).unsqueeze(2)).view(-1).double()
+    weighted_g = torch.bmm(torch.bmm(w_g.to(dtype_a).unsqueeze(1), gram_a.abs()), w_g.to(dtype_a).unsqueeze(2)).view(-1).double()
+    weighted_a, weighted_g = weighted_a * (quadratic * k_a * k_a), weighted_g * (quadratic * k_g * k_g)
+    if wide_g:  # Σ_ts (|g_t|·|g_s|) |x̂_ts|: nonnegative fp32 sums and products, widened
+        magnitude = g_.abs()
+        absolute = torch.bmm(magnitude, magnitude.transpose(1, 2)).to(dtype_a).mul_(gram_a.abs()).sum(dim=(1, 2), dtype=torch.float64)
+        widen = (1 + UNIT_ROUNDOFF[dtype_a]) * (1 + 2 * UNIT_ROUNDOFF[dtype_g]) / ((1 - _dot_error(d_out, dtype_g)) * (1 - _gamma(area + 1, UNIT_ROUNDOFF[torch.float64])))
+        weighted_g = torch.minimum(weighted_g, absolute * widen)
+    w_a, w_g = w_a.double() * k_a, w_g.double() * k_g
+    spread = (w_a * w_g).sum(dim=1)  # S = Σ_t ‖a_t‖‖g_t‖ (bound)
+    alpha, beta = w_a.sum(dim=1).square(), w_g.sum(dim=1).square()  # Σ_ts α_ts, Σ_ts β_ts
+    abs_g = (1 + e_g) * beta + area * t_g  # ≥ Σ|ŷ|
+    error = ((e_a + rounding * (1 + e_a)) * weighted_a + e_g * weighted_g + e_a * e_g * spread.square()
+             + (t_a * (1 + rounding)) * abs_g + t_g * ((1 + e_a) * alpha + area * t_a)
+             + e_a * t_g * alpha + t_a * e_g * beta + area * t_a * t_g + underflow)
+    return estimate, error * _fp64_slack(area + 16), spread * _fp64_slack(tokens + 4)
+
+
+def _instantiated_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖G_i‖² from G_i instantiated in fp32 (fp64 for a float64 model): ‖Ĝ_i − G_i‖ ≤ e_T S (+ underflow),
+    so ‖G_i‖² ≤ (√U(Ĝ) + e_T S)², returned as (N̂, that bound − N̂, S)."""
+    dtype, tokens = _compute_dtype(a, g), a.shape[1]
+    instantiated = torch.einsum("bto,bti->boi", g.to(dtype), a.to(dtype))
+    estimate = torch.linalg.vector_norm(instantiated.flatten(1), dim=1, dtype=torch.float64).pow(2)
+    spread = (_row_norms(a) * _row_norms(g)).sum(dim=1) * _fp64_slack(tokens + 4)
+    entries = instantiated[0].numel()
+    off = _dot_error(tokens, dtype) * spread + 2 * tokens * UNDERFLOW[dtype] * math.sqrt(entries)
+    bound = ((_sum_of_squares(instantiated).sqrt() + off).pow(2)) * _fp64_slack(4)
+    return estimate, bound - estimate, spread
 
 
 class EmbeddingRows:
@@ -191,9 +379,25 @@ class EmbeddingRows:
         return Instantiated(self.instantiate()) if self.num_embeddings * dim <= tokens * (dim + 1) else self
 
     def norm_sq(self) -> torch.Tensor:
-        g = self.g.float()
-        same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).float()  # [B, T, T]
-        return (same_row * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
+        """N̂ + E, N̂ = Σ_ts [id_t = id_s] (g gᵀ)_ts (Gram fp32, the rest fp64),
+        E = ε_d Q + γ_{T²+1}(fp64) Σ_same |ĝg_ts| with Q = Σ_same ‖g_t‖‖g_s‖."""
+        estimate, error, _ = self.bounds()
+        return estimate + error
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N̂, E, Q) per example, fp64."""
+        tokens, dim = self.g.shape[1:]
+        dtype = _gram_dtype(dim, tokens, self.g)
+        g = self.g.to(dtype)
+        same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).to(dtype)  # [B, T, T]
+        gram = torch.bmm(g, g.transpose(1, 2))
+        estimate, rounding, underflow = _products_sum(same_row, gram)  # (× 0 or 1: exact)
+        weights, scale = _gram_weights(gram, dim)
+        spread = _quadratic(weights.double() * scale, same_row, weights.double() * scale)  # Q ≥ Σ_same ‖g_t‖‖g_s‖
+        e, t = _dot_error(dim, dtype), 2 * dim * UNDERFLOW[dtype]
+        area = tokens * tokens
+        error = e * spread + t * area + rounding * ((1 + e) * spread + t * area) + underflow
+        return estimate, error * _fp64_slack(area + 8), spread
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         g = _scaled_rows(self.g, factors, all_finite)
@@ -209,13 +413,22 @@ def _ties(outer: OuterProduct, rows: EmbeddingRows) -> bool:
     return outer.g.shape[2] == rows.num_embeddings and outer.a.shape[2] == rows.g.shape[2]
 
 
-def _outer_embedding_cross(outer: OuterProduct, rows: EmbeddingRows) -> torch.Tensor:
+def _outer_embedding_cross(outer: OuterProduct, rows: EmbeddingRows) -> tuple[torch.Tensor, torch.Tensor]:
     """⟨g_iᵀ a_i, E_i⟩ per example for an output layer [V, d] tied to an embedding table [V, d]
     (E_i[v] = Σ_{s: id_s = v} g'_s): Σ_{t,s} g_t[id_s] (a_t · g'_s), a [B, T, T'] product instead
-    of two [B, V, d] per-example tables."""
-    tokens = outer.g.shape[1]
-    picked = outer.g.gather(2, rows.ids.unsqueeze(1).expand(-1, tokens, -1)).float()  # g_t[id_s]: [B, T, T']
-    return (picked * torch.bmm(outer.a.float(), rows.g.float().transpose(1, 2))).sum(dim=(1, 2))
+    of two [B, V, d] per-example tables. With its error bound (fp64, not clamped):
+    ε_d W + t_d Σ|g_t[id_s]| + (u + γ_{TT'+1}(fp64)) ((1 + ε_d) W + …), W = Σ_ts |g_t[id_s]| ‖a_t‖‖g'_s‖."""
+    tokens, others, dim = outer.g.shape[1], rows.g.shape[1], outer.a.shape[2]
+    dtype = _gram_dtype(dim, max(tokens, others), outer.a, rows.g)
+    picked = outer.g.gather(2, rows.ids.unsqueeze(1).expand(-1, tokens, -1)).to(dtype)  # g_t[id_s]: [B, T, T'] (exact)
+    inner = torch.bmm(outer.a.to(dtype), rows.g.to(dtype).transpose(1, 2))
+    cross, rounding, underflow = _products_sum(picked, inner)
+    magnitude = picked.abs()
+    weighted = _quadratic(_row_norms(outer.a), magnitude, _row_norms(rows.g))
+    total = magnitude.sum(dim=(1, 2), dtype=torch.float64) * _fp64_slack(tokens * others)
+    e, t = _dot_error(dim, dtype), 2 * dim * UNDERFLOW[dtype]
+    error = e * weighted + t * total + rounding * ((1 + e) * weighted + t * total) + underflow
+    return cross, error * _fp64_slack(16)
 
 
 class TiedPieces:
@@ -240,8 +453,14 @@ class TiedPieces:
         return Instantiated(self.instantiate()) if batch * vocab * dim * self.rows.g.element_size() <= self.nbytes() else self
 
     def norm_sq(self) -> torch.Tensor:
-        cross = _outer_embedding_cross(self.outer, self.rows)
-        return (self.outer.norm_sq() + self.rows.norm_sq() + 2 * cross).clamp(min=0)
+        """The parts' N̂ + 2·cross, plus the parts' E and twice the cross term's (a signed estimate:
+        nothing clamped but the total)."""
+        outer_estimate, outer_error, _ = self.outer.bounds()
+        rows_estimate, rows_error, _ = self.rows.bounds()
+        cross, cross_error = _outer_embedding_cross(self.outer, self.rows)
+        terms = [outer_estimate, rows_estimate, 2 * cross, outer_error, rows_error, 2 * cross_error]
+        # fp64 rounding of adding signed terms: relative to the terms, not to their (cancelling) sum
+        return sum(terms) + 8 * UNIT_ROUNDOFF[torch.float64] * sum(t.abs() for t in terms)
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         return self.outer.clipped_sum(factors, all_finite) + self.rows.clipped_sum(factors, all_finite)
@@ -493,7 +712,8 @@ class BookKeeping:
             self._summed[p] = piece.clipped_sum(torch.ones(self._examples, device=piece_device(piece)))
         if self.passes == 1:
             piece = piece.compact(self._readers.get(_storage(piece.a), 1) if isinstance(piece, OuterProduct) else 1)
-        self._norm_sq[p] = piece.norm_sq()
+        with _exact_arithmetic(piece_device(piece)):
+            self._norm_sq[p] = piece.norm_sq()
         transient = piece.nbytes()
         if self.passes == 1:
             self._kept[p] = piece
@@ -508,12 +728,15 @@ class BookKeeping:
         whose norm the first pass measured. Where kernels are not deterministic (atomics on a GPU)
         each parameter's contribution is capped at the norm measured in the first pass, so that
         Σ_p ‖f_i G_{i,p}‖² ≤ f_i² ‖G_i‖² ≤ C² holds whatever the kernels did; a row that turned
-        non-finite is dropped."""
-        measured, again = self._norm_sq[p], piece.norm_sq()
-        finite = torch.isfinite(again)
-        cap = torch.where(again > measured, (measured / again.clamp(min=1e-30)).sqrt(), torch.ones_like(again))
-        cap = torch.where(finite, cap, torch.zeros_like(cap))
-        return piece.clipped_sum(self._factors * cap)
+        non-finite is dropped. Both norms are the pieces' upper bounds (rounding included), and the cap
+        is rounded down."""
+        with _exact_arithmetic(piece_device(piece)):
+            measured, again = self._norm_sq[p], piece.norm_sq()
+            finite = torch.isfinite(again)
+            cap = torch.where(again > measured, (measured / again.clamp(min=1e-300)).sqrt() * (1 - 4 * UNIT_ROUNDOFF[torch.float64]),
+                              torch.ones_like(again))
+            cap = _round_down_fp32(torch.where(finite, cap, torch.zeros_like(cap)))
+            return piece.clipped_sum(self._factors * cap)
 
     def _open_bytes(self) -> int:
         return sum(piece.nbytes() for piece in self._open.values())
@@ -589,10 +812,12 @@ class BookKeeping:
             )
 
     def _norms(self, losses: torch.Tensor) -> torch.Tensor:
-        norm_sq = torch.zeros(losses.shape[0], dtype=torch.float32, device=losses.device)
+        """Each example's clip norm: the parameters' bounds summed in fp64, clamped at 0 (a guard:
+        every bound is ≥ 0 when it holds), widened for that sum's rounding, rounded up to fp32."""
+        norm_sq = torch.zeros(losses.shape[0], dtype=torch.float64, device=losses.device)
         for value in self._norm_sq.values():
-            norm_sq = norm_sq + value.float()
-        return norm_sq.sqrt()
+            norm_sq = norm_sq + value.double()
+        return _round_up_fp32((norm_sq.clamp(min=0) * _fp64_slack(len(self._norm_sq) + 4)).sqrt() * _fp64_slack(2))
 
     def _book_kept_sums(self, factors: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's clipped sum, its kept pieces released as soon as it is formed (the
@@ -610,7 +835,8 @@ class BookKeeping:
         for p in list(self._kept):
             piece = self._kept.pop(p)
             own_g = isinstance(piece, OuterProduct) and readers[_storage(piece.g)] == 1
-            sums[p] = piece.clipped_sum(factors, all_finite, own_g=own_g)
+            with _exact_arithmetic(piece_device(piece)):
+                sums[p] = piece.clipped_sum(factors, all_finite, own_g=own_g)
             readers.subtract(_storage(t) for t in piece.tensors())
         return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 

@@ -12,12 +12,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from dpbench.schema import RUN_INVARIANT_KEYS
 from dpbench.tools.report.formatting import fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow
 
 SEED_KEYS = ("seed", "dataset.data_seed")
-# Keys that never change what a run computes (where it logs, whether it resumes, the report block).
-IGNORED_PREFIXES = ("logger", "device", "resume", "name", "report", "hydra")
+# Keys that never change what a run computes (where it logs, whether it resumes, the report block,
+# the audit's options): a key added in a later version does not split runs made before it.
+IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS)
 
 
 def _comparable(row: RunRow) -> dict:
