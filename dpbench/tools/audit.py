@@ -425,6 +425,8 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
     halted: list[str] = []  # steps a non-finite record halted
     for step in range(int(cfg.audit.sensitivity_steps)):
         for trial in range(int(cfg.audit.trials) + 1):
+            if trial == int(cfg.audit.trials) and step < int(cfg.audit.sensitivity_steps) - 1:
+                continue  # the non-finite record: at the last audited step only (every step kind by then)
             pair = [_audited_job(cfg, zero_noise=True) for _ in range(2)]
             n = pair[0][0].task.train_size
             order = torch.randperm(n, generator=generator).tolist()
