@@ -26,6 +26,7 @@ PRIVATE = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).pri
 AUDIT = ["audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
 
 
+@pytest.mark.slow  # an end-to-end audit per algorithm (the slow tier)
 @pytest.mark.parametrize("algo", PRIVATE)
 def test_every_private_algorithm_passes_the_audit(algo, tmp_path):
     report = run_audit(compose(TINY + AUDIT + [f"algo={algo}"]), tmp_path)
@@ -55,6 +56,7 @@ def checks(report, name: str, release: str | None = None) -> list:
     "algo=dpadam algo.per_sample=bk train.physical_batch_size=3",
     "algo=dpadam algo.per_sample=ghost train.precision=bf16",  # failed when ghost summed in bf16
 ])
+@pytest.mark.slow  # end-to-end audits (the slow tier)
 def test_variants_pass_the_audit(variant, tmp_path):
     report = run_audit(compose(TINY + AUDIT + variant.split()), tmp_path)
     assert report.passed, failed(report)
@@ -108,7 +110,10 @@ def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
     report = run_audit(compose(TINY + AUDIT + ["algo=dpsgd"]), tmp_path)
     (steps,) = checks(report, "independence", "gradient across steps")
     assert not steps.passed and steps.measured == pytest.approx(1.0) and steps.bound < 0.05
-    assert all(c.passed for c in checks(report, "independence", "gradient across jobs") + checks(report, "sensitivity"))
+    # (not "across jobs": with one vector repeated per job, its 3 steps count as 3n coordinate pairs
+    # where only n are independent, so that check's bound is sqrt(3) too tight here)
+    others = checks(report, "sensitivity")
+    assert all(c.passed for c in others), [c for c in others if not c.passed]
 
 
 def test_audit_fails_when_the_noise_generator_is_seeded_from_the_seed(tmp_path, monkeypatch):
@@ -162,6 +167,7 @@ def test_audit_fails_when_clipping_is_weaker_than_the_stated_sensitivity(tmp_pat
     assert not report.passed
 
 
+@pytest.mark.slow  # six neighbour pairs per step (the slow tier)
 def test_audit_flags_the_unproven_tail_clip_model_under_a_tail_swap(tmp_path):
     cfg = compose(TINY + AUDIT + ["algo=dcdpsgd", "algo.tail_selection=rank", "algo.gradient_sensitivity=tail_clip",
                                   "audit.trials=6", "privacy.noise_multiplier=1.0"])  # no calibration: sensitivity only

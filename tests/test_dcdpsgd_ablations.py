@@ -37,6 +37,7 @@ def _dp_accounting_epsilon(sigma: float, delta: float) -> float:
     return float(dpa.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta))
 
 
+@pytest.mark.slow  # four PLD calibrations (the slow tier)
 @pytest.mark.parametrize("fraction", [0.25, 0.75])  # the paper's 2+6 and 6+2
 def test_epsilon_split_keeps_the_papers_ratio_and_meets_the_target_jointly(fraction):
     cfg = _epsilon_split_cfg(fraction)
@@ -95,6 +96,7 @@ TINY_DIGITS = ["algo=dcdpsgd", "dataset=digits", "model=cnn", "model.width=16", 
 LEARNED = 0.2  # 10 classes: chance is 0.1
 
 
+@pytest.mark.slow  # trains end to end (the slow tier)
 def test_cli_run_in_epsilon_mode_reports_both_epsilons_and_learns(tmp_path):
     split = ["algo.budget_split=epsilon", "algo.score_epsilon_fraction=0.25"]  # the paper's 2+6
     results = _cli(tmp_path, *TINY_DIGITS, *split)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from rich.console import Console
 
@@ -17,6 +18,7 @@ def _run(*argv: str):
     return code, rows, console.export_text()
 
 
+@pytest.mark.slow  # trains every algorithm end to end (the slow tier)
 def test_doctor_runs_each_algorithm_in_fp32_and_bf16():
     code, rows, text = _run("--algos", "dpsgd,adam,dpzero")
     assert code == 0

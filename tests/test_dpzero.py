@@ -242,6 +242,7 @@ def test_dpzero_ledger_and_epsilon_match_dp_accounting(tmp_path):
     assert math.isfinite(results["metrics"]["train_loss"])
 
 
+@pytest.mark.slow  # trains end to end (the slow tier)
 def test_mezo_and_replace_one(tmp_path):
     mezo = run(tmp_path / "mezo", "algo=mezo", "train.lr=1e-3")
     assert mezo["privacy"]["epsilon"] is None and mezo["privacy"]["ledger"] == []

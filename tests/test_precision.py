@@ -29,6 +29,7 @@ def test_bf16_forward_keeps_fp32_sums_and_the_clipping_bound(algo):
     assert 0.5 * 0.05 <= moved <= algorithm.gradient_sensitivity() * (1 + 1e-3)  # it counts, within its bound
 
 
+@pytest.mark.slow  # trains end to end (the slow tier)
 def test_bf16_run_learns_and_spends_the_same_epsilon(tmp_path):
     overrides = TINY + ["algo=dpadam", "train.batch_size=64", "train.steps=25", "train.lr=0.05",
                         "privacy.noise_multiplier=0.5"]
