@@ -506,9 +506,10 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         for _, losses in self.chunks(chunks, tally):
             per_sample = self.engine.backward_per_sample(losses)
             scores.append(self.example_scores(per_sample, basis))
-            finite.append(torch.isfinite(per_sample_norms(per_sample)))  # a non-finite example is in no release
-            kept = per_sample if len(chunks) == 1 else None  # one chunk: reused in pass 2
-            del per_sample
+            norms = per_sample_norms(per_sample)
+            finite.append(torch.isfinite(norms))  # a non-finite example is in no release
+            kept = (per_sample, norms) if len(chunks) == 1 else None  # one chunk: reused in pass 2
+            del per_sample, norms
         device = self.params[0].device
         scores_all = torch.cat(scores) if scores else torch.zeros(0, device=device)
         finite_all = torch.cat(finite) if finite else torch.zeros(0, dtype=torch.bool, device=device)
@@ -521,13 +522,17 @@ class DCDPSGD(DPFirstOrderAlgorithm):
             self.tail_fraction_seen.append(tail[finite_all].float().mean().item() if bool(finite_all.any()) else 0.0)
         sums, start = self.zero_sums(), 0
         for batch in chunks:
-            per_sample = kept if kept is not None else self.engine.backward_per_sample(self.per_example_losses(batch))
+            if kept is not None:
+                per_sample, norms = kept
+            else:  # recomputed: clipped with the norms of the gradients it sums
+                per_sample = self.engine.backward_per_sample(self.per_example_losses(batch))
+                norms = per_sample_norms(per_sample)
             size = per_sample[0].shape[0]
-            factors = self.example_factors(per_sample_norms(per_sample), thresholds[start : start + size])
+            factors = self.example_factors(norms, thresholds[start : start + size])
             for s, c in zip(sums, clipped_sum(per_sample, factors)):
                 s.add_(c)
             start += size
-            del per_sample
+            del per_sample, norms
         return sums, tally
 
     def example_scores(self, per_sample: list[torch.Tensor], basis) -> torch.Tensor:
