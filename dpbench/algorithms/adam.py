@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm, adam, adam_betas
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dpbench.privacy.clipping import clip_factors
 from dpbench.privacy.engines import PER_SAMPLE_ENGINES, build_engine
 from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
-from dpbench.schema import choice_of
+from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
 
 # Choices and defaults the algorithms' options share (each algorithm's options dataclass lives in

@@ -88,7 +88,7 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
-from dpbench.schema import AlgoOptions, Choice
+from dpbench.options import AlgoOptions, Choice
 
 
 class GradientSensitivity(Choice):

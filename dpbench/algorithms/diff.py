@@ -22,7 +22,7 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

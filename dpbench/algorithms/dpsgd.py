@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

@@ -36,7 +36,7 @@ from torch import nn
 
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
-from dpbench.schema import AlgoOptions, choice_of
+from dpbench.options import AlgoOptions, choice_of
 from dpbench.tasks import Batch
 
 DIRECTIONS = ("gaussian", "sphere")  # N(0, I_d) (experiments) | uniform on sqrt(d) S^{d-1} (theory)

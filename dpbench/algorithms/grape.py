@@ -50,7 +50,7 @@ from dpbench.algorithms.projected_adam import (
     projection_summary,
 )
 from dpbench.logging.console import console
-from dpbench.schema import choice_of
+from dpbench.options import choice_of
 
 
 def gaussian_projector(rows: int, rank: int, generator: torch.Generator, device) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import List, Optional
 from dpbench.algorithms.adam import Adam
 from dpbench.algorithms.base import ALGORITHMS, adam_betas
 from dpbench.models.lora import inject_lora
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

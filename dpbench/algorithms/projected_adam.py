@@ -21,7 +21,7 @@ from torch import nn
 from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
 from dpbench.models import default_projected_modules
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

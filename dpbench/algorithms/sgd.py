@@ -8,7 +8,7 @@ import torch
 
 from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm
 from dpbench.errors import UserError
-from dpbench.schema import AlgoOptions
+from dpbench.options import AlgoOptions
 
 
 @dataclass

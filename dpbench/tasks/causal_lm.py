@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpbench.data.text import sample_subset
-from dpbench.tasks import TASKS
+from dpbench.tasks.base import TASKS
 from dpbench.tasks.language import LanguageTask
 from dpbench.tasks.prompts import CAUSAL_PROMPTS
 from dpbench.tasks.qa_metrics import exact_match, squad_f1

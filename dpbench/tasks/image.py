@@ -10,7 +10,7 @@ from torch import nn
 from dpbench.data import load_dataset
 from dpbench.errors import UserError
 from dpbench.models import DataSpec
-from dpbench.tasks import TASKS, Task
+from dpbench.tasks.base import TASKS, Task
 
 
 @TASKS.register("image_classification")

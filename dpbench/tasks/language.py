@@ -17,7 +17,7 @@ from dpbench.data.text import load_text_splits
 from dpbench.errors import UserError
 from dpbench.models import language_families, model_family
 from dpbench.models.language import load_language_model, load_tokenizer
-from dpbench.tasks import Task
+from dpbench.tasks.base import Task
 
 
 def language_task_kind(cfg) -> str:

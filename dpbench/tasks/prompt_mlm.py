@@ -15,7 +15,7 @@ from torch import nn
 
 from dpbench.data.text import k_shot_split, sample_subset
 from dpbench.errors import UserError
-from dpbench.tasks import TASKS
+from dpbench.tasks.base import TASKS
 from dpbench.tasks.language import LanguageTask
 from dpbench.tasks.prompts import CLS, MASK, MLM_PROMPTS, SEP, MLMPrompt
 

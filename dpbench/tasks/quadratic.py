@@ -24,7 +24,7 @@ from opacus.grad_sample import register_grad_sampler
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.tasks import TASKS, Task
+from dpbench.tasks.base import TASKS, Task
 
 SPECTRA = {
     "d": lambda j: torch.ones_like(j),

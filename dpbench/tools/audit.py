@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,37 +49,8 @@ from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism, SeveralMechanismsPerBatchError, one_batch_mechanism, same_mechanisms,
 )
-
-
-@dataclass
-class Check:
-    name: str  # noise | independence | sensitivity | accounting
-    release: str  # which release (or ledger) it is about
-    measured: float
-    bound: float
-    passed: bool
-    detail: str
-
-
-CHECK_ORDER = ("noise", "independence", "sensitivity", "accounting")
-
-
-@dataclass
-class AuditReport:
-    """What `run_audit` found; audit.json is `to_json()`."""
-
-    algo: str
-    model: str
-    dataset: str
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    def to_json(self) -> dict:
-        return {"algo": self.algo, "model": self.model, "dataset": self.dataset, "passed": self.passed,
-                "checks": [asdict(c) for c in self.checks]}
+from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, Check
+from dpbench.tools.one_run import one_run_audit
 
 
 class ZeroNoise:
@@ -530,8 +501,6 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
     """Run every check (with audit.one_run, the one-run canary audit instead); write audit.json; return
     the report (`passed` says whether all checks held)."""
     if cfg.audit.get("one_run", False):  # a lower bound on epsilon from one run with canaries (dpbench/tools/one_run.py)
-        from dpbench.tools.one_run import one_run_audit
-
         return _written(one_run_audit(cfg), run_dir)
     import logging
     import warnings

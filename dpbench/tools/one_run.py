@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dpbench.errors import UserError
-from dpbench.tools.audit import AuditReport, Check
+from dpbench.tools.audit_report import AuditReport, Check
 
 # Algorithms whose privatised sum is the full parameter gradient, in the parameters' own shapes,
 # consumed by DPFirstOrderAlgorithm's step (clip_and_accumulate -> privatize -> apply_update).

@@ -1,0 +1,174 @@
+"""The option vocabulary of dpbench's config: choices and the dataclasses that type conf/*.yaml.
+
+A leaf: it imports the registries its choices are generated from (clipping rules, accountants,
+neighbouring relations, precisions) and nothing that imports it back, so an algorithm's module can
+declare its options here-derived (`class GrapeOptions(AlgoOptions)`) without a cycle. The Hydra
+machinery that stores these in the ConfigStore and checks a composed config is dpbench/schema.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Optional
+
+from omegaconf import MISSING
+
+from dpbench.precision import DTYPES
+from dpbench.privacy.accountants import ACCOUNTANTS
+from dpbench.privacy.clipping import CLIP_FACTORS
+from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
+
+
+class Choice(str, Enum):
+    """A choice-valued key. Hydra rejects any other value at composition; a member is its plain
+    string everywhere else (==, dict lookups, f-strings, results.json), so code compares
+    `cfg.privacy.clipping == "flat"` and never sees the enum."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def choice_of(name: str, values: Iterable[str], module: str) -> type[Choice]:
+    """The Choice named `name` whose members are `values` (the names of a registry), defined in
+    `module` (as `Name = choice_of("Name", ..., __name__)` there: copies and pickles find it)."""
+    return Choice(name, [(value, value) for value in sorted(values)], module=module, qualname=name)
+
+
+# From the registries they select from: a rule, accountant or relation added there is a choice here.
+Clipping = choice_of("Clipping", CLIP_FACTORS, __name__)
+AccountantName = choice_of("AccountantName", ACCOUNTANTS.names(), __name__)
+Neighboring = choice_of("Neighboring", NEIGHBORING_RELATIONS, __name__)
+PrecisionName = choice_of("PrecisionName", DTYPES, __name__)  # the forward's autocast dtype
+
+
+# No registry to generate these from: members named as users type them.
+class Sampling(Choice):  # dpbench/privacy/sampling.py build_sampler
+    poisson = "poisson"
+    shuffle = "shuffle"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WandbMode(Choice):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+class ReportMetric(Choice):
+    best = "best"
+    final = "final"
+
+
+# ---------------------------------------------------------------------------- top level
+
+
+@dataclass
+class PrivacyOptions:
+    epsilon: Optional[float] = 8.0
+    delta: float = 1.0e-5
+    noise_multiplier: Optional[float] = None
+    clip_norm: float = 1.0
+    clipping: Clipping = Clipping.flat
+    clipping_gamma: float = 0.01
+    sampling: Sampling = Sampling.poisson
+    neighboring: Neighboring = Neighboring.add_remove
+    secure_rng: bool = False
+    log_private_stats: bool = True
+    allow_approximate_accountant: bool = False
+
+
+@dataclass
+class TrainOptions:
+    batch_size: int = 256
+    physical_batch_size: Optional[int] = None
+    epochs: Optional[float] = 30.0  # fractional epochs are allowed
+    steps: Optional[int] = None
+    lr: float = 2.0e-2
+    precision: PrecisionName = PrecisionName.fp32
+    eval_every: int = 20
+    train_eval_size: int = 0
+    checkpoint_every: Optional[int] = None
+
+
+@dataclass
+class AuditOptions:
+    batch: int = 8
+    noise_steps: int = 5
+    sensitivity_steps: int = 2
+    trials: int = 6
+    loss_scale: float = 1.0e4
+    alpha: float = 1.0e-3
+    one_run: bool = False
+    canaries: int = 1000
+    guesses: int = 800
+    confidence: float = 0.95
+
+
+@dataclass
+class ReportOptions:
+    paper: Optional[str] = None
+    table: Optional[str] = None
+    column: Optional[str] = None
+    compare_as: Dict[str, Any] = field(default_factory=dict)
+    metric: ReportMetric = ReportMetric.final
+    expect: List[str] = field(default_factory=list)
+
+
+@dataclass
+class AccountantOptions:
+    name: AccountantName = MISSING
+
+
+@dataclass
+class LoggerOptions:
+    name: str = "none"
+
+
+@dataclass
+class WandbOptions(LoggerOptions):
+    name: str = "wandb"
+    mode: WandbMode = WandbMode.offline
+    project: str = "dpbench"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    run_name: Optional[str] = None
+    log_every: int = 10
+
+
+@dataclass
+class AlgoOptions:
+    """What every algorithm's options share; each algorithm derives its own."""
+
+    name: str = MISSING
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    seed: int = 0
+    device: Device = Device.auto
+    resume: bool = True
+    threads: Optional[int] = None
+    optimize: str = "test_accuracy"
+    report: ReportOptions = field(default_factory=ReportOptions)
+    privacy: PrivacyOptions = field(default_factory=PrivacyOptions)
+    audit: AuditOptions = field(default_factory=AuditOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    dataset: Any = MISSING  # plain YAML: see the module docstring
+    model: Any = MISSING
+    algo: AlgoOptions = MISSING
+    accountant: AccountantOptions = MISSING
+    logger: LoggerOptions = MISSING
+    paper_setting: Any = None  # lookup tables of paper presets (conf/experiment), read by interpolation

@@ -1,0 +1,38 @@
+"""What an audit found: one row per check, and the report `dpbench-audit` prints and writes as
+audit.json (`dpbench/tools/audit.py` runs the self-check, `dpbench/tools/one_run.py` the one-run
+canary audit; both report in these terms)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Check:
+    name: str  # noise | independence | sensitivity | accounting
+    release: str  # which release (or ledger) it is about
+    measured: float
+    bound: float
+    passed: bool
+    detail: str
+
+
+CHECK_ORDER = ("noise", "independence", "sensitivity", "accounting")
+
+
+@dataclass
+class AuditReport:
+    """What `run_audit` found; audit.json is `to_json()`."""
+
+    algo: str
+    model: str
+    dataset: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {"algo": self.algo, "model": self.model, "dataset": self.dataset, "passed": self.passed,
+                "checks": [asdict(c) for c in self.checks]}
