@@ -214,7 +214,7 @@ class Trainer:
         state = self.state
         state.step, state.train_loss, state.best_accuracy = saved["step"], saved["train_loss"], saved["best_accuracy"]
         state.history = [EvalRecord.from_json(record) for record in saved["history"]]
-        state.ledger = self._planned_ledger(Ledger.from_records(saved["ledger"]))
+        state.ledger = self._ledger_checked_against_plan(Ledger.from_records(saved["ledger"]))
         self._window_loss, self._window_count = saved["window"]
         if saved["throughput"] is not None:
             self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
@@ -226,7 +226,7 @@ class Trainer:
         self.resume_notes = restore_rank_rng_states(saved["rng"])
         self.resumed_from_step = state.step
 
-    def _planned_ledger(self, stored: Ledger) -> Ledger:
+    def _ledger_checked_against_plan(self, stored: Ledger) -> Ledger:
         """The ledger to go on from: this run's plan for the steps the checkpoint ran, which the
         stored ledger must equal (same sigma, same q, same bound)."""
         if self.privacy is None:

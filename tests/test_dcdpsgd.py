@@ -12,7 +12,7 @@ from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import split_noise_multipliers, subspace_scores, tail_mask
-from dpbench.privacy.accountants import RDPAccountant, calibrate_noise_multiplier, planned_ledger
+from dpbench.privacy.accountants import RDPAccountant, calibrate_noise_multiplier, ledger_of_plan
 from dpbench.privacy.clipping import clip_factors, per_sample_norms
 
 
@@ -130,7 +130,7 @@ def test_a_step_is_one_joint_mechanism_checked_against_dp_accounting(sigma, frac
     cfg = compose([*OFFLINE, "algo=dcdpsgd", f"algo.score_budget_fraction={fraction}",
                    f"algo.tail_selection={selection}"]).algo
     q = 0.01
-    ledger = planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
+    ledger = ledger_of_plan(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_tr, sigma_dp = sigma / math.sqrt(fraction), sigma / math.sqrt(1 - fraction)
     ratio = cfg.tail_clip_ratio  # c1/c2; rank_coupled charges 2 c1 - c2 on noise sigma_dp c1
     sigma_grad = sigma_dp if selection == "threshold" else sigma_dp * ratio / (2 * ratio - 1)
@@ -155,7 +155,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
         cfg = compose([*OFFLINE, "algo=dcdpsgd", "algo.tail_selection=rank", f"algo.gradient_sensitivity={mode}"]).algo
 
         def ledger_for(sigma, cfg=cfg):
-            return planned_ledger(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
+            return ledger_of_plan(lambda step: dcdpsgd.DCDPSGD.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
 
         sigma = calibrate_noise_multiplier(RDPAccountant(), ledger_for, 4.0, 1e-5)
         assert 3.95 <= RDPAccountant().epsilon(ledger_for(sigma), 1e-5) <= 4.0

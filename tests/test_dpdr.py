@@ -9,7 +9,7 @@ from helpers.algorithms import build_algorithm, record_updates
 from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms.dpdr import DPDR, clip_alpha, decompose, effective_noise_multiplier
-from dpbench.privacy.accountants import RDPAccountant, planned_ledger
+from dpbench.privacy.accountants import RDPAccountant, ledger_of_plan
 
 
 def _mean_gradient(model, images, labels):
@@ -82,7 +82,7 @@ def _dp_accounting_epsilon(events, delta):
 def test_ledger_is_one_joint_mechanism_per_decomposition_step(sigma, ratio, steps, s):
     cfg = compose([*OFFLINE, "algo=dpdr", f"algo.alpha_ratio={ratio}", f"algo.decomposition_steps={s}"]).algo
     q = 0.005
-    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
+    ledger = ledger_of_plan(lambda step: DPDR.planned_mechanisms(cfg, sigma, q, step, 1.0), steps)
     sigma_eff = (sigma**-2 + (ratio * sigma) ** -2) ** -0.5  # independent of the module's helper
     records = {round(r["noise_multiplier"], 9): r["count"] for r in ledger.as_records()}
     assert records == {round(sigma_eff, 9): s - 1, round(sigma, 9): steps - s + 1}
@@ -99,7 +99,7 @@ def test_paper_accounting_reproduces_the_digest_overrun():
     ]).algo
     q = 256 / 60000
     steps = int(20 / q)
-    ledger = planned_ledger(lambda step: DPDR.planned_mechanisms(cfg, 0.59, q, step, 1.0), steps)
+    ledger = ledger_of_plan(lambda step: DPDR.planned_mechanisms(cfg, 0.59, q, step, 1.0), steps)
     assert effective_noise_multiplier(0.59, 0.8) == pytest.approx(0.4748, abs=1e-3)
     true_epsilon = RDPAccountant().epsilon(ledger, 1e-5)
     assert 8.3 < true_epsilon < 8.65

@@ -16,7 +16,7 @@ from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import RunResults
-from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, planned_ledger
+from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, ledger_of_plan
 from dpbench.privacy.clipping import per_sample_norms
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.plan import PlanMismatchError
@@ -187,7 +187,7 @@ def test_planned_ledger_and_calibration_share_one_planning_function(tmp_path):
     results = run_job(compose(TINY + ["algo=dcdpsgd", "accountant=pld"]), tmp_path, show_progress=False)
     cfg = compose(TINY + ["algo=dcdpsgd"])
     p = results.privacy
-    planned = planned_ledger(
+    planned = ledger_of_plan(
         lambda step: dcdpsgd.DCDPSGD.declared_mechanisms(cfg.algo, p.noise_multiplier, p.sample_rate, step,
                                                          p.clip_norm, "add_remove"),
         p.steps,
@@ -232,7 +232,7 @@ def test_a_release_that_halts_the_run_is_charged_in_the_ledger(tmp_path, monkeyp
     assert results.status == "diverged" and len(releases) == 2
     (entry,) = results.privacy.ledger
     assert entry["count"] == 2 and results.privacy.steps == 2  # the halted step is charged
-    one_step = PLDAccountant().epsilon(planned_ledger(lambda step: [GaussianMechanism(1.0, results.privacy.sample_rate)], 1), 1e-5)
+    one_step = PLDAccountant().epsilon(ledger_of_plan(lambda step: [GaussianMechanism(1.0, results.privacy.sample_rate)], 1), 1e-5)
     assert results.privacy.epsilon > one_step
 
 

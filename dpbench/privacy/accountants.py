@@ -213,7 +213,7 @@ def calibrate_noise_multiplier(
     return high
 
 
-def planned_ledger(
+def ledger_of_plan(
     mechanisms_for_step: Callable[[int], list[GaussianMechanism]], steps: int, batches_per_epoch: int | None = None
 ) -> Ledger:
     """The ledger of a planned run: Poisson batches, or shuffled ones (`batches_per_epoch`), the

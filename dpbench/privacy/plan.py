@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
 from dpbench.logging.results import PrivacyResults
-from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, planned_ledger
+from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, ledger_of_plan
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, under_relation
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.sampling import batches_per_epoch
@@ -110,7 +110,7 @@ class Calibration:
 
     def ledger(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]]) -> Ledger:
         """The planned run's ledger, each step's mechanisms stated under the run's relation."""
-        return planned_ledger(
+        return ledger_of_plan(
             lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps, self.batches_per_epoch
         )
 
@@ -146,7 +146,7 @@ class PrivacyPlan:
 
     def planned_ledger(self, steps: int) -> Ledger:
         """The ledger the first `steps` steps of the plan compose to."""
-        return planned_ledger(self.planned, steps, self.batches_per_epoch)
+        return ledger_of_plan(self.planned, steps, self.batches_per_epoch)
 
     def fingerprint(self) -> dict:
         """What every rank of a data-parallel run must agree on (plain, comparable data)."""
@@ -256,7 +256,7 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
             sigma, derived = algo_cls.calibrate_noise(cfg.algo, calibration, target, float(p.delta))
         else:
             sigma = calibrate_noise_multiplier(
-                accountant, lambda s: planned_ledger(planned_for(s), steps, per_epoch), target, float(p.delta)
+                accountant, lambda s: ledger_of_plan(planned_for(s), steps, per_epoch), target, float(p.delta)
             )
     if p.delta >= 1 / train_size:
         notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
