@@ -1,9 +1,12 @@
-"""Every `dpbench` command in the README's code blocks composes (what `dpbench ... --cfg job` does)."""
+"""Every `dpbench` command in the bash code blocks of the README and of the documentation pages
+(docs/*.md) composes (what `dpbench ... --cfg job` does): nothing is run, so commands that need
+the hub, a GPU or local data files are checked all the same."""
 
 from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 from helpers.config import REPO, compose
@@ -11,10 +14,13 @@ from helpers.config import REPO, compose
 FLAGS_WITHOUT_VALUE = {"-m", "--multirun"}
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p"}
 
+# The README and every page of the documentation site.
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-def readme_commands() -> list[str]:
-    """`dpbench ...` and `python -m dpbench.cli ...` lines of the README's bash blocks."""
-    text = (REPO / "README.md").read_text()
+
+def commands_of(path: Path) -> list[str]:
+    """`dpbench ...` and `python -m dpbench.cli ...` lines of a Markdown file's bash blocks."""
+    text = path.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -23,6 +29,11 @@ def readme_commands() -> list[str]:
                 if re.match(r"(dpbench|python -m dpbench\.cli)(\s|$)", part):
                     commands.append(part)
     return commands
+
+
+def readme_commands() -> list[str]:
+    """`dpbench ...` and `python -m dpbench.cli ...` lines of the README's bash blocks."""
+    return commands_of(REPO / "README.md")
 
 
 def overrides_of(command: str) -> list[str]:
@@ -49,12 +60,22 @@ def overrides_of(command: str) -> list[str]:
 
 
 COMMANDS = readme_commands()
+# (file name, command) of every document, each command once per file.
+DOCUMENT_COMMANDS = [(path.name, command) for path in DOCUMENTS for command in dict.fromkeys(commands_of(path))]
 
 
 def test_the_readme_has_commands():
-    assert len(COMMANDS) >= 20
+    assert len(COMMANDS) >= 8
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+def test_the_documents_have_commands():
+    assert len(DOCUMENT_COMMANDS) >= 40
+    assert {name for name, _ in DOCUMENT_COMMANDS} >= {"README.md", "running.md", "papers.md"}
+
+
+@pytest.mark.parametrize(
+    "command", [command for _, command in DOCUMENT_COMMANDS],
+    ids=[f"{name}:{i}" for i, (name, _) in enumerate(DOCUMENT_COMMANDS)],
+)
 def test_readme_command_composes(command):
     compose(overrides_of(command))
