@@ -10,6 +10,9 @@ optimizer step. An example whose gradient overflows gets clip factor 0, like any
 gradient and skips steps on overflow, while a DP step must clip per-example gradients and
 release its noise whatever happens. For non-private algorithms an overflow (a gradient above
 65504 / scale) stops the run with a one-line error instead of being dropped silently.
+
+Also here, what keeps the fp32 parts fp32: TF32 off in private runs (`TF32`) and trainable
+weights required in fp32 (`require_fp32_trainable`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 
 from dpbench.errors import DivergedError, UserError
 
@@ -71,4 +75,44 @@ def require_native_bf16(device, cuda=torch.cuda) -> None:
         raise UserError(
             "this GPU has no native bfloat16 (torch.cuda.is_bf16_supported(including_emulation=False) is False): "
             "use train.precision=fp16 or fp32 and model.dtype=float32 or float16"
+        )
+
+
+class TF32Switch:
+    """TF32 (a 10-bit mantissa in fp32 matmuls and convolutions on Ampere and later GPUs) off for
+    private runs: per-example norms and clipped sums must be computed in fp32 for the stated
+    sensitivity to hold. A non-private run gets the process's own settings back, so in a grid run
+    in one process a job's numerics do not depend on the jobs before it. `backends` and
+    `torch_module` are seams for tests."""
+
+    def __init__(self, backends=torch.backends, torch_module=torch):
+        self.backends, self.torch = backends, torch_module
+        self.defaults: tuple | None = None
+
+    def apply(self, private: bool) -> None:
+        b = self.backends
+        if self.defaults is None:
+            self.defaults = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, self.torch.get_float32_matmul_precision())
+        matmul, cudnn, matmul_precision = (False, False, "highest") if private else self.defaults
+        b.cuda.matmul.allow_tf32 = matmul
+        b.cudnn.allow_tf32 = cudnn
+        self.torch.set_float32_matmul_precision(matmul_precision)
+
+
+TF32 = TF32Switch()
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def require_fp32_trainable(model: torch.nn.Module, cfg: DictConfig) -> None:
+    """Trainable weights in bf16/fp16 have no fp32 master copy: an update below half their
+    precision is lost and Adam's eps 1e-8 is 0 in fp16 (NaN at step 1). Low model.dtype is for
+    frozen weights (LoRA's base model); the forward goes low precision through train.precision
+    (autocast)."""
+    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
+    if low:
+        dtype = str(low[0][1]).removeprefix("torch.")
+        raise UserError(
+            f"model.dtype={cfg.model.get('dtype', dtype)} leaves {len(low)} trainable tensors (e.g. {low[0][0]}) in "
+            f"{dtype} with no fp32 master copy, so small updates are lost: set model.dtype=float32, with "
+            "train.precision=bf16 (or fp16) for a low-precision forward"
         )

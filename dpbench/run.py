@@ -1,11 +1,12 @@
-"""Build a run from its config, calibrate the noise, train, and write results.json."""
+"""Build a run from its config, calibrate the noise, train, and write results.json.
+
+The input checks are in run_config.py, resuming in resume.py, the software and hardware recorded
+in provenance.py, the fp32 rules (TF32, master weights) in precision.py."""
 
 from __future__ import annotations
 
 import contextlib
-import platform
 import random
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -15,63 +16,24 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import dpbench
 from dpbench import distributed
 from dpbench.algorithms import Algorithm, algorithm_class
-from dpbench.checkpoint import CHECKPOINT_FILE, Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible, read_checkpoint
+from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
-    RESULTS_FILE, EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, read_results,
-    write_results,
+    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
-from dpbench.precision import Precision, require_native_bf16
+from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
 from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
-from dpbench.schema import RUN_INVARIANT_KEYS, check_keys, default_of
+from dpbench.provenance import versions
+from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
+from dpbench.run_config import resolved_config, validate
 from dpbench.tasks import Task, build_task
 from dpbench.trainer import Trainer, TrainerConfig
-
-
-def validate(cfg: DictConfig) -> None:
-    """Reject bad input before anything expensive happens, with the fix in the message. Types and
-    choices were checked by Hydra against dpbench/schema.py while it composed; here: values."""
-    for note in check_keys(cfg):
-        console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    p, t = cfg.privacy, cfg.train
-    if p.noise_multiplier is None:
-        if p.epsilon is None or not p.epsilon > 0:
-            raise UserError(f"privacy.epsilon must be positive, got {p.epsilon}; or set privacy.noise_multiplier")
-    elif not p.noise_multiplier > 0:
-        raise UserError(f"privacy.noise_multiplier must be positive, got {p.noise_multiplier}")
-    if p.delta is None or not 0 < p.delta < 1:
-        raise UserError(f"privacy.delta must lie strictly between 0 and 1, got {p.delta}")
-    if p.clip_norm is None or not p.clip_norm > 0:
-        raise UserError(f"privacy.clip_norm must be positive, got {p.clip_norm}")
-    if not t.batch_size or t.batch_size <= 0:
-        raise UserError(f"train.batch_size must be a positive integer, got {t.batch_size}")
-    if t.physical_batch_size is not None and not 0 < t.physical_batch_size <= t.batch_size:
-        raise UserError(
-            f"train.physical_batch_size={t.physical_batch_size} must lie in 1..train.batch_size={t.batch_size}"
-        )
-    if t.steps is None and (t.epochs is None or t.epochs <= 0):
-        raise UserError("set train.steps or a positive train.epochs")
-    if t.steps is not None and t.steps < 0:
-        raise UserError(f"train.steps must be >= 0, got {t.steps}")
-    if not t.lr > 0:
-        raise UserError(f"train.lr must be positive, got {t.lr}")
-    if t.get("checkpoint_every") is not None and t.checkpoint_every < 1:
-        raise UserError(f"train.checkpoint_every must be >= 1 or null (no periodic checkpoints), got {t.checkpoint_every}")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
-
-
-def resolved_config(cfg: DictConfig) -> dict:
-    """The config as plain data (choices as their strings): what results.json, checkpoints and
-    W&B store and what resume compares."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,142 +55,6 @@ def planned_steps(cfg: DictConfig, train_size: int) -> int:
         return int(cfg.train.steps)
     per_epoch = batches_per_epoch(cfg, train_size) or train_size / cfg.train.batch_size
     return max(1, round(cfg.train.epochs * per_epoch))
-
-
-PROVENANCE_PACKAGES = ["torch", "opacus", "timm", "transformers", "peft", "hydra-core", "wandb", "dp-accounting", "numpy"]
-
-
-def git_commit() -> str | None:
-    """The commit of the source checkout dpbench runs from (None for an installed wheel)."""
-    import subprocess
-
-    root = Path(dpbench.__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return None
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
-
-
-def versions(device: torch.device) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    return {
-        "dpbench": dpbench.__version__,
-        **{name.replace("-", "_"): installed(name) for name in PROVENANCE_PACKAGES},
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "git_commit": git_commit(),
-        "command": " ".join(sys.argv),
-    }
-
-
-def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
-    keys = sorted(set(stored) | set(current))
-    out = []
-    for key in keys:
-        dotted = f"{prefix}{key}"
-        if dotted in RUN_INVARIANT_KEYS:
-            continue
-        a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
-        if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
-            continue  # a key added since the run was stored, left at its default
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, dotted + ".")
-        elif a != b:
-            out.append(f"{dotted} ({a!r} -> {b!r})")
-    return out
-
-
-def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
-    """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
-    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
-    if differences:
-        console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
-                      soft_wrap=True)
-    return not differences
-
-
-def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
-    """The stored results of this exact job, or None (with the reason printed) to run it."""
-    if not cfg.resume or (existing := read_results(run_dir)) is None:
-        return None
-    if not matches_config(existing, cfg, f"{run_dir} holds a run", "running it again"):
-        return None
-    console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
-    return RunResults.from_json(existing)
-
-
-# what an attempt leaves in its folder (error.txt: dpbench.cli.ERROR_FILE, written for a failed grid job)
-EARLIER_ATTEMPT_FILES = (CHECKPOINT_FILE, "wandb", "error.txt", RESULTS_FILE)
-
-
-def earlier_attempt_note(run_dir: Path) -> str | None:
-    """A run starting from step 0 in a folder an earlier attempt used: that attempt's releases (its
-    published evaluations, its W&B run) are in no epsilon, and results.json says so."""
-    left = [name for name in EARLIER_ATTEMPT_FILES if (Path(run_dir) / name).exists()]
-    if not left:
-        return None
-    return (f"this run started from step 0 in a folder an earlier attempt left ({', '.join(left)}); whatever that "
-            "attempt released or published is outside this run's epsilon (their privacy costs add up)")
-
-
-def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
-    if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
-        return None
-    return stored if matches_config(stored, cfg, f"the checkpoint in {run_dir} is", "starting from step 0") else None
-
-
-class TF32Switch:
-    """TF32 (a 10-bit mantissa in fp32 matmuls and convolutions on Ampere and later GPUs) off for
-    private runs: per-example norms and clipped sums must be computed in fp32 for the stated
-    sensitivity to hold. A non-private run gets the process's own settings back, so in a grid run
-    in one process a job's numerics do not depend on the jobs before it. `backends` and
-    `torch_module` are seams for tests."""
-
-    def __init__(self, backends=torch.backends, torch_module=torch):
-        self.backends, self.torch = backends, torch_module
-        self.defaults: tuple | None = None
-
-    def apply(self, private: bool) -> None:
-        b = self.backends
-        if self.defaults is None:
-            self.defaults = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, self.torch.get_float32_matmul_precision())
-        matmul, cudnn, matmul_precision = (False, False, "highest") if private else self.defaults
-        b.cuda.matmul.allow_tf32 = matmul
-        b.cudnn.allow_tf32 = cudnn
-        self.torch.set_float32_matmul_precision(matmul_precision)
-
-
-TF32 = TF32Switch()
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def require_fp32_trainable(model: torch.nn.Module, cfg: DictConfig) -> None:
-    """Trainable weights in bf16/fp16 have no fp32 master copy: an update below half their
-    precision is lost (one DP-Adam step at lr 1e-5 left 84% of bf16 weights bit-identical) and
-    Adam's eps 1e-8 is 0 in fp16 (NaN at step 1). Low model.dtype is for frozen weights (LoRA's
-    base model); the forward goes low precision through train.precision (autocast)."""
-    low = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype in LOW_PRECISION]
-    if low:
-        dtype = str(low[0][1]).removeprefix("torch.")
-        raise UserError(
-            f"model.dtype={cfg.model.get('dtype', dtype)} leaves {len(low)} trainable tensors (e.g. {low[0][0]}) in "
-            f"{dtype} with no fp32 master copy, so small updates are lost: set model.dtype=float32, with "
-            "train.precision=bf16 (or fp16) for a low-precision forward"
-        )
 
 
 @dataclass

@@ -238,7 +238,7 @@ def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsy
 
 
 def test_checkpoint_every_must_be_positive():
-    from dpbench.run import validate
+    from dpbench.run_config import validate
 
     with pytest.raises(UserError, match="train.checkpoint_every must be >= 1"):
         validate(compose(TINY + ["train.checkpoint_every=0"]))

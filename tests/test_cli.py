@@ -9,7 +9,8 @@ from helpers.wandb_records import exit_code, summary
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import read_results
-from dpbench.run import run_job, validate
+from dpbench.run import run_job
+from dpbench.run_config import validate
 
 
 @pytest.mark.slow  # W&B's service process

@@ -230,7 +230,7 @@ def _fake_backends():
 
 
 def test_tf32_is_off_for_private_runs_and_restored_for_the_others():
-    from dpbench.run import TF32Switch
+    from dpbench.precision import TF32Switch
 
     backends, precision = _fake_backends(), ["high"]
     fake_torch = SimpleNamespace(get_float32_matmul_precision=lambda: precision[0],
@@ -246,11 +246,12 @@ def test_tf32_is_off_for_private_runs_and_restored_for_the_others():
 def test_setup_applies_the_tf32_rule(monkeypatch, algo, private):
     from helpers.config import TINY, compose
 
-    import dpbench.run as run
+    from dpbench.precision import TF32
+    from dpbench.run import setup
 
     seen = []
-    monkeypatch.setattr(run, "TF32", SimpleNamespace(apply=lambda private: seen.append(private)))
-    run.setup(compose(TINY + [f"algo={algo}"]))
+    monkeypatch.setattr(TF32, "apply", lambda private: seen.append(private))  # the process-wide switch setup applies
+    setup(compose(TINY + [f"algo={algo}"]))
     assert seen == [private]
 
 
@@ -258,7 +259,7 @@ def test_trainable_weights_must_be_fp32_frozen_ones_may_be_low():
     from omegaconf import OmegaConf
 
     from dpbench.errors import UserError
-    from dpbench.run import require_fp32_trainable
+    from dpbench.precision import require_fp32_trainable
 
     cfg = OmegaConf.create({"model": {"dtype": "bfloat16"}})
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)

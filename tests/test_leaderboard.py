@@ -25,7 +25,7 @@ from dpbench.logging.results import (MemoryResults, MetricsResults, PrivacyResul
 from dpbench.paths import config_dir
 from dpbench.tools.report import group_runs, load_rows, main
 from dpbench.tools.report.leaderboard import build_boards, fairness, pareto_front
-from dpbench.run import validate
+from dpbench.run_config import validate
 from dpbench.schema import algo_schemas, register
 
 MIB = 2**20

@@ -143,7 +143,7 @@ def test_cli_schema_errors_are_one_line_and_exit_2(tmp_path, overrides, message)
 
 
 def test_resume_matches_a_stored_run_that_predates_a_key_left_at_its_default():
-    from dpbench.run import config_differences
+    from dpbench.resume import config_differences
 
     stored = {"train": {"lr": 0.1}, "algo": {"name": "dcdpsgd", "theta": 2.0}}
     current = {"train": {"lr": 0.1, "precision": "fp32"}, "algo": {"name": "dcdpsgd", "theta": 2.0, "budget_split": "renyi"}}

@@ -6,7 +6,7 @@ conf/model/<name>.yaml. `model.size` picks a hub checkpoint, or `tiny` for a ran
 (`save_pretrained` layout) instead of the hub. Language models are built by the language tasks
 (`Task.build_model`), because the model's vocabulary comes from the task's tokenizer.
 `model.dtype` is the dtype the weights load in. Weights that train stay float32 (a run with
-bf16/fp16 trainable weights is refused in dpbench/run.py: they have no fp32 master copy, so small
+bf16/fp16 trainable weights is refused in dpbench/precision.py: they have no fp32 master copy, so small
 updates round away; LoRA adapters are made fp32 on a low-precision base): a low dtype is for
 frozen weights, and a low-precision forward is `train.precision` (autocast).
 

@@ -222,7 +222,7 @@ class PrivacyPlan:
 def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.device) -> PrivacyPlan:
     """Calibrate (or take) sigma for the planned run and build what the algorithm needs."""
     p = cfg.privacy
-    relation = neighboring(cfg)  # validated with the config (dpbench.run.validate)
+    relation = neighboring(cfg)  # validated with the config (dpbench.run_config.validate)
     accountant = build_accountant(cfg.accountant.name)
     sample_rate = cfg.train.batch_size / train_size
     clip_norm = float(p.clip_norm)

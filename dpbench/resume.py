@@ -1,0 +1,72 @@
+"""Resuming a run: a stored results.json or checkpoint is reused only when it is of the same config,
+and a run that starts over in a folder an earlier attempt used says so in its results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from dpbench.checkpoint import CHECKPOINT_FILE, read_checkpoint
+from dpbench.logging.console import console
+from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
+from dpbench.run_config import resolved_config
+from dpbench.schema import RUN_INVARIANT_KEYS, default_of
+
+
+def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
+    keys = sorted(set(stored) | set(current))
+    out = []
+    for key in keys:
+        dotted = f"{prefix}{key}"
+        if dotted in RUN_INVARIANT_KEYS:
+            continue
+        a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
+            continue  # a key added since the run was stored, left at its default
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, dotted + ".")
+        elif a != b:
+            out.append(f"{dotted} ({a!r} -> {b!r})")
+    return out
+
+
+def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
+    """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
+    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
+    if differences:
+        console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
+                      soft_wrap=True)
+    return not differences
+
+
+def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
+    """The stored results of this exact job, or None (with the reason printed) to run it."""
+    if not cfg.resume or (existing := read_results(run_dir)) is None:
+        return None
+    if not matches_config(existing, cfg, f"{run_dir} holds a run", "running it again"):
+        return None
+    console.print(f"[dim]results.json exists in {run_dir}: skipping (resume=false reruns it)[/]")
+    return RunResults.from_json(existing)
+
+
+# what an attempt leaves in its folder (error.txt: dpbench.cli.ERROR_FILE, written for a failed grid job)
+EARLIER_ATTEMPT_FILES = (CHECKPOINT_FILE, "wandb", "error.txt", RESULTS_FILE)
+
+
+def earlier_attempt_note(run_dir: Path) -> str | None:
+    """A run starting from step 0 in a folder an earlier attempt used: that attempt's releases (its
+    published evaluations, its W&B run) are in no epsilon, and results.json says so."""
+    left = [name for name in EARLIER_ATTEMPT_FILES if (Path(run_dir) / name).exists()]
+    if not left:
+        return None
+    return (f"this run started from step 0 in a folder an earlier attempt left ({', '.join(left)}); whatever that "
+            "attempt released or published is outside this run's epsilon (their privacy costs add up)")
+
+
+def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """The checkpoint of this exact job to continue from (same rule as `reusable_results`), or None."""
+    if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
+        return None
+    return stored if matches_config(stored, cfg, f"the checkpoint in {run_dir} is", "starting from step 0") else None
