@@ -252,7 +252,7 @@ def outer_inputs():
 
 
 def test_outer_product_bound_covers_the_exact_norm():
-    from dpbench.privacy.bookkeeping import OuterProduct
+    from dpbench.privacy.pieces import OuterProduct
 
     for a, g in outer_inputs():
         estimate, error, _ = OuterProduct(a, g).bounds()
@@ -269,14 +269,14 @@ def test_the_fp32_identity_alone_misses_the_cancelling_norm():
     old = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2)).clamp(min=0)
     exact, _ = exact_outer(a, g)
     assert old.item() < 0.01 * exact.item()
-    from dpbench.privacy.bookkeeping import OuterProduct
+    from dpbench.privacy.pieces import OuterProduct
 
     assert OuterProduct(a, g).norm_sq().item() >= exact.item()
 
 
 def test_typical_norms_are_inflated_by_less_than_a_thousandth():
     """Random ViT-like tokens (65 tokens, 192 -> 576): E stays below 0.1% of ‖G‖²."""
-    from dpbench.privacy.bookkeeping import OuterProduct
+    from dpbench.privacy.pieces import OuterProduct
 
     g = torch.Generator().manual_seed(0)
     a, grads = torch.randn(4, 65, 192, generator=g), torch.randn(4, 65, 576, generator=g)
@@ -295,7 +295,7 @@ def embedding_inputs():
 
 
 def test_embedding_bound_covers_the_exact_norm():
-    from dpbench.privacy.bookkeeping import EmbeddingRows
+    from dpbench.privacy.pieces import EmbeddingRows
 
     for ids, g in embedding_inputs():
         rows = EmbeddingRows(ids, g, 16)
@@ -307,7 +307,7 @@ def test_embedding_bound_covers_the_exact_norm():
 
 
 def test_tied_cross_term_bound_covers_the_exact_inner_product():
-    from dpbench.privacy.bookkeeping import EmbeddingRows, OuterProduct, TiedPieces, _outer_embedding_cross
+    from dpbench.privacy.pieces import EmbeddingRows, OuterProduct, TiedPieces, _outer_embedding_cross
 
     g = torch.Generator().manual_seed(2)
     vocab = 16
@@ -333,7 +333,7 @@ def test_tied_cross_term_bound_covers_the_exact_inner_product():
 
 
 def test_instantiated_bound_covers_the_exact_sum_of_squares():
-    from dpbench.privacy.bookkeeping import Instantiated
+    from dpbench.privacy.pieces import Instantiated
 
     g = torch.Generator().manual_seed(3)
     for x in (torch.randn(3, 7, generator=g), torch.randn(2, 64, 300, generator=g) * 1e10, torch.randn(2, 4, 3, 3, generator=g),
@@ -346,7 +346,7 @@ def test_reduced_precision_matmul_bound():
     """Under a reduced fp32 matmul mode (TF32 / bf16 passes) the Gram inputs may be rounded to 8
     significant bits: the bound takes ε_n = (1 + 2⁻⁸)² (1 + γ_n) − 1 and still covers a Gram
     formed from bf16-rounded inputs."""
-    from dpbench.privacy.bookkeeping import _gram_norm_sq
+    from dpbench.privacy.pieces import _gram_norm_sq
 
     previous = torch.get_float32_matmul_precision()
     try:
@@ -362,8 +362,8 @@ def test_reduced_precision_matmul_bound():
 
 
 def test_norm_bound_is_rounded_up_to_fp32():
-    from dpbench.privacy.bookkeeping import _round_down_fp32, _round_up_fp32
+    from dpbench.privacy.pieces import round_down_fp32, round_up_fp32
 
     x = torch.tensor([1.0 + 2.0**-40, 3.0, 1e-300, math.inf], dtype=torch.float64)
-    assert (_round_up_fp32(x).double() >= x).all()
-    assert (_round_down_fp32(x[:3]).double() <= x[:3]).all()
+    assert (round_up_fp32(x).double() >= x).all()
+    assert (round_down_fp32(x[:3]).double() <= x[:3]).all()

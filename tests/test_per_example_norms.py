@@ -151,11 +151,11 @@ def test_bk_keeps_a_tied_output_layer_and_embedding_apart(monkeypatch):
     """OPT's head is tied to its input embedding: book-keeping adds the two parts' cross term
     (‖A + E‖² = ‖A‖² + ‖E‖² + 2⟨A, E⟩, exact per the norms test above) instead of forming
     two [B, V, d] per-example tables and their sum (3 × 128 MiB at the OPT shape's batch 16)."""
-    from dpbench.privacy import bookkeeping
+    from dpbench.privacy.pieces import EmbeddingRows
 
     formed = []
-    original = bookkeeping.EmbeddingRows.instantiate
-    monkeypatch.setattr(bookkeeping.EmbeddingRows, "instantiate", lambda self: formed.append(self) or original(self))
+    original = EmbeddingRows.instantiate
+    monkeypatch.setattr(EmbeddingRows, "instantiate", lambda self: formed.append(self) or original(self))
     model = language_model("opt")
     head, table = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     assert head is table
@@ -176,14 +176,14 @@ def test_timm_layer_norm_gets_a_layer_norm_rule_not_functorch(mode, monkeypatch)
     norm's forward and backward for the batch (245 MiB of the ViT shape's bk peak)."""
     import opacus.grad_sample.grad_sample_module as gsm
 
-    from dpbench.privacy import bookkeeping
+    from dpbench.privacy import layers
 
     seen = []
 
     def recording(original):
         return lambda layer, *args: seen.append(type(layer).__name__) or original(layer, *args)
 
-    monkeypatch.setattr(bookkeeping, "ft_compute_per_sample_gradient", recording(bookkeeping.ft_compute_per_sample_gradient))
+    monkeypatch.setattr(layers, "ft_compute_per_sample_gradient", recording(layers.ft_compute_per_sample_gradient))
     monkeypatch.setattr(gsm, "ft_compute_per_sample_gradient", recording(gsm.ft_compute_per_sample_gradient))
     model = image_model("vit")
     assert any(type(m).__module__.startswith("timm") and isinstance(m, torch.nn.LayerNorm) for m in model.modules())
@@ -197,7 +197,7 @@ def test_bk_counts_an_input_several_layers_keep_once():
     """q, k and v read one input: keeping (a, g) costs each layer its g and a third of a. At
     T·(in + out) = in·out (OPT's attention at 128 tokens, width 256) that tips the choice from
     [B, out, in] per-example tables to (a, g)."""
-    from dpbench.privacy.bookkeeping import Instantiated, OuterProduct
+    from dpbench.privacy.pieces import Instantiated, OuterProduct
 
     a, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)  # T·(in + out) = 256 = in·out
     assert isinstance(OuterProduct(a, g).compact(input_readers=1), Instantiated)

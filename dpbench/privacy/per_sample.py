@@ -18,8 +18,8 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.bookkeeping import is_layer_norm
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
+from dpbench.privacy.layers import is_layer_norm
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -32,7 +32,7 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         # the overrides. Both are plain attributes, set before hooks are added in __init__.
         self._overrides = overrides
         # A LayerNorm subclass with LayerNorm's function (timm's) gets Opacus's LayerNorm sampler
-        # instead of functorch (see bookkeeping.LAYER_NORMS).
+        # instead of functorch (the layer catalogue's `is_layer_norm`, layers.py).
         layer_norms = {type(m): GradSampleModule.GRAD_SAMPLERS[nn.LayerNorm] for m in module.modules()
                        if is_layer_norm(m) and m.bias is not None and m.weight is not None}
         self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **layer_norms, **overrides}

@@ -1,0 +1,210 @@
+"""The layer catalogue of book-keeping and ghost clipping (bookkeeping.py): which layer kinds have
+a hand-written piece rule (pieces.py), and what every other layer gets.
+
+`RULES` is the one table. It is keyed by layer class and resolved along the module class's MRO, so
+a subclass that runs its base's forward (one FSDP2 makes by swapping a wrapped module's class, or
+one that only adds attributes) gets its base's rule; a subclass with a forward of its own (timm's
+LayerNorm2d permutes its input, LayerNormAct adds an activation) gets none unless it is listed.
+Each rule declares how a layer call's pieces are built and the forms it keeps, each form's
+`norm_sq()` adding that form's rounding bound:
+
+* nn.Linear over [B, T, in] (T = all middle positions): the weight's input a_i [T, in] and output
+  gradient g_i [T, out] (`OuterProduct`), the bias instantiated. A Linear with a gradient map
+  (DP-GRAPE, `LinearGradientMap`): the same with (a, gP) or (aP, g).
+* nn.Embedding (no max_norm, scale_grad_by_freq or sparse): token ids and g (`EmbeddingRows`).
+* nn.LayerNorm, timm's too: per-example [B, d] weight and bias gradients, x̂ recomputed from the
+  saved input (`Instantiated`: d numbers per example).
+* Any other layer (GroupNorm, Conv2d, DP-ViT's token embedding, ...): its per-example gradient
+  instantiated by Opacus's grad sampler (functorch, all its parameters and children at once, for
+  layers Opacus does not know). Their per-example gradients are small in the models here (norm
+  scales, biases, small convs), so the instantiated form is the cheap one.
+
+Rows that belong to one example (candidate scoring: R = K·B rows, example-major) are merged into
+the token axis, which is exact for these layers: the example's gradient sums over its rows and
+tokens alike.
+
+Adding a layer kind: its rule (a pieces function, its forms; a new form in pieces.py with its
+rounding bound), one entry in `RULES`, and an adversarial case in tests/test_layer_catalogue.py,
+which requires one for every entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample import GradSampleModule
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from torch import nn
+
+from dpbench.privacy.clipping import sum_rows_per_example
+from dpbench.privacy.pieces import EmbeddingRows, Instantiated, OuterProduct, Piece
+
+
+class LinearGradientMap(Protocol):
+    """A linear map applied to a Linear layer's per-example weight gradients (DP-GRAPE's projection).
+
+    `pair(a, g)` -> (a', g') with mapped G_i = Σ_t g'_tᵀ a'_t; `map_gradient(param, grad)` maps a
+    summed gradient of the layer's parameter (identity for the bias)."""
+
+    def pair(self, activations: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def map_gradient(self, param: nn.Parameter, gradient: torch.Tensor) -> torch.Tensor: ...
+
+
+# (module, its inputs, its output gradient, examples B) -> {parameter: piece}
+PiecesFn = Callable[[nn.Module, list, torch.Tensor, int], dict]
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class PieceRule:
+    """How one layer kind's per-example gradients are kept.
+
+    `pieces`: one layer call's pieces per trainable parameter, from its inputs and output gradient
+    (an example's rows and positions become its tokens). `forms`: the piece forms it returns; each
+    form's `norm_sq()` is the computed squared norm plus that form's rounding bound (pieces.py).
+    `applies`: the layer configurations the pieces are right for (the others are instantiated)."""
+
+    pieces: PiecesFn
+    forms: tuple[type[Piece], ...]
+    applies: Callable[[nn.Module], bool] = _always
+
+
+def _tokens(x: torch.Tensor, examples: int) -> torch.Tensor:
+    """[R, ..., d] -> [B, T, d]: every position of an example's rows becomes a token."""
+    return x.reshape(examples, -1, x.shape[-1])
+
+
+def _linear_pieces(module: nn.Linear, activations, backprops, examples: int,
+                   gradient_map: LinearGradientMap | None = None) -> dict:
+    a = _tokens(activations[0].to(backprops.dtype), examples)
+    g = _tokens(backprops, examples)
+    pieces = {}
+    if module.bias is not None and module.bias.requires_grad:
+        pieces[module.bias] = Instantiated(g.sum(dim=1, dtype=torch.float32))  # bf16 rows: summed and kept in fp32
+    if module.weight.requires_grad:
+        if gradient_map is not None:
+            a, g = gradient_map.pair(a, g)
+        pieces[module.weight] = OuterProduct(a, g)
+    return pieces
+
+
+def _embedding_pieces(module: nn.Embedding, activations, backprops, examples: int) -> dict:
+    ids = activations[0].reshape(examples, -1)
+    g = _tokens(backprops, examples)
+    if module.padding_idx is not None:  # the padding row gets no gradient
+        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    return {module.weight: EmbeddingRows(ids, g, module.num_embeddings)} if module.weight.requires_grad else {}
+
+
+def _plain_embedding(module: nn.Embedding) -> bool:
+    """An embedding whose gradient is its output gradient's rows, scattered by id."""
+    return module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+
+
+def _layer_norm_pieces(module: nn.LayerNorm, activations, backprops, examples: int) -> dict:
+    """Per-example gradients of a LayerNorm's weight Σ_t x̂_t ⊙ g_t and bias Σ_t g_t, [B, *shape]
+    (fp32): x̂ recomputed from the saved input, an example's rows and positions summed at once."""
+    shape = tuple(module.normalized_shape)
+    g = backprops.reshape(examples, -1, *shape).float()
+    pieces = {}
+    if module.weight is not None and module.weight.requires_grad:
+        normed = F.layer_norm(activations[0].reshape(examples, -1, *shape).float(), shape, eps=module.eps)
+        pieces[module.weight] = Instantiated(normed.mul_(g).sum(dim=1))  # normed is new: no copy
+    if module.bias is not None and module.bias.requires_grad:
+        pieces[module.bias] = Instantiated(g.sum(dim=1))
+    return pieces
+
+
+LINEAR = PieceRule(_linear_pieces, forms=(OuterProduct, Instantiated))
+EMBEDDING = PieceRule(_embedding_pieces, forms=(EmbeddingRows,), applies=_plain_embedding)
+LAYER_NORM = PieceRule(_layer_norm_pieces, forms=(Instantiated,))
+
+RULES: dict[type[nn.Module] | str, PieceRule] = {
+    nn.Linear: LINEAR,
+    nn.Embedding: EMBEDDING,
+    nn.LayerNorm: LAYER_NORM,
+    # F.layer_norm over `normalized_shape` in a forward of its own (a fused-kernel option). Named,
+    # not imported: timm stays unimported. Without a rule Opacus (exact types) sends it whole to
+    # functorch, whose vmap holds a layer norm's forward and backward for the whole batch at once.
+    "timm.layers.norm.LayerNorm": LAYER_NORM,
+}
+
+
+def rule_for(module: nn.Module) -> PieceRule | None:
+    """The rule of the module's class or of its nearest base in `RULES`, if the module runs that
+    class's forward; else None."""
+    kind = type(module)
+    for base in kind.__mro__:
+        rule = RULES.get(base)
+        if rule is None:
+            rule = RULES.get(f"{base.__module__}.{base.__qualname__}")
+        if rule is not None:
+            return rule if kind.forward is base.forward else None
+    return None
+
+
+def is_layer_norm(module: nn.Module) -> bool:
+    """A layer norm with nn.LayerNorm's function: F.layer_norm over `normalized_shape`."""
+    return rule_for(module) is LAYER_NORM
+
+
+def is_gradient_map(override) -> bool:
+    return hasattr(override, "pair")
+
+
+def has_rule(module: nn.Module, override=None) -> bool:
+    """Whether the layer's pieces come from a rule (not from a grad sampler or functorch)."""
+    if is_gradient_map(override):
+        return True
+    rule = rule_for(module) if override is None else None
+    return rule is not None and rule.applies(module)
+
+
+def by_functorch(module: nn.Module) -> bool:
+    """A layer with neither a rule nor an Opacus grad sampler (and no override): functorch
+    instantiates its per-example gradients, all its parameters (children included) at once."""
+    return not has_rule(module) and type(module) not in GradSampleModule.GRAD_SAMPLERS
+
+
+def layer_pieces(module: nn.Module, activations, backprops: torch.Tensor, examples: int, override=None) -> dict:
+    """One layer call's pieces per trainable parameter. `override`: a `LinearGradientMap` (a Linear
+    layer) or an Opacus-signature grad sampler (instantiated form)."""
+    if is_gradient_map(override):
+        return _linear_pieces(module, activations, backprops, examples, override)
+    rule = rule_for(module) if override is None else None
+    if rule is not None and rule.applies(module):
+        return rule.pieces(module, activations, backprops, examples)
+    sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
+    return _instantiated_pieces(sampler, module, activations, backprops, examples)
+
+
+def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:
+    grads = sampler(module, activations, backprops)
+    return {p: Instantiated(sum_rows_per_example(gs, examples)) for p, gs in grads.items() if p.requires_grad}
+
+
+def hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
+    """Modules that own trainable parameters, as Opacus walks them: a module without a known
+    per-sample rule is handed whole to functorch, so its children are not walked."""
+    found = []
+
+    def walk(module):
+        own = any(p.requires_grad for p in module.parameters(recurse=False))
+        known = module in overrides or rule_for(module) is not None or type(module) in GradSampleModule.GRAD_SAMPLERS
+        if own:
+            found.append(module)
+            if not known:
+                return
+        for child in module.children():
+            walk(child)
+
+    walk(model)
+    return found

@@ -1,0 +1,488 @@
+"""The piece forms of book-keeping and ghost clipping (bookkeeping.py): what is kept of one
+parameter's per-example gradients G_i, each form's squared norm with a bound on its rounding, and
+its clipped sum Σ_i f_i G_i. Which layer keeps which form: the layer catalogue, layers.py.
+
+* `OuterProduct`: a Linear layer's G_i = g_iᵀ a_i from its input a [B, T, in] and output gradient
+  g [B, T, out] (T = all middle positions). ‖G_i‖² = Σ_{t,s} (a_i a_iᵀ)_{ts} (g_i g_iᵀ)_{ts} (ghost
+  norm, T² per example) when T² < in·out, else from the instantiated G_i; `compact` keeps (a, g)
+  when T·(in+out) < in·out, else G_i, whichever is smaller (fastDP's "mixed" choice). Clipped sum:
+  (f ⊙ g)ᵀ a over all B·T rows. A gradient map (DP-GRAPE) hands over (a, gP) or (aP, g), so the
+  projected per-example gradient is never formed unless that is the smaller form.
+* `EmbeddingRows`: token ids and g; ghost norm through equal-id pairs; clipped sum by index_add.
+* `Instantiated`: per-example gradients [B, ...] (LayerNorm, biases, whatever a grad sampler forms).
+* `TiedPieces`: a parameter read by layers of different kinds (an output layer tied to the input
+  embedding): both parts kept, ‖Σ_k G_k‖² through their cross term.
+
+A parameter used by several layer calls (tied or reused) has the norm of its summed per-example
+gradient, not the parts' norms (`merge_pieces`): calls of one layer kind concatenate their tokens;
+an output layer tied to the input embedding keeps both parts and adds their cross term; anything
+else is instantiated and summed.
+
+Every piece's squared norm is an upper bound that covers its own rounding (N̂_i + E_i, E_i bounding
+|N̂_i − ‖G_i‖²| for the arithmetic used), because the Gram identities cancel when an example's
+tokens do. README, "Rounding and the clip norm".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from dpbench.privacy.clipping import clipped_sum
+
+
+class Piece(ABC):
+    """What is kept of one parameter's per-example gradients G_i (B examples)."""
+
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def instantiate(self) -> torch.Tensor:
+        """The per-example gradients [B, ...]."""
+
+    @abstractmethod
+    def compact(self, input_readers: int = 1) -> Piece:
+        """The smaller of this form and the instantiated one."""
+
+    @abstractmethod
+    def norm_sq(self) -> torch.Tensor:
+        """N̂_i + E_i per example, fp64 [B]: the computed ‖G_i‖² plus a bound on its rounding error,
+        so ≥ the exact ‖G_i‖² of what `clipped_sum` sums (module doc)."""
+
+    @abstractmethod
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        """Σ_i f_i G_i in fp32."""
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _scaled_rows(g: torch.Tensor, factors: torch.Tensor, all_finite: bool = False, in_place: bool = False) -> torch.Tensor:
+    """f_i · g_i in fp32 (one new tensor: bf16 · fp32 promotes in the product; `in_place`: into an
+    fp32 g nothing else reads), rows with f_i = 0 zeroed in place so that 0 · inf cannot poison the
+    sum (unless `all_finite`: no f_i is 0)."""
+    factors = factors.float().view(-1, *([1] * (g.dim() - 1)))
+    scaled = g.mul_(factors) if in_place else torch.mul(g, factors)
+    if not all_finite:
+        scaled.masked_fill_(factors == 0, 0.0)
+    return scaled.float()  # (a float64 model: cast back)
+
+
+def _keep_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Zero the examples whose clip factor is 0 (non-finite gradient), so 0 · inf cannot poison
+    the sum; materialize's clipped_sum drops them the same way."""
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# --- rounding bounds of the clip norm ------------------------------------------------------------
+# Each piece's `norm_sq()` is N̂_i + E_i in fp64: the computed squared norm plus a bound E_i on
+# |N̂_i − ‖G_i‖²| for the arithmetic that computed it, ‖G_i‖ the exact norm of the per-example
+# gradient the kept tensors sum to; so it is ≥ ‖G_i‖² however an example's terms cancel (no clamp
+# but on the total, BookKeeping._norms). Bounds are Higham's: an n-term dot product in unit
+# roundoff u is off by at most γ_n Σ_k |x_k y_k| (γ_n = nu / (1 − nu)) in any summation order, with
+# or without FMA.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# Absolute error of one operation near underflow: the smallest normal number (flush-to-zero included).
+UNDERFLOW = {torch.float64: 2.0**-1022, torch.float32: 2.0**-126}
+REDUCED_MATMUL_ROUNDING = 2.0**-8  # fp32 matmul inputs under TF32 / bf16 modes: at most 8 significant bits
+GRAM_FP32_LIMIT = 1e-2  # γ_width · T beyond which a Gram is formed in fp64 (`_gram_dtype`)
+
+
+def _gamma(n: int, u: float) -> float:
+    """Higham's γ_n = nu / (1 − nu) (inf when nu ≥ 1)."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1.0 else math.inf
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp64 for a float64 model's pieces, else fp32 (bf16 and fp16 pieces widen exactly)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _gram_dtype(width: int, tokens: int, *tensors: torch.Tensor) -> torch.dtype:
+    """fp32 Gram products over `width` features, unless the bound would inflate a typical norm:
+    its E is about γ_width · T · ρ of ‖G‖² (ρ ≤ 1), so beyond γ_width(u₃₂) · T = 1e-2
+    (a language model's output layer: width = the vocabulary) a Gram of a is formed in fp64, one of g
+    gets the |g| Gram bound (`_gram_norm_sq`)."""
+    dtype = _compute_dtype(*tensors)
+    if dtype == torch.float32 and _gamma(width, UNIT_ROUNDOFF[torch.float32]) * tokens > GRAM_FP32_LIMIT:
+        return torch.float64
+    return dtype
+
+
+def _input_rounding(dtype: torch.dtype) -> float:
+    """Relative rounding of an fp32 matmul's inputs when torch may run it reduced (TF32 on CUDA,
+    bf16 passes under float32_matmul_precision 'high'/'medium'); private runs set 'highest'."""
+    if dtype == torch.float32 and (torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32):
+        return REDUCED_MATMUL_ROUNDING
+    return 0.0
+
+
+def _dot_error(n: int, dtype: torch.dtype) -> float:
+    """Relative bound of an n-term dot product (a matmul entry) in dtype: |x̂ − x| ≤ this · Σ|x_k y_k|
+    (+ the underflow term n · UNDERFLOW): (1 + u_in)² (1 + γ_n) − 1."""
+    return (1.0 + _input_rounding(dtype)) ** 2 * (1.0 + _gamma(n, UNIT_ROUNDOFF[dtype])) - 1.0
+
+
+def fp64_slack(ops: int) -> float:
+    """Covers the fp64 rounding of a bound computed from nonnegative terms `ops` operations deep
+    (relative γ_ops(2^-53), doubled)."""
+    return 1.0 + 4.0 * ops * UNIT_ROUNDOFF[torch.float64]
+
+
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """Upper bounds, fp64, on the exact ‖x_t‖ of the last axis ([B, T, d] -> [B, T]): the computed
+    sum of squares is at least (1 − γ_{d+3}) times the exact one, less d underflows."""
+    dtype = _compute_dtype(x)
+    computed = torch.linalg.vector_norm(x, dim=-1, dtype=dtype).double()
+    d = x.shape[-1]
+    return ((computed.pow(2) + (d + 2) * UNDERFLOW[dtype]) / (1.0 - _gamma(d + 3, UNIT_ROUNDOFF[dtype]))).sqrt() * fp64_slack(4)
+
+
+def _quadratic(left: torch.Tensor, matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """Upper bound, fp64 [B], on Σ_ts l_t M_ts r_s for fp64 l, r ≥ 0 [B, T], [B, T'] and M ≥ 0
+    [B, T, T'], computed in M's dtype: l and r rounded into it (relative u each) and two sums of
+    nonnegative products (T and T' terms), all widened by 1 / (1 − γ_{T+T'+4})."""
+    dtype = matrix.dtype
+    value = torch.bmm(torch.bmm(left.to(dtype).unsqueeze(1), matrix), right.to(dtype).unsqueeze(2)).view(-1).double()
+    return value * ((1.0 + 4 * UNIT_ROUNDOFF[torch.float64]) / (1.0 - _gamma(left.shape[1] + right.shape[1] + 4, UNIT_ROUNDOFF[dtype])))
+
+
+def _products_sum(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """Σ x ⊙ y per example ([B, T, T'] -> [B]): products in their common dtype, summed in fp64 (no
+    fp64 copy of x and y). Returns it with (r, t): it is off by at most r Σ|x ⊙ y| + t."""
+    products = x * y
+    dtype, count = products.dtype, x.shape[1] * x.shape[2]
+    u = UNIT_ROUNDOFF[dtype]
+    rounding = u + _gamma(count + 1, UNIT_ROUNDOFF[torch.float64]) * (1 + u)
+    return products.sum(dim=(1, 2), dtype=torch.float64), rounding, 2 * count * UNDERFLOW[dtype]
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Upper bound, fp64 [B], on the exact Σ x² of each example's [B, ...] tensor: fp32 sums along
+    the last axis (relative γ_{last+3}, with the norm's sqrt), then fp64 across rows."""
+    dtype = _compute_dtype(x)
+    rows = x.reshape(x.shape[0], -1, x.shape[-1] if x.dim() > 1 else 1)
+    last, count = rows.shape[2], rows.shape[1]
+    computed = torch.linalg.vector_norm(rows, dim=-1, dtype=dtype).double().pow(2).sum(dim=1)
+    scale = fp64_slack(count + 4) / (1.0 - _gamma(last + 3, UNIT_ROUNDOFF[dtype]))
+    return computed.add_(count * (last + 2) * UNDERFLOW[dtype]).mul_(scale)
+
+
+def exact_arithmetic(device: torch.device):
+    """Norms and sums in the dtypes the bounds assume, not autocast's."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def round_up_fp32(x: torch.Tensor) -> torch.Tensor:
+    """fp64 -> the nearest fp32 at or above."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+
+
+def round_down_fp32(x: torch.Tensor) -> torch.Tensor:
+    y = x.float()
+    return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
+
+
+class Instantiated(Piece):
+    """Per-example gradients [B, ...] of one parameter."""
+
+    def __init__(self, grad_sample: torch.Tensor):
+        self.grad_sample = grad_sample
+
+    def nbytes(self) -> int:
+        return _bytes(self.grad_sample)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.grad_sample]
+
+    def instantiate(self) -> torch.Tensor:
+        return self.grad_sample
+
+    def compact(self, input_readers: int = 1):
+        return self
+
+    def norm_sq(self) -> torch.Tensor:
+        """Bound: the sum of squares of the tensor that is summed, / (1 − γ_{d+3}) (fp32 along its
+        last axis d, fp64 across); its clipped sum's rounding is relative to ‖G_i‖ (not counted)."""
+        return _sum_of_squares(self.grad_sample)
+
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        if not all_finite:  # zero the rows of dropped examples first (0 · inf)
+            return clipped_sum([self.grad_sample], factors)[0]
+        flat = self.grad_sample.reshape(self.grad_sample.shape[0], -1).float()
+        return (factors.float() @ flat).view(self.grad_sample.shape[1:])
+
+
+class OuterProduct(Piece):
+    """Per-example weight gradients G_i = g_iᵀ a_i [out, in] from a [B, T, in] and g [B, T, out]."""
+
+    def __init__(self, activations: torch.Tensor, backprops: torch.Tensor):
+        self.a, self.g = activations, backprops
+
+    def nbytes(self) -> int:
+        return _bytes(self.a, self.g)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.a, self.g]
+
+    def instantiate(self) -> torch.Tensor:
+        return torch.einsum("bto,bti->boi", self.g, self.a)
+
+    def compact(self, input_readers: int = 1):
+        """The smaller of (a, g) and the instantiated G_i, by the bytes each adds: an input that
+        `input_readers` layers keep (q, k and v read one) costs each of them its share."""
+        kept = self.g.numel() * self.g.element_size() + self.a.numel() * self.a.element_size() / max(input_readers, 1)
+        instantiated = self.a.shape[0] * self.a.shape[2] * self.g.shape[2] * self.g.element_size()
+        return Instantiated(self.instantiate()) if instantiated <= kept else self
+
+    def norm_sq(self) -> torch.Tensor:
+        """N̂ + E, N̂ by the Gram identity ‖G_i‖² = Σ_ts (a aᵀ)_ts (g gᵀ)_ts (Grams fp32, or fp64 where
+        `_gram_dtype` says, the rest fp64),
+        E = ε_in Σ_ts ‖a_t‖‖a_s‖|ĝg_ts| + ε_out Σ_ts ‖g_t‖‖g_s‖|âa_ts| + ε_in ε_out S² + γ_{T²+1}(fp64) Σ|products|
+        (ε_n: an n-term dot product's relative bound, S = Σ_t ‖a_t‖‖g_t‖); when T² ≥ in·out, from G_i
+        instantiated in fp32, E = (√(N̂/(1 − γ_{in+3})) + ε_T S)² − N̂."""
+        estimate, error, _ = self.bounds()
+        return estimate + error
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N̂, E, S) per example, fp64."""
+        tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+        return (_instantiated_norm_sq if tokens * tokens >= d_in * d_out else _gram_norm_sq)(self.a, self.g)
+
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        """Σ_i f_i G_i = (f ⊙ g)ᵀ a = gᵀ (f ⊙ a). Rows of dropped examples (f_i = 0: a non-finite
+        gradient) are zeroed in a and g, unless `all_finite` says no f_i is 0 (then every row is
+        finite). The factors scale g in place when `own_g` says nothing else reads it (book-keeping
+        after its backward: no copy, no new memory), else a copy of the narrower of a and g."""
+        def unscaled(x):
+            return x.float() if all_finite else _keep_rows(x.float(), factors > 0)
+
+        if own_g and self.g.dtype == torch.float32 and self.g.is_contiguous():
+            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite, in_place=True)
+        elif self.a.shape[2] < self.g.shape[2]:
+            a, g = _scaled_rows(self.a, factors, all_finite), unscaled(self.g)
+        else:
+            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite)
+        return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
+
+    def merge(self, other: OuterProduct) -> OuterProduct:
+        """Two calls of one layer: their tokens concatenate (G_i = Σ over both calls)."""
+        return OuterProduct(torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1))
+
+
+def _gram_weights(gram: torch.Tensor, width: int) -> tuple[torch.Tensor, float]:
+    """w_t = √(x̂_tt + t) from a computed Gram's diagonal, in its dtype, and κ with ‖x_t‖ ≤ κ w_t:
+    x̂_tt ≥ (1 − ε_width) ‖x_t‖² − t (nonnegative terms), the add and the sqrt round by u each."""
+    dtype, u = gram.dtype, UNIT_ROUNDOFF[gram.dtype]
+    weights = gram.diagonal(dim1=1, dim2=2).add(2 * width * UNDERFLOW[dtype]).sqrt_()
+    return weights, (1.0 + 4 * UNIT_ROUNDOFF[torch.float64]) / ((1.0 - u) ** 1.5 * math.sqrt(1.0 - _dot_error(width, dtype)))
+
+
+def _gram_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖G_i‖² of G_i = g_iᵀ a_i by the Gram identity: (N̂, E, S) per example, fp64. The Grams are
+    formed in fp32 (fp64 for a float64 model or a wide side, `_gram_dtype`), their products (exact:
+    products in fp32) summed in fp64. With x̂ = âa_ts, ŷ = ĝg_ts the computed Grams,
+    |x̂ − x| ≤ e_a α_ts + t_a, |ŷ − y| ≤ e_g β_ts + t_g (α_ts = ‖a_t‖‖a_s‖, β_ts = ‖g_t‖‖g_s‖, e the dot
+    products' relative bounds, t their underflow), so |x̂ŷ − xy| ≤ (e_a α + t_a)|ŷ| + |x̂|(e_g β + t_g)
+    + (e_a α + t_a)(e_g β + t_g); products and sum add (u + γ_{T²+1}(fp64)) Σ|x̂ŷ|, Σ|x̂ŷ| ≤ (1 + e_a) Σ α|ŷ| + t_a Σ|ŷ|."""
+    (tokens, d_in), d_out = a.shape[1:], g.shape[2]
+    dtype_a, dtype_g = _gram_dtype(d_in, tokens, a, g), _gram_dtype(d_out, tokens, a, g)
+    # A wide output side (the vocabulary): its Gram stays fp32 and the bound takes the Gram of |g|
+    # (|ŷ − y| ≤ e_g |g_t|·|g_s|: small for softmax gradients), one more fp32 product instead of fp64.
+    wide_g = dtype_g != _compute_dtype(a, g)
+    dtype_g = _compute_dtype(a, g) if wide_g else dtype_g
+    a_, g_ = a.to(dtype_a), g.to(dtype_g)
+    gram_a = torch.bmm(a_, a_.transpose(1, 2))  # [B, T, T]
+    gram_g = torch.bmm(g_, g_.transpose(1, 2))
+    estimate, rounding, underflow = _products_sum(gram_a, gram_g)
+    (w_a, k_a), (w_g, k_g) = _gram_weights(gram_a, d_in), _gram_weights(gram_g, d_out)  # ‖a_t‖ ≤ k_a w_a,t
+    e_a, e_g = _dot_error(d_in, dtype_a), _dot_error(d_out, dtype_g)
+    t_a, t_g = 2 * d_in * UNDERFLOW[dtype_a], 2 * d_out * UNDERFLOW[dtype_g]  # underflow: absolute per entry
+    area = tokens * tokens
+    # Σ_ts α|ŷ| and Σ_ts β|x̂| (in each Gram's dtype, widened for their own rounding)
+    quadratic = 1.0 / (1.0 - _gamma(2 * tokens + 4, max(UNIT_ROUNDOFF[dtype_a], UNIT_ROUNDOFF[dtype_g])))
+    weighted_a = torch.bmm(torch.bmm(w_a.to(dtype_g).unsqueeze(1), gram_g.abs()), w_a.to(dtype_g).unsqueeze(2)).view(-1).double()
+    weighted_g = torch.bmm(torch.bmm(w_g.to(dtype_a).unsqueeze(1), gram_a.abs()), w_g.to(dtype_a).unsqueeze(2)).view(-1).double()
+    weighted_a, weighted_g = weighted_a * (quadratic * k_a * k_a), weighted_g * (quadratic * k_g * k_g)
+    if wide_g:  # Σ_ts (|g_t|·|g_s|) |x̂_ts|: nonnegative fp32 sums and products, widened
+        magnitude = g_.abs()
+        absolute = torch.bmm(magnitude, magnitude.transpose(1, 2)).to(dtype_a).mul_(gram_a.abs()).sum(dim=(1, 2), dtype=torch.float64)
+        widen = (1 + UNIT_ROUNDOFF[dtype_a]) * (1 + 2 * UNIT_ROUNDOFF[dtype_g]) / ((1 - _dot_error(d_out, dtype_g)) * (1 - _gamma(area + 1, UNIT_ROUNDOFF[torch.float64])))
+        weighted_g = torch.minimum(weighted_g, absolute * widen)
+    w_a, w_g = w_a.double() * k_a, w_g.double() * k_g
+    spread = (w_a * w_g).sum(dim=1)  # S = Σ_t ‖a_t‖‖g_t‖ (bound)
+    alpha, beta = w_a.sum(dim=1).square(), w_g.sum(dim=1).square()  # Σ_ts α_ts, Σ_ts β_ts
+    abs_g = (1 + e_g) * beta + area * t_g  # ≥ Σ|ŷ|
+    error = ((e_a + rounding * (1 + e_a)) * weighted_a + e_g * weighted_g + e_a * e_g * spread.square()
+             + (t_a * (1 + rounding)) * abs_g + t_g * ((1 + e_a) * alpha + area * t_a)
+             + e_a * t_g * alpha + t_a * e_g * beta + area * t_a * t_g + underflow)
+    return estimate, error * fp64_slack(area + 16), spread * fp64_slack(tokens + 4)
+
+
+def _instantiated_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """‖G_i‖² from G_i instantiated in fp32 (fp64 for a float64 model): ‖Ĝ_i − G_i‖ ≤ e_T S (+ underflow),
+    so ‖G_i‖² ≤ (√U(Ĝ) + e_T S)², returned as (N̂, that bound − N̂, S)."""
+    dtype, tokens = _compute_dtype(a, g), a.shape[1]
+    instantiated = torch.einsum("bto,bti->boi", g.to(dtype), a.to(dtype))
+    estimate = torch.linalg.vector_norm(instantiated.flatten(1), dim=1, dtype=torch.float64).pow(2)
+    spread = (_row_norms(a) * _row_norms(g)).sum(dim=1) * fp64_slack(tokens + 4)
+    entries = instantiated[0].numel()
+    off = _dot_error(tokens, dtype) * spread + 2 * tokens * UNDERFLOW[dtype] * math.sqrt(entries)
+    bound = ((_sum_of_squares(instantiated).sqrt() + off).pow(2)) * fp64_slack(4)
+    return estimate, bound - estimate, spread
+
+
+class EmbeddingRows(Piece):
+    """Per-example gradients of an embedding table [V, d] from token ids [B, T] and g [B, T, d]."""
+
+    def __init__(self, ids: torch.Tensor, backprops: torch.Tensor, num_embeddings: int):
+        self.ids, self.g, self.num_embeddings = ids, backprops, num_embeddings
+
+    def nbytes(self) -> int:
+        return _bytes(self.ids, self.g)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.g]
+
+    def instantiate(self) -> torch.Tensor:
+        batch, _, dim = self.g.shape
+        grads = torch.zeros((batch, self.num_embeddings, dim), dtype=self.g.dtype, device=self.g.device)
+        return grads.scatter_add_(1, self.ids.unsqueeze(-1).expand(-1, -1, dim), self.g)
+
+    def compact(self, input_readers: int = 1):
+        tokens, dim = self.ids.shape[1], self.g.shape[2]
+        return Instantiated(self.instantiate()) if self.num_embeddings * dim <= tokens * (dim + 1) else self
+
+    def norm_sq(self) -> torch.Tensor:
+        """N̂ + E, N̂ = Σ_ts [id_t = id_s] (g gᵀ)_ts (Gram fp32, the rest fp64),
+        E = ε_d Q + γ_{T²+1}(fp64) Σ_same |ĝg_ts| with Q = Σ_same ‖g_t‖‖g_s‖."""
+        estimate, error, _ = self.bounds()
+        return estimate + error
+
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N̂, E, Q) per example, fp64."""
+        tokens, dim = self.g.shape[1:]
+        dtype = _gram_dtype(dim, tokens, self.g)
+        g = self.g.to(dtype)
+        same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).to(dtype)  # [B, T, T]
+        gram = torch.bmm(g, g.transpose(1, 2))
+        estimate, rounding, underflow = _products_sum(same_row, gram)  # (× 0 or 1: exact)
+        weights, scale = _gram_weights(gram, dim)
+        spread = _quadratic(weights.double() * scale, same_row, weights.double() * scale)  # Q ≥ Σ_same ‖g_t‖‖g_s‖
+        e, t = _dot_error(dim, dtype), 2 * dim * UNDERFLOW[dtype]
+        area = tokens * tokens
+        error = e * spread + t * area + rounding * ((1 + e) * spread + t * area) + underflow
+        return estimate, error * fp64_slack(area + 8), spread
+
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        g = _scaled_rows(self.g, factors, all_finite)
+        table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
+        return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
+
+    def merge(self, other: EmbeddingRows) -> EmbeddingRows:
+        return EmbeddingRows(torch.cat([self.ids, other.ids], 1), torch.cat([self.g, other.g], 1), self.num_embeddings)
+
+
+def _ties(outer: OuterProduct, rows: EmbeddingRows) -> bool:
+    """An output layer [V, d] (g: [B, T, V], a: [B, T, d]) and an embedding table [V, d]."""
+    return outer.g.shape[2] == rows.num_embeddings and outer.a.shape[2] == rows.g.shape[2]
+
+
+def _outer_embedding_cross(outer: OuterProduct, rows: EmbeddingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """⟨g_iᵀ a_i, E_i⟩ per example for an output layer [V, d] tied to an embedding table [V, d]
+    (E_i[v] = Σ_{s: id_s = v} g'_s): Σ_{t,s} g_t[id_s] (a_t · g'_s), a [B, T, T'] product instead
+    of two [B, V, d] per-example tables. With its error bound (fp64, not clamped):
+    ε_d W + t_d Σ|g_t[id_s]| + (u + γ_{TT'+1}(fp64)) ((1 + ε_d) W + …), W = Σ_ts |g_t[id_s]| ‖a_t‖‖g'_s‖."""
+    tokens, others, dim = outer.g.shape[1], rows.g.shape[1], outer.a.shape[2]
+    dtype = _gram_dtype(dim, max(tokens, others), outer.a, rows.g)
+    picked = outer.g.gather(2, rows.ids.unsqueeze(1).expand(-1, tokens, -1)).to(dtype)  # g_t[id_s]: [B, T, T'] (exact)
+    inner = torch.bmm(outer.a.to(dtype), rows.g.to(dtype).transpose(1, 2))
+    cross, rounding, underflow = _products_sum(picked, inner)
+    magnitude = picked.abs()
+    weighted = _quadratic(_row_norms(outer.a), magnitude, _row_norms(rows.g))
+    total = magnitude.sum(dim=(1, 2), dtype=torch.float64) * fp64_slack(tokens * others)
+    e, t = _dot_error(dim, dtype), 2 * dim * UNDERFLOW[dtype]
+    error = e * weighted + t * total + rounding * ((1 + e) * weighted + t * total) + underflow
+    return cross, error * fp64_slack(16)
+
+
+class TiedPieces(Piece):
+    """One parameter read by layers of different kinds (a language model's output layer tied to
+    its input embedding): the parts kept apart, ‖Σ_k G_k‖² = Σ_k ‖G_k‖² + 2 Σ_{j<k} ⟨G_j, G_k⟩
+    with the cross terms in ghost form, so no per-example table is formed unless it is smaller."""
+
+    def __init__(self, outer: OuterProduct, rows: EmbeddingRows):
+        self.outer, self.rows = outer, rows
+
+    def nbytes(self) -> int:
+        return self.outer.nbytes() + self.rows.nbytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.outer.tensors() + self.rows.tensors()
+
+    def instantiate(self) -> torch.Tensor:
+        return self.outer.instantiate() + self.rows.instantiate()
+
+    def compact(self, input_readers: int = 1):
+        batch, vocab, dim = self.rows.g.shape[0], self.rows.num_embeddings, self.rows.g.shape[2]
+        return Instantiated(self.instantiate()) if batch * vocab * dim * self.rows.g.element_size() <= self.nbytes() else self
+
+    def norm_sq(self) -> torch.Tensor:
+        """The parts' N̂ + 2·cross, plus the parts' E and twice the cross term's (a signed estimate:
+        nothing clamped but the total)."""
+        outer_estimate, outer_error, _ = self.outer.bounds()
+        rows_estimate, rows_error, _ = self.rows.bounds()
+        cross, cross_error = _outer_embedding_cross(self.outer, self.rows)
+        terms = [outer_estimate, rows_estimate, 2 * cross, outer_error, rows_error, 2 * cross_error]
+        # fp64 rounding of adding signed terms: relative to the terms, not to their (cancelling) sum
+        return sum(terms) + 8 * UNIT_ROUNDOFF[torch.float64] * sum(t.abs() for t in terms)
+
+    def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
+        return self.outer.clipped_sum(factors, all_finite) + self.rows.clipped_sum(factors, all_finite)
+
+    def merge(self, other):
+        """A third call of the parameter: joined to the part of its kind."""
+        if isinstance(other, OuterProduct):
+            return TiedPieces(self.outer.merge(other), self.rows)
+        if isinstance(other, EmbeddingRows):
+            return TiedPieces(self.outer, self.rows.merge(other))
+        raise RuntimeError("not a part of this tie")
+
+
+def _tie(first, second):
+    """TiedPieces for an output layer and an embedding sharing one table, else None."""
+    for outer, rows in ((first, second), (second, first)):
+        if isinstance(outer, OuterProduct) and isinstance(rows, EmbeddingRows) and _ties(outer, rows):
+            return TiedPieces(outer, rows)
+    return None
+
+
+def merge_pieces(first, second) -> Piece:
+    """One parameter's pieces from two layer calls, as the piece of their summed gradient."""
+    if (type(first) is type(second) or isinstance(first, TiedPieces)) and hasattr(first, "merge"):
+        try:
+            return first.merge(second)
+        except RuntimeError:  # shapes that do not concatenate: fall through to instantiation
+            pass
+    tied = _tie(first, second)
+    if tied is not None:
+        return tied
+    return Instantiated(first.instantiate() + second.instantiate())
+
+
+def piece_device(piece: Piece) -> torch.device:
+    if isinstance(piece, TiedPieces):
+        return piece.outer.g.device
+    return (piece.grad_sample if isinstance(piece, Instantiated) else piece.g).device

@@ -1,0 +1,65 @@
+"""The per-example engines compute what they computed before bookkeeping.py was split into
+pieces.py, layers.py and the engine: per-example norms, clipped sums and metered bytes of every
+engine (materialize, ghost, bk; noise off; two calls) on tiny seeded models covering every layer
+kind (Linear over tokens, reused and sharing an input, a gradient map, Embedding, a tied output
+layer, LayerNorm, a vocabulary-wide head, Conv2d/GroupNorm, a ViT, OPT; fp32, fp64, bf16 autocast,
+a non-finite example), compared with tests/fixtures/engine_reference.pt to 1e-6 relative.
+
+The fixture was made at the commit before the split by tests/helpers/make_engine_reference.py;
+a failure here is a change of behaviour, not a stale fixture (see that script's docstring).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.make_engine_reference import CALLS, CASES, ENGINES, FULL, PROJECTIONS, run, segments
+
+FIXTURE = Path(__file__).parent / "fixtures" / "engine_reference.pt"
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference():
+    payload = torch.load(FIXTURE, weights_only=False)
+    made = payload["made_with"]
+    assert (made["full"], made["projections"], made["calls"]) == (FULL, PROJECTIONS, CALLS)
+    return payload
+
+
+def test_the_fixture_covers_every_case():
+    payload = torch.load(FIXTURE, weights_only=False)
+    assert set(payload["results"]) == set(CASES) and set(payload["seeds"]) == set(CASES)
+    assert all(set(by_engine) == set(ENGINES) for by_engine in payload["results"].values())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_output_equals_the_reference(reference, case, engine):
+    expected = reference["results"][case][engine]
+    actual = run(case, engine, seed=reference["seeds"][case])
+    where = f"{case}/{engine} (reference made at {reference['made_with']['commit'][:10]})"
+
+    # norms: [calls, B]; a non-finite example's norm stays non-finite
+    norms, reference_norms = actual["norms"], expected["norms"]
+    assert norms.shape == reference_norms.shape, where
+    assert torch.equal(torch.isfinite(norms), torch.isfinite(reference_norms)), where
+    finite = torch.isfinite(reference_norms)
+    scale = reference_norms[finite].abs().max()
+    assert torch.allclose(norms[finite], reference_norms[finite], rtol=RTOL, atol=RTOL * 1e-3 * scale), \
+        f"{where}: norms {norms} vs {reference_norms}"
+
+    assert len(actual["sums"]) == len(expected["sums"]) == CALLS
+    for call, (got, want) in enumerate(zip(actual["sums"], expected["sums"])):
+        assert got["sizes"] == want["sizes"], f"{where}, call {call}: parameter shapes"
+        for index, (start, end, whole) in enumerate(segments(want["sizes"])):
+            g, w = got["values"][start:end], want["values"][start:end]
+            # whole tensors: entries to 1e-6 of themselves or of the tensor's largest; digests: the
+            # norm to 1e-6, each unit-direction projection to 1e-6 of itself or of the norm
+            scale = w.abs().max() if whole else w[0]
+            assert torch.allclose(g, w, rtol=RTOL, atol=RTOL * scale + 1e-30), \
+                f"{where}, call {call}, tensor {index}: {g} vs {w}"
+
+    assert actual["peak_bytes"] == expected["peak_bytes"], where
