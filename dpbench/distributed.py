@@ -7,9 +7,9 @@ The design keeps ONE privatised release per logical step, identical to the one-p
 * Poisson sampling over the global dataset: rank 0 draws the logical batch from its
   entropy-seeded sampler and broadcasts the indices; rank r trains on indices[r::K]
   (`dpbench.privacy.sampling.ShardedBatches`).
-* Every noisy release (`Algorithm.gaussian_release`) sums each part's clipped per-rank sums over
-  the ranks (all-reduce); rank 0 alone adds N(0, std^2) from its entropy-seeded generator and
-  broadcasts the noisy result. One generator draws exactly one noise vector, as in one process;
+* Every noisy release (`dpbench.privacy.release.gaussian_release`) sums each part's clipped
+  per-rank sums over the ranks (all-reduce); rank 0 alone adds N(0, std^2) from its entropy-seeded
+  generator and broadcasts the noisy result. One generator draws exactly one noise vector, as in one process;
   the alternative (each rank adds std/sqrt(K) from its own generator) has the same distribution
   but spreads the guarantee over K generators and leaves replicas bit-different.
 * Division by the global expected batch size qn (unchanged); the reported loss and realised batch
@@ -157,6 +157,49 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         for tensor in tensors:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_group_of(tensor))
     return tensors
+
+
+def row_shard(rows: int, index: int | None = None, count: int | None = None) -> slice:
+    """The rows of a tensor with `rows` rows (dim 0) that rank `index` of `count` (default: this
+    rank of this run's) holds when the ranks shard it: torch.chunk's rule, which is FSDP2's
+    Shard(0): ceil(rows / count) rows each, the last ranks fewer or none."""
+    index, count = rank() if index is None else index, world_size() if count is None else count
+    per_rank = -(-rows // count)
+    return slice(min(index * per_rank, rows), min((index + 1) * per_rank, rows))
+
+
+_NO_REDUCE_SCATTER: set[str] = set()  # backends whose build turned out to lack reduce-scatter
+
+
+def reduce_scatter_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor` over the ranks, this rank's rows of it only (`row_shard`; a 0-dim tensor
+    counts as one row, held by rank 0). One process: `tensor` itself. `tensor` may be overwritten."""
+    if not is_distributed():
+        return tensor
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    mine, world = row_shard(rows.shape[0]), world_size()
+    shape = tensor.shape if tensor.dim() == 0 and mine.stop > mine.start else (mine.stop - mine.start, *rows.shape[1:])
+    group = _group_of(tensor)
+    backend = dist.get_backend(group)
+    if backend not in _NO_REDUCE_SCATTER:
+        per_rank = -(-rows.shape[0] // world)
+        padding = per_rank * world - rows.shape[0]  # reduce-scatter splits equal blocks
+        source = torch.cat([rows, rows.new_zeros((padding, *rows.shape[1:]))]) if padding else rows.contiguous()
+        shard = rows.new_empty((per_rank, *rows.shape[1:]))
+        try:
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(shard, source, op=dist.ReduceOp.SUM,
+                                                                              group=group)
+            return shard[: mine.stop - mine.start].reshape(shape)
+        except (RuntimeError, NotImplementedError) as error:
+            # raised before any communication, alike on every rank (one backend), so no rank is left waiting
+            if "not support" not in str(error):
+                raise
+            _NO_REDUCE_SCATTER.add(backend)
+    # Backends without reduce-scatter (gloo in some torch builds): the whole sum on every rank, in
+    # place, then this rank's rows, copied so that the whole sum can be freed.
+    rows = rows.contiguous()
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return rows[mine].clone().reshape(shape)
 
 
 def all_reduce_scalars(*values: float) -> list[float]:

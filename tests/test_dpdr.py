@@ -103,3 +103,17 @@ def test_paper_accounting_reproduces_the_digest_overrun():
     assert effective_noise_multiplier(0.59, 0.8) == pytest.approx(0.4748, abs=1e-3)
     true_epsilon = RDPAccountant().epsilon(ledger, 1e-5)
     assert 8.3 < true_epsilon < 8.65
+
+
+def test_the_cli_refuses_an_engine_without_per_example_gradients_in_one_line(tmp_path):
+    """algo.per_sample reaches DPDR from the command line (grids set it for every algorithm):
+    DPDR decomposes per-example gradients, so bk is refused before training, in one line."""
+    from helpers.cli import dpbench_in_process
+    from helpers.config import FIXED_SIGMA, TINY
+
+    result = dpbench_in_process(*TINY, *FIXED_SIGMA, "algo=dpdr", "algo.per_sample=bk",
+                                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1] == ("error: algo=dpdr needs every per-example gradient, which algo.per_sample=bk does not form; "
+                         "use algo.per_sample=materialize")

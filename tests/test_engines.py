@@ -270,6 +270,35 @@ def test_algorithms_that_need_per_example_gradients_reject_ghost_and_bk():
             engine.backward_per_sample(torch.zeros(2))
 
 
+def test_capabilities_are_declared_in_the_registry_and_asked_for_before_training():
+    """Each engine's capabilities are a registry entry (not probed on the object); an algorithm
+    that uses per-example gradients refuses an engine without them in one line, before training."""
+    from helpers.algorithms import build_algorithm
+
+    from dpbench.privacy.engines import (
+        COVERAGE_CHECK, LOSS_SCALE, PER_EXAMPLE_GRADIENTS, PER_SAMPLE_ENGINES, CoverageChecked, Engine,
+        LossScaled, PerExampleGradients, engine_spec,
+    )
+
+    assert {name: engine_spec(name).capabilities for name in PER_SAMPLE_ENGINES.names()} == {
+        "materialize": {PER_EXAMPLE_GRADIENTS, LOSS_SCALE}, "ghost": {COVERAGE_CHECK}, "bk": {COVERAGE_CHECK}}
+    protocols = {PER_EXAMPLE_GRADIENTS: PerExampleGradients, LOSS_SCALE: LossScaled, COVERAGE_CHECK: CoverageChecked}
+    for name in PER_SAMPLE_ENGINES.names():
+        engine = build_engine(name, tiny_cnn())
+        assert isinstance(engine, Engine)
+        for capability in engine_spec(name).capabilities:  # what a capability promises, the engine offers
+            assert isinstance(engine, protocols[capability]), (name, capability)
+        engine.detach()
+    for algo in ("dpdr", "diff", "diff2", "dcdpsgd"):
+        for mode in MODES:
+            with pytest.raises(UserError) as refused:
+                build_algorithm(algo, f"algo.per_sample={mode}")
+            assert str(refused.value) == (f"algo={algo} needs every per-example gradient, which algo.per_sample={mode} "
+                                          "does not form; use algo.per_sample=materialize")
+    algorithm, _, _ = build_algorithm("galore_naive", "algo.per_sample=bk")  # clipped sums only: any engine
+    assert algorithm.engine_spec.name == "bk"
+
+
 def test_max_batch_search_finds_the_boundary(tmp_path, monkeypatch):
     """Doubling then bisection against a probe that fits up to 37 examples."""
     from dpbench.tools.benchmarks import max_batch

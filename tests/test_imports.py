@@ -122,3 +122,16 @@ def test_the_option_vocabulary_is_a_leaf():
     ).stdout.split()
     assert "dpbench.options" in imported
     assert not [m for m in imported if m.startswith(("dpbench.algorithms", "dpbench.schema", "dpbench.run"))]
+
+
+def test_the_release_reaches_no_algorithm():
+    """dpbench.privacy.release serves releases outside training too: nothing it imports, however
+    indirectly (imports inside functions included), is an algorithm."""
+    graph, reached, todo = import_graph(), set(), ["dpbench.privacy.release"]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    assert "dpbench.distributed" in reached
+    assert not [m for m in reached if m.startswith("dpbench.algorithms")]

@@ -240,7 +240,7 @@ def test_zero_size_poisson_batches_are_possible_and_handled(tiny_cfg, tmp_path):
 def test_a_release_halts_on_any_non_finite_entry_and_not_on_large_finite_ones():
     """The finiteness check reads each tensor's sum: a non-finite entry makes it non-finite, and a
     sum that overflowed from finite entries is checked entry by entry, not halted on."""
-    from dpbench.algorithms.base import _halt_unless_finite
+    from dpbench.privacy.release import _halt_unless_finite
     from dpbench.errors import DivergedError
 
     _halt_unless_finite("gradient", [[torch.full((3,), 3e38), torch.zeros(2)]])  # its sum overflows

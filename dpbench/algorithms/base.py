@@ -17,11 +17,15 @@ from torch import nn
 from dpbench import distributed
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
-from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier, one_batch_mechanism, under_relation
+from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, under_relation
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.privacy.clipping import clip_factors
-from dpbench.privacy.engines import PER_SAMPLE_ENGINES, build_engine
-from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
+from dpbench.privacy.engines import (
+    COVERAGE_CHECK, LOSS_SCALE, PER_SAMPLE_ENGINES, Engine, EngineSpec, engine_spec, engines_with,
+)
+from dpbench.privacy.per_sample import GradSampler
+# The release lives in dpbench/privacy/release.py; its names stay importable from here.
+from dpbench.privacy.release import REPLICATED, Layout, ReleaseObserver, ReleasePart, gaussian_release
 from dpbench.registry import Registry
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
@@ -63,20 +67,6 @@ class LossTally:
     def result(self) -> StepResult:
         total, finite = self.totals.tolist() if torch.is_tensor(self.totals) else (0.0, 0.0)
         return StepResult(total / finite if finite else float("nan"), self.count)
-
-
-@dataclass
-class ReleasePart:
-    """One privatised quantity: a sum over the batch, the L2 sensitivity of that sum under
-    add/remove-one (enforced by clipping), and the std of the Gaussian noise added per coordinate."""
-
-    values: list[torch.Tensor]
-    sensitivity: float
-    noise_std: float
-
-
-# Observer of every noisy release (dpbench-audit): (name, parts, noisy values, mechanism).
-ReleaseObserver = Callable[[str, list[ReleasePart], list[list[torch.Tensor]], GaussianMechanism], None]
 
 
 class Algorithm(ABC):
@@ -134,38 +124,16 @@ class Algorithm(ABC):
         return []
 
     # --- privacy: what ran ---------------------------------------------------------------------
-    def gaussian_release(self, name: str, *parts: ReleasePart) -> list[list[torch.Tensor]]:
-        """Add N(0, std^2) to every coordinate of each part and record the mechanism that ran.
-
-        Parts released together read the same sampled batch, so they are ONE subsampled Gaussian
-        mechanism whose noise multiplier is that of the whitened pair (joint_noise_multiplier).
-        The mechanism is derived from the noise actually drawn and the sensitivity the clipping
-        enforces, so the ledger holds what ran, not what was meant to run.
-
-        Data parallel (torchrun): each part's values are first summed over the ranks, in place
-        (the global clipped sum, whose sensitivity is the stated one); rank 0 alone draws the noise
-        and broadcasts the noisy values, so one step is one release with one noise draw, exactly
-        the one-process mechanism (see dpbench/distributed.py).
-        """
-        for part in parts:
-            distributed.all_reduce_sum(part.values)
-        if distributed.is_main_process():
-            noise = self.privacy.noise
-            noisy = [[_plus(v, noise.sample(v.shape, part.noise_std)) for v in part.values] for part in parts]
-        else:  # receives rank 0's noisy values; the dtype is that of value + fp32 noise
-            noisy = [[torch.empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
-                      for v in part.values] for part in parts]
-        for values in noisy:
-            distributed.broadcast(values)
-        mechanism = GaussianMechanism(
-            joint_noise_multiplier([(part.noise_std, part.sensitivity) for part in parts]),
-            self.privacy.sample_rate,
-            self.privacy.neighboring,
+    def gaussian_release(self, name: str, *parts: ReleasePart, layout: Layout = REPLICATED) -> list[list[torch.Tensor]]:
+        """The step's release of `parts` (dpbench.privacy.release.gaussian_release, which explains
+        the mechanism and the layouts), under the run's noise, sample rate and relation. Its
+        mechanism is charged to the step before the finiteness check, so a release that halts the
+        run is charged too; the observer (dpbench-audit) sees every release."""
+        noisy, _ = gaussian_release(
+            name, parts, noise=self.privacy.noise, sample_rate=self.privacy.sample_rate,
+            neighboring=self.privacy.neighboring, layout=layout, observer=self.release_observer,
+            charge=self.step_mechanisms.append,
         )
-        self.step_mechanisms.append(mechanism)  # recorded first: a release that halts the run ran too
-        _halt_unless_finite(name, noisy)  # on every rank alike: the noisy values are rank 0's
-        if self.release_observer is not None:
-            self.release_observer(name, list(parts), noisy, mechanism)
         return noisy
 
     def extra_results(self) -> dict:
@@ -260,26 +228,6 @@ class Algorithm(ABC):
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
 
 
-def _plus(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """value + noise, into the fresh noise tensor where the result has its dtype (no third tensor)."""
-    if torch.promote_types(value.dtype, noise.dtype) == noise.dtype and value.shape == noise.shape:
-        return noise.add_(value)
-    return value + noise
-
-
-def _halt_unless_finite(name: str, noisy: list[list[torch.Tensor]]) -> None:
-    """Stop on a non-finite released value. Halting is itself a release: this one is a function of
-    the noisy release only (clipping bounds every example, and a non-finite example has clip factor
-    0), so it reveals nothing the release did not. One host sync per release: each tensor's sum,
-    which a non-finite entry makes non-finite (a tenth of the time of an elementwise check); only
-    a sum that overflowed from finite entries is then checked entry by entry."""
-    values = [v for part in noisy for v in part]
-    if not values or bool(torch.isfinite(torch.stack([v.sum(dtype=torch.float32) for v in values])).all()):
-        return
-    if not all(bool(torch.isfinite(v).all()) for v in values):
-        raise DivergedError(f"the noisy {name} release is not finite: lower train.lr (the model diverged)")
-
-
 def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state tensors (moments, momentum buffers), excluding step counters."""
     return sum(
@@ -337,12 +285,18 @@ class DPFirstOrderAlgorithm(Algorithm):
     example, and `apply_update` consumes the privatised gradient.
     """
 
+    # Capabilities (dpbench.privacy.engines) the algorithm uses beyond `clipped_sum`: DC-DPSGD
+    # scores per-example gradients, DPDR decomposes them, DIFF/DIFF2 take their differences.
+    engine_capabilities: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # algo.per_sample exists where an algorithm can use every engine; the others need per-example
-        # gradients themselves (DC-DPSGD scores them, DPDR decomposes them): materialize.
-        self.engine = build_engine(cfg.get("per_sample", "materialize"), model, self.sampler_overrides())  # galore_naive has no choice
+        # algo.per_sample is an option where an algorithm can use every engine; without it, materialize.
+        # The capabilities are checked before the engine hooks the model.
+        self.engine_spec: EngineSpec = engine_spec(cfg.get("per_sample", "materialize"))
+        self.engine_spec.require(self.engine_capabilities, f"algo={cfg.get('name', type(self).__name__)}")
+        self.engine: Engine = self.engine_spec.build(model, dict(self.sampler_overrides()))
         self.optimizer = self.build_optimizer(self.params)
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 
@@ -421,12 +375,16 @@ class DPFirstOrderAlgorithm(Algorithm):
         return self.engine.peak_bytes
 
     def use_precision(self, precision: Precision) -> None:
-        if precision.loss_scale != 1.0 and not isinstance(self.engine, PerSampleGradients):
-            raise UserError(f"train.precision={precision.name} needs algo.per_sample=materialize (its loss scale is "
-                            "divided out of the per-example gradients); use train.precision=bf16 for ghost or bk")
+        if precision.loss_scale != 1.0 and not self.engine_spec.has(LOSS_SCALE):
+            scaling = engines_with(LOSS_SCALE)
+            others = [name for name in PER_SAMPLE_ENGINES.names() if name not in scaling]
+            raise UserError(f"train.precision={precision.name} needs algo.per_sample={' or '.join(scaling)} (its loss "
+                            "scale is divided out of the per-example gradients); use train.precision=bf16 for "
+                            f"{' or '.join(others)}")
         super().use_precision(precision)
-        self.engine.loss_scale = precision.loss_scale
-        if precision.dtype is not None and hasattr(self.engine, "tolerance"):
+        if self.engine_spec.has(LOSS_SCALE):
+            self.engine.loss_scale = precision.loss_scale
+        if precision.dtype is not None and self.engine_spec.has(COVERAGE_CHECK):
             self.engine.tolerance = 2e-2  # the coverage check compares with autograd's own low-precision sums
 
     def optimizer_state_bytes(self) -> int:

@@ -1,79 +1,11 @@
 """DC-DPSGD (Sha et al. 2024, "Clip Body and Tail Separately"): discriminative clipping.
 
-Per step, on the logical Poisson batch:
-  1. a fresh random subspace V (d_id x k, sub-Weibull(theta) entries with random signs,
-     orthonormalised (V = A W from A's Gram, so V^T V = I); V is public, data-independent randomness;
-  2. score lambda_i = ||V^T g_i/||g_i||||^2 in [0, 1] of each unit-normalised per-sample gradient
-     (restricted to `algo.score_params`), plus N(0, sigma_tr^2): sensitivity 1;
-  3. the top-p fraction of noisy scores are "tail" and clipped to c1 (large), the rest "body",
-     clipped to c2 (small); c2 = privacy.clip_norm, c1 = algo.tail_clip_ratio * c2;
-  4. clipped sum + N(0, (sigma_dp c1)^2), divided by the expected batch size; plain SGD.
-
-Privacy (corrected where the paper's noise and its Theorem 5.1's delta do not hold):
-  * the gradient release has sensitivity c1 (the larger threshold), so ONE noise vector of std
-    sigma_dp*c1 goes on the sum; the paper's per-sample noise over-noises, the code's mixture
-    noise under-noises by ~7x;
-  * the score release and the gradient release read the same Poisson batch, so a step is ONE
-    subsampled Gaussian mechanism whose multiplier is that of the whitened pair,
-    (sigma_tr^-2 + sigma_dp'^-2)^-1/2 with sigma_dp' = sigma_dp * c1 / (gradient sensitivity)
-    (`one_batch_mechanism`). Charging them as two independently subsampled mechanisms, as an
-    earlier version did, understated epsilon (8 reported, 13.5 true at dcdpsgd_mnist).
-  * Budget split, `algo.budget_split`:
-    renyi (default): the spine calibrates one base multiplier sigma; with f =
-      `algo.score_budget_fraction`, sigma_tr = sigma/sqrt(f), sigma_dp = sigma/sqrt(1-f), so
-      sigma_tr^-2 + sigma_dp^-2 = sigma^-2: in threshold mode a step costs exactly DP-SGD at sigma,
-      and f is the share of the step's Renyi/zCDP loss (proportional to 1/sigma^2) spent on scores.
-    epsilon: keeps only the paper's ratio (eps = eps_tr + eps_dp, Tables 3-5 write 2+6, 4+4, 6+2,
-      eps_tr = f eps with f = `algo.score_epsilon_fraction`): each part is first calibrated alone
-      to its share at delta/2 (`calibrate_noise`), then both multipliers are scaled by one factor
-      until the joint mechanism meets (privacy.epsilon, delta). privacy.epsilon is the joint
-      mechanism's; the paper's eps_tr + eps_dp at the sigmas that ran is reported beside it,
-      labelled paper accounting, not a bound. privacy.noise_multiplier is then sigma_dp; sigma_tr
-      reaches planning and the algorithm in an `EpsilonSplit` (PrivacySetup.derived), and
-      results.json reports it as algorithm.sigma_tr.
-  * Rank coupling (our analysis, not in the paper). The tail set is a top-p over the realised
-    batch, so adding or removing one example can also move one *other* example across the tail
-    boundary (the tail count and the ranking both change), and the per-example noisy scores are
-    not themselves a DP release under add/remove. Under rank selection the default
-    (`algo.gradient_sensitivity=rank_coupled`) therefore charges the unconditional worst case
-    c1 + (c1 - c2) on the gradient release (the noise itself stays sigma_dp*c1), which needs no
-    argument about the scores; the score mechanism is still charged, conservatively.
-    `tail_clip` reproduces the paper/issue model (sensitivity c1, the tail set treated as
-    post-processing of the noisy scores); it is not a proven bound and results.json says which
-    was used.
-  * Threshold selection (`algo.tail_selection=threshold`, our variant): sensitivity c1, proven.
-    The extra c1 - c2 above comes only from the rank rule (one example's presence moves the top-p
-    boundary for the others). Instead, an example is tail iff its own score exceeds a threshold
-    tau_t that is public at step t: tau_t is a function of the score releases of steps < t only
-    (tau_0 = +inf: no tail before anything is released). Then:
-      - score release (step t): a histogram of the batch's exact scores over SCORE_BIN_EDGES
-        (fixed, data-independent bins in [0, 1]) + N(0, sigma_tr^2) per bin. Adding or removing
-        one example moves one count by 1: a fixed-dimension Gaussian mechanism with L2
-        sensitivity 1 on the Poisson batch (unlike a per-example score vector, whose length
-        reveals the batch size). tau_{t+1} is the top-p point of an exponential moving average
-        of the released histograms: post-processing of public releases.
-      - gradient release (step t): given tau_t (public), every example's threshold c_i is a
-        function of that example alone, so adding example x leaves every other example's clipped
-        gradient unchanged and adds x's own, of norm <= c1. Sensitivity c1, noise sigma_dp*c1:
-        noise multiplier sigma_dp.
-    Both parts read the step's batch, and tau_t is known before either is formed, so they are
-    released together: one Gaussian release of two parts, one mechanism at sigma (renyi split).
-    The per-example score noise is then unnecessary (membership is no release), so none is
-    drawn. The realised tail fraction varies around p (results.json: algorithm.mean_tail_fraction).
-
-The subspace lives on the model's device (its generator too): drawn there once per step, never
-copied per physical chunk. When d_id x k exceeds MAX_PROJECTION_ELEMENTS (cnn5's 357k parameters
-at k = 150 or 200, as in dcdpsgd_t3), V is never formed: its raw draw A is regenerated in blocks
-of rows from a per-step seed, and the scores use V^T u = W^T (A^T u) with W = Q Lambda^-1/2 from
-the eigendecomposition of the k x k Gram A^T A (V = A W spans span(A) and V^T V = I), so the
-working set is one block.
-
-Physical batches: the tail set needs every noisy score of the logical batch, so with several
-physical batches the step makes two passes (scores, then clipped sums). Per-sample gradients
-are recomputed in the second pass and may differ from the first (dropout draws anew), so the
-second pass clips with the norms of the gradients it sums; only the tail/body assignment comes
-from the first pass. (Clipping recomputed gradients with first-pass norms let an example
-contribute 1.38x its threshold with dropout 0.5.)
+Each step scores every per-example gradient against a fresh public random subspace, clips the
+"tail" examples to c1 and the rest ("body") to c2 < c1, and adds one Gaussian to the clipped sum.
+Why: a step's score and gradient releases read one Poisson batch, so they are charged as one
+mechanism at the sensitivity the tail rule really has. The argument (joint charge, rank coupling,
+threshold selection, budget split, physical batches, blocked subspaces) is in docs/privacy.md,
+section "DC-DPSGD".
 """
 
 from __future__ import annotations
@@ -88,6 +20,7 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
 from dpbench.options import AlgoOptions, Choice
 
 
@@ -393,6 +326,7 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 @ALGORITHMS.register("dcdpsgd", options=DCDPSGDOptions)
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
+    engine_capabilities = frozenset({PER_EXAMPLE_GRADIENTS})  # it scores per-example gradients
     # public projection RNG; threshold selection: the average of the released score histograms
     checkpoint_attributes = ("projection_generator", "tail_fraction_seen", "score_histogram_average")
     private_statistic_attributes = ("tail_fraction_seen",)  # un-noised: reporting only

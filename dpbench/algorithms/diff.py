@@ -22,6 +22,7 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms
+from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
 from dpbench.options import AlgoOptions
 
 
@@ -34,6 +35,8 @@ class DiffOptions(AlgoOptions):
 
 class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
     """Shared by DIFF and DIFF2: releases of clipped per-example *differences* (bound C_d)."""
+
+    engine_capabilities = frozenset({PER_EXAMPLE_GRADIENTS})  # differences of per-example gradients
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)

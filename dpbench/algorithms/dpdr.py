@@ -32,6 +32,7 @@ from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms, scale_rows
+from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
 from dpbench.options import AlgoOptions
 
 
@@ -87,6 +88,7 @@ def clip_alpha(alpha: torch.Tensor, clip: float, keep: torch.Tensor | None = Non
 @ALGORITHMS.register("dpdr", options=DPDROptions)
 class DPDR(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("bases",)
+    engine_capabilities = frozenset({PER_EXAMPLE_GRADIENTS})  # it decomposes per-example gradients
     def __init__(self, model, task, cfg, lr, privacy):
         if cfg.decomposition_steps < 1:
             raise UserError(f"algo.decomposition_steps={cfg.decomposition_steps} must be >= 1 (1 = plain DP-SGD)")

@@ -5,22 +5,142 @@ working set in `peak_bytes` (results.json's per_sample_grad_bytes).
 `materialize` forms every per-sample gradient (Opacus's grad samplers, per_sample.py); `ghost`
 takes norms without them, then a second backward that sums the clipped pieces in fp32; `bk`
 (book-keeping) does it in one backward (both bookkeeping.py).
+
+`Engine` is what every engine offers; anything more is a capability, declared here in the
+registry (`EngineSpec.capabilities`) rather than probed on the object: callers ask the spec, and
+an algorithm declares the capabilities it uses (`DPFirstOrderAlgorithm.engine_capabilities`), so
+asking an engine for one it lacks is a one-line error before training. The capabilities:
+
+    capability              materialize  ghost  bk   protocol: what the engine then offers
+    per_example_gradients   yes          -      -    PerExampleGradients: backward_per_sample, meter
+    loss_scale              yes          -      -    LossScaled: loss_scale divided out (fp16)
+    coverage_check          -            yes    yes  CoverageChecked: tolerance of the coverage check
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+import torch
 from torch import nn
 
+from dpbench.errors import UserError
 from dpbench.privacy.bookkeeping import BookKeeping
 from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
 
-PER_SAMPLE_ENGINES: Registry = Registry("algo.per_sample")
-PER_SAMPLE_ENGINES.register("materialize")(PerSampleGradients)
-PER_SAMPLE_ENGINES.register("ghost")(lambda model, overrides: BookKeeping(model, overrides, passes=2))
-PER_SAMPLE_ENGINES.register("bk")(lambda model, overrides: BookKeeping(model, overrides, passes=1))
+FactorsFn = Callable[[torch.Tensor], torch.Tensor]  # per-example norms [B] -> clip factors [B]
 
 
-def build_engine(mode: str, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None):
-    """The engine for `algo.per_sample=mode` (an unknown mode is a one-line error)."""
-    return PER_SAMPLE_ENGINES.get(mode)(model, dict(sampler_overrides or {}))
+@runtime_checkable
+class Engine(Protocol):
+    """What `DPFirstOrderAlgorithm` uses of every engine."""
+
+    params: list[nn.Parameter]  # the trainable parameters, in the order of the sums
+    peak_bytes: int  # largest per-example working set held at once (checkpointed)
+
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> list[torch.Tensor]:
+        """Σ_i f_i g_i over the chunk (fp32, aligned with `params`), f = factors_fn(norms)."""
+        ...
+
+    def detach(self) -> None:
+        """Remove the engine's hooks from the model."""
+        ...
+
+
+@runtime_checkable
+class PerExampleGradients(Engine, Protocol):
+    """Capability `per_example_gradients`: every per-example gradient, as tensors."""
+
+    def backward_per_sample(self, losses: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example gradients [B, ...] aligned with `params` (nothing left in .grad)."""
+        ...
+
+    def meter(self, held_bytes: int) -> None:
+        """Record per-example bytes a caller holds at once (e.g. two sets of gradients)."""
+        ...
+
+
+@runtime_checkable
+class LossScaled(Engine, Protocol):
+    """Capability `loss_scale`: divides train.precision=fp16's loss scale out of what it sums."""
+
+    loss_scale: float
+
+
+@runtime_checkable
+class CoverageChecked(Engine, Protocol):
+    """Capability `coverage_check`: checks that its pieces cover autograd's gradient, to `tolerance`."""
+
+    tolerance: float
+
+
+PER_EXAMPLE_GRADIENTS = "per_example_gradients"
+LOSS_SCALE = "loss_scale"
+COVERAGE_CHECK = "coverage_check"
+CAPABILITIES = {  # capability -> what it means, as an error message says it
+    PER_EXAMPLE_GRADIENTS: "every per-example gradient",
+    LOSS_SCALE: "the loss scale divided out of the per-example gradients",
+    COVERAGE_CHECK: "a coverage check",
+}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A registered engine: its name, how to build it, and the capabilities it has."""
+
+    name: str
+    build: Callable[[nn.Module, dict[nn.Module, GradSampler]], Engine]  # (model, sampler overrides)
+    capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.capabilities) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(f"engine {self.name!r} declares unknown capabilities {sorted(unknown)}")
+
+    def has(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def require(self, capabilities: Iterable[str], who: str) -> None:
+        """A one-line UserError, naming the engines that would do, unless this one has `capabilities`."""
+        missing = sorted(set(capabilities) - self.capabilities)
+        if not missing:
+            return
+        needed = " and ".join(CAPABILITIES[c] for c in missing)
+        fit = engines_with(*capabilities)
+        raise UserError(f"{who} needs {needed}, which algo.per_sample={self.name} does not form; "
+                        f"use algo.per_sample={' or '.join(fit)}")
+
+
+PER_SAMPLE_ENGINES: Registry[EngineSpec] = Registry("algo.per_sample")
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    return PER_SAMPLE_ENGINES.register(spec.name)(spec)
+
+
+register_engine(EngineSpec("materialize", PerSampleGradients, frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE})))
+register_engine(EngineSpec("ghost", lambda model, overrides: BookKeeping(model, overrides, passes=2),
+                           frozenset({COVERAGE_CHECK})))
+register_engine(EngineSpec("bk", lambda model, overrides: BookKeeping(model, overrides, passes=1),
+                           frozenset({COVERAGE_CHECK})))
+
+
+def engine_spec(mode: str) -> EngineSpec:
+    """The registered engine `algo.per_sample=mode` (an unknown mode is a one-line error)."""
+    return PER_SAMPLE_ENGINES.get(mode)
+
+
+def engines_with(*capabilities: str) -> list[str]:
+    """Names of the engines that have every one of `capabilities`, sorted."""
+    return [n for n in PER_SAMPLE_ENGINES.names() if set(capabilities) <= PER_SAMPLE_ENGINES.get(n).capabilities]
+
+
+def build_engine(mode: str, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None, *,
+                 needs: Iterable[str] = (), who: str = "this") -> Engine:
+    """The engine for `algo.per_sample=mode`; a one-line error when it lacks a capability in
+    `needs` (asked for by `who`)."""
+    spec = engine_spec(mode)
+    spec.require(needs, who)
+    return spec.build(model, dict(sampler_overrides or {}))

@@ -14,8 +14,9 @@ are averaged over the layers, per index, and plotted for C in --clips and sigma 
 paper: C in {inf, 1}, sigma in {0, 0.5, 2}; sigma > 0 needs a finite C, so C = inf is shown noise
 free). Writes spectrum.png and spectrum.json (per-layer values too) into --out.
 
-The noise is a diagnostic, nothing is released; it still comes from the entropy-seeded
-`dpbench.privacy.noise.GaussianNoise`, like every noise dpbench draws.
+The noise is a diagnostic, nothing leaves the machine; it is still drawn by
+`dpbench.privacy.release.gaussian_release` from an entropy-seeded generator, like every noise
+dpbench draws.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def settings(clips: list[float], sigmas: list[float]) -> list[tuple[float, float
 def clipped_layer_sums(model, task, layers: dict[str, nn.Linear], batch: list[int], physical: int, clips: list[float]):
     """For each C: {layer name: sum_i clip_C(g_i)[layer weight]}, fp32; flat clipping over all parameters."""
     from dpbench.privacy.clipping import clip_factors, per_sample_norms
-    from dpbench.privacy.per_sample import PerSampleGradients
+    from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS, build_engine
 
-    engine = PerSampleGradients(model)
+    engine = build_engine("materialize", model, needs={PER_EXAMPLE_GRADIENTS}, who="dpbench-spectrum")
     index = {id(p): i for i, p in enumerate(engine.params)}
     positions = {name: index[id(m.weight)] for name, m in layers.items()}
     sums = {c: {name: torch.zeros_like(m.weight, dtype=torch.float32) for name, m in layers.items()} for c in clips}
@@ -67,9 +68,14 @@ def clipped_layer_sums(model, task, layers: dict[str, nn.Linear], batch: list[in
 
 
 def noisy_mean(gradient_sum: torch.Tensor, clip: float, sigma: float, batch_size: int, noise: GaussianNoise) -> torch.Tensor:
-    """(sum + N(0, (sigma C)^2)) / B, entrywise, as a DP step would see the layer's gradient."""
+    """(sum + N(0, (sigma C)^2)) / B, entrywise, as a DP step would see the layer's gradient: one
+    release of the fixed batch (sample rate 1)."""
+    from dpbench.privacy.release import ReleasePart, gaussian_release
+
     std = sigma * clip if sigma > 0 else 0.0
-    return (gradient_sum + noise.sample(gradient_sum.shape, std).to(gradient_sum.device)) / batch_size
+    ((noisy,),), _ = gaussian_release("spectrum", [ReleasePart([gradient_sum], clip, std)], noise=noise,
+                                      sample_rate=1.0, neighboring="add_remove")
+    return noisy / batch_size
 
 
 def spectra(sums, batch_size: int, curves: list[tuple[float, float]], top_k: int, noise: GaussianNoise) -> dict:

@@ -1,0 +1,50 @@
+"""One rank of the sharded-release test (tests/test_release.py), started by torch.multiprocessing
+with the gloo backend on the CPU. Each rank releases its own local sums in the SHARDED layout,
+once through reduce-scatter and once through the all-reduce fallback, and saves what it saw to
+<out>/rank<r>.pt for the test to compare."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from dpbench import distributed
+from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.release import SHARDED, ReleasePart, gaussian_release
+
+# Shapes released together: rows that split unevenly over 2 and 3 ranks, a vector, a scalar.
+SHAPES = [(2_001, 20), (20_003,), ()]
+SENSITIVITY, STD = 2.0, 3.0
+SAMPLE_RATE = 0.25
+
+
+def local_values(rank: int) -> list[torch.Tensor]:
+    """This rank's local sums: a public function of (rank, shape), so the test recomputes them."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(shape, generator=generator) * (rank + 1) for shape in SHAPES]
+
+
+def release(rank: int) -> dict:
+    seen = []
+    noisy, mechanism = gaussian_release(
+        "gradient", [ReleasePart(local_values(rank), SENSITIVITY, STD)], noise=GaussianNoise("cpu"),
+        sample_rate=SAMPLE_RATE, neighboring="add_remove", layout=SHARDED,
+        observer=lambda name, parts, values, m: seen.append([v.clone() for v in parts[0].values]),
+    )
+    return {"noisy": [v.clone() for v in noisy[0]], "observed": seen[0],
+            "mechanism": (mechanism.noise_multiplier, mechanism.sample_rate, mechanism.neighboring)}
+
+
+def run(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    distributed.init_from_environment()
+    results = {"reduce_scatter": release(rank)}
+    results["fell_back"] = sorted(distributed._NO_REDUCE_SCATTER)  # gloo builds without reduce-scatter
+    distributed._NO_REDUCE_SCATTER.add(distributed.backend())  # as a build without reduce-scatter
+    results["all_reduce"] = release(rank)
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    distributed.shutdown()

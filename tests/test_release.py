@@ -1,0 +1,124 @@
+"""dpbench.privacy.release: the one noisy release, without an Algorithm, in both layouts.
+
+The SHARDED layout runs on spawned gloo ranks (2 and 3 processes, CPU): the noisy shards put
+together are the global sum plus N(0, std^2) per coordinate, the ranks' noise is independent, and
+the mechanism is the replicated one. One process, it is the REPLICATED release."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from scipy import stats
+
+from dpbench import distributed
+from dpbench.errors import DivergedError
+from dpbench.privacy.mechanisms import GaussianMechanism
+from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.release import REPLICATED, SHARDED, ReleasePart, gaussian_release
+
+
+def seeded_noise(seed: int) -> GaussianNoise:
+    noise = GaussianNoise("cpu")
+    noise.generator.manual_seed(seed)  # tests only: a run's generator is never seeded
+    return noise
+
+
+def test_a_scalar_released_without_an_algorithm_under_its_own_mechanism():
+    """E.g. a validation score: one value, its own sensitivity, sample rate and relation."""
+    score = torch.tensor(0.75)
+    seen = []
+    (noisy,), mechanism = gaussian_release(
+        "validation_score", [ReleasePart([score], 0.01, 0.05)], noise=GaussianNoise("cpu"),
+        sample_rate=1.0, neighboring="replace_one", observer=lambda *args: seen.append(args),
+    )
+    assert noisy[0].shape == () and noisy[0].dtype == torch.float32 and float(noisy[0]) != 0.75
+    assert (mechanism.noise_multiplier, mechanism.sample_rate, mechanism.neighboring) == (pytest.approx(5.0), 1.0, "replace_one")
+    ((name, parts, values, observed_mechanism),) = seen
+    assert name == "validation_score" and parts[0].values[0] is score and values[0][0] is noisy[0]
+    assert observed_mechanism == mechanism
+
+
+def test_one_process_sharded_is_the_replicated_release():
+    values = [torch.randn(7, 3), torch.randn(5), torch.tensor(2.0)]
+    releases = {}
+    for layout in (REPLICATED, SHARDED):
+        parts = [ReleasePart([v.clone() for v in values[:2]], 1.0, 2.0), ReleasePart([values[2].clone()], 0.5, 4.0)]
+        releases[layout] = gaussian_release("gradient", parts, noise=seeded_noise(7), sample_rate=0.1,
+                                            neighboring="add_remove", layout=layout)
+    (replicated, m_replicated), (sharded, m_sharded) = releases[REPLICATED], releases[SHARDED]
+    assert m_replicated == m_sharded
+    for a, b in zip(replicated, sharded):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_release_that_halts_is_charged_and_not_observed():
+    charged, seen = [], []
+    with pytest.raises(DivergedError, match="noisy gradient release is not finite"):
+        gaussian_release("gradient", [ReleasePart([torch.tensor([1.0, float("nan")])], 1.0, 1.0)],
+                         noise=GaussianNoise("cpu"), sample_rate=0.5, neighboring="add_remove",
+                         charge=charged.append, observer=lambda *args: seen.append(args))
+    assert charged == [GaussianMechanism(1.0, 0.5)] and seen == []
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 100])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_row_shards_follow_torch_chunk(rows, world):
+    chunks = torch.arange(rows).chunk(world) if rows else ()
+    shards = [torch.arange(rows)[distributed.row_shard(rows, r, world)] for r in range(world)]
+    assert torch.equal(torch.cat(shards), torch.arange(rows))
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard, chunks[r] if r < len(chunks) else torch.arange(0))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    from helpers.release_worker import run
+
+    world = request.param
+    out = tmp_path_factory.mktemp(f"release{world}")
+    torch.multiprocessing.start_processes(run, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+    return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce"])
+def test_sharded_release_is_the_global_sum_plus_independent_noise_of_the_stated_std(ranks, path):
+    from helpers.release_worker import SAMPLE_RATE, SENSITIVITY, SHAPES, STD, local_values
+
+    world, results = ranks
+    totals = [sum(local_values(r)[i] for r in range(world)) for i in range(len(SHAPES))]
+    noises = []
+    for rank, result in enumerate(results):
+        got = result[path]
+        assert got["mechanism"] == (STD / SENSITIVITY, SAMPLE_RATE, "add_remove")  # the replicated one
+        own = []
+        for total, observed, noisy in zip(totals, got["observed"], got["noisy"]):
+            rows = total.reshape(1) if total.dim() == 0 else total
+            expected = rows[distributed.row_shard(rows.shape[0], rank, world)]
+            if total.dim() == 0 and expected.numel():
+                expected = expected.reshape(())
+            assert observed.shape == noisy.shape == expected.shape
+            torch.testing.assert_close(observed, expected, rtol=1e-5, atol=1e-5)  # the global sum of its rows
+            own.append((noisy.double() - observed.double()).flatten())
+        noises.append(torch.cat(own))
+    # every coordinate of every tensor is held by exactly one rank
+    assert sum(n.numel() for n in noises) == sum(t.numel() for t in totals)
+    noise = torch.cat(noises)
+    statistic = float((noise**2).sum() / STD**2)  # chi-square with one degree per coordinate
+    low, high = stats.chi2.ppf([1e-9, 1 - 1e-9], noise.numel())
+    assert low < statistic < high, statistic / noise.numel()
+    assert abs(float(noise.mean())) < 7 * STD / noise.numel() ** 0.5
+    # independent across ranks: no rank repeats another's draw, and their noise is uncorrelated
+    size = min(n.numel() for n in noises)
+    for a in range(world):
+        for b in range(a + 1, world):
+            correlation = float(torch.corrcoef(torch.stack([noises[a][:size], noises[b][:size]]))[0, 1])
+            assert abs(correlation) < 7 / size**0.5, (a, b, correlation)
