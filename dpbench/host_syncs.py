@@ -4,7 +4,7 @@
 On a GPU each one stalls the queue of kernels, so a training step should make a bounded number of
 them, independent of the number of layers. The counter patches torch.Tensor's methods for the
 duration of a `with` block; it works on the CPU, where the same calls would be syncs on a GPU, so
-the bound is testable without one (tests/test_host_syncs.py, `dpbench-doctor`).
+the bound is testable without one (tests/run/test_host_syncs.py, `dpbench-doctor`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ frozen weights, and a low-precision forward is `train.precision` (autocast).
 transformers is imported inside functions only: importing this package (registry discovery)
 must not import it, so that image runs never load it.
 Tied input/output embeddings need no handling: Opacus accumulates the per-sample gradients of one
-Parameter over every module using it (tests/test_language.py checks this).
+Parameter over every module using it (tests/models/test_language.py checks this).
 """
 
 from __future__ import annotations

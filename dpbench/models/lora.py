@@ -5,7 +5,7 @@ fp32 whatever model.dtype the frozen base model holds.
 Targets and trained modules default to the model family's record (`lora_targets`,
 `trained_modules` in dpbench/models): RoBERTa query/value and OPT q_proj/v_proj (MeZO's and the
 DPZero paper's LoRA baseline: rank 8, alpha 16), timm ViT `qkv` with its head trained.
-peft is pinned by test: tests/test_language.py checks that the adapters' per-sample gradients
+peft is pinned by test: tests/models/test_language.py checks that the adapters' per-sample gradients
 under Opacus equal per-example autograd gradients (some peft releases silently broke this).
 """
 

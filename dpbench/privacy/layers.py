@@ -24,7 +24,7 @@ the token axis, which is exact for these layers: the example's gradient sums ove
 tokens alike.
 
 Adding a layer kind: its rule (a pieces function, its forms; a new form in pieces.py with its
-rounding bound), one entry in `RULES`, and an adversarial case in tests/test_layer_catalogue.py,
+rounding bound), one entry in `RULES`, and an adversarial case in tests/privacy/test_layer_catalogue.py,
 which requires one for every entry.
 """
 

@@ -48,7 +48,7 @@ class GaussianMechanism:
         add/remove ("remove") hockey-stick divergence at sensitivity 2C. It is also what the DPZero
         code does (Opacus add/remove multiplier m, noise std 2mC). The rdp, prv and gdp
         accountants (Opacus: add/remove only) use it; the pld accountant accounts replace-one
-        exactly with dp-accounting's REPLACE_ONE relation, and tests/test_dpzero.py checks that
+        exactly with dp-accounting's REPLACE_ONE relation, and tests/algorithms/test_dpzero.py checks that
         the reduction is never below that exact value.
         """
         return self.noise_multiplier if self.neighboring == "add_remove" else self.noise_multiplier / 2

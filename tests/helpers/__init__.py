@@ -7,7 +7,13 @@
     helpers.per_sample    assert_per_sample_grads_match(): Opacus per-sample gradients vs autograd
     helpers.text_data     fixture text datasets in the hub's field layout
     helpers.wandb_records the records of an offline W&B run file
+    helpers.distributed_worker, distributed_failures, release_worker
+                          one rank of the spawned gloo runs (tests/run/test_distributed.py,
+                          tests/privacy/test_release.py)
+    helpers.make_engine_reference
+                          the script that made tests/fixtures/engine_reference.pt (not re-run)
 
-Test modules import helpers, never each other (distributed_worker.py and distributed_failures.py
-are the scripts torchrun starts, not test modules).
+Tests mirror the package: tests/privacy, tests/algorithms, tests/run (config, CLI, trainer,
+checkpoints, precision, devices), tests/tools, tests/models, tests/data, tests/papers (presets
+and reproduction), tests/docs. Test modules import helpers, never each other.
 """

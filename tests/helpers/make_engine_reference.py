@@ -1,5 +1,5 @@
 """The per-example engines' outputs before the split of dpbench/privacy/bookkeeping.py into pieces,
-layer catalogue and engine: tests/fixtures/engine_reference.pt, read by tests/test_engine_reference.py.
+layer catalogue and engine: tests/fixtures/engine_reference.pt, read by tests/privacy/test_engine_reference.py.
 
 This script was run once, at commit 0b73ecf (the commit before the re-cut), with that commit's
 dpbench first on the path (a copy of the script outside tests/helpers, run from the worktree):
@@ -7,7 +7,7 @@ dpbench first on the path (a copy of the script outside tests/helpers, run from 
     git -C /work/main worktree add /tmp/pre_recut 0b73ecf
     cd /tmp/pre_recut && PYTHONPATH=/tmp/pre_recut python /tmp/w/make_engine_reference.py engine_reference.pt
 
-Do not re-run it to "fix" a failing tests/test_engine_reference.py: the fixture records what the
+Do not re-run it to "fix" a failing tests/privacy/test_engine_reference.py: the fixture records what the
 engines did before the re-cut, and a failure means the current code computes something else. The
 test imports the cases below (models, inputs, the clip rule) and recomputes them with the current
 code; edit a case only together with a fixture regenerated at that same old commit.

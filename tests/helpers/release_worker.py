@@ -1,4 +1,4 @@
-"""One rank of the sharded-release test (tests/test_release.py), started by torch.multiprocessing
+"""One rank of the sharded-release test (tests/privacy/test_release.py), started by torch.multiprocessing
 with the gloo backend on the CPU. Each rank releases its own local sums in the SHARDED layout,
 once through reduce-scatter and once through the all-reduce fallback, and saves what it saw to
 <out>/rank<r>.pt for the test to compare."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.algorithms import tiny_model
 from helpers.config import REPO
-from distributed_worker import ALGORITHMS_COMPARED, LOGICAL_BATCHES, NOISE_COORDINATES, run
+from helpers.distributed_worker import ALGORITHMS_COMPARED, LOGICAL_BATCHES, NOISE_COORDINATES, run
 from scipy import stats
 
 WORLD = 2
@@ -155,7 +155,7 @@ def test_the_process_group_is_left_at_the_end(ranks):
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("where", ["after_collectives", "inside_step"])
 def test_a_rank_that_fails_makes_every_rank_exit_non_zero_promptly(tmp_path, where):
-    from distributed_failures import run as failing_run
+    from helpers.distributed_failures import run as failing_run
 
     context = torch.multiprocessing.start_processes(
         failing_run, args=(WORLD, free_port(), str(tmp_path), where), nprocs=WORLD, start_method="spawn", join=False)

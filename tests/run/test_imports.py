@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.config import REPO
 
 PACKAGE = REPO / "dpbench"
@@ -115,6 +116,7 @@ def test_no_import_cycle_among_dpbench_modules():
     assert cycles(import_graph()) == []
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_option_vocabulary_is_a_leaf():
     imported = subprocess.run(
         [sys.executable, "-c", "import sys, dpbench.options; print(' '.join(sorted(sys.modules)))"],

@@ -34,7 +34,7 @@ from dpbench.privacy.layers import (
 from dpbench.privacy.pieces import Piece, exact_arithmetic
 
 D = 8
-SLACK = 1.0001  # as tests/test_norm_rounding.py: the fp32 rounding of the release itself
+SLACK = 1.0001  # as tests/privacy/test_norm_rounding.py: the fp32 rounding of the release itself
 
 
 class PlainLinear(nn.Linear):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.make_engine_reference import CALLS, CASES, ENGINES, FULL, PROJECTIONS, run, segments
 
-FIXTURE = Path(__file__).parent / "fixtures" / "engine_reference.pt"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "engine_reference.pt"
 RTOL = 1e-6
 
 

@@ -106,7 +106,7 @@ def test_shuffle_sampling_is_recorded_with_its_bound(tiny_cfg, tmp_path):
     results = run_job(tiny_cfg("privacy.sampling=shuffle"), tmp_path, show_progress=False)
     assert results.privacy.sampling == "shuffle"
     assert results.privacy.bound == "full_batch_gaussian_per_epoch"
-    assert any("without amplification" in note for note in results.notes)  # tests/test_shuffle.py: the bound
+    assert any("without amplification" in note for note in results.notes)  # tests/privacy/test_shuffle.py: the bound
 
 
 def test_nan_loss_stops_the_run_and_still_writes_results(tiny_cfg, tmp_path):

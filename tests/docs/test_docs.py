@@ -34,6 +34,7 @@ def mkdocs_config() -> dict:
     return yaml.safe_load((REPO / "mkdocs.yml").read_text())
 
 
+@pytest.mark.slow  # starts mkdocs in a subprocess
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
@@ -68,3 +69,15 @@ def test_readme_links_into_docs_resolve():
     linked = {path for path, _ in links}
     for page in nav_pages(mkdocs_config()["nav"]):
         assert f"docs/{page}" in linked, f"the README does not link to docs/{page}"
+
+
+def test_every_repository_path_the_docs_and_code_name_exists():
+    """A file named in docs/, the README or a docstring (`tests/...py`, `dpbench/...py`) is where it
+    says: the re-cut moved files, and a stale pointer sends a newcomer nowhere."""
+    texts = [*DOCS.glob("*.md"), REPO / "README.md", *(REPO / "dpbench").rglob("*.py"), *(REPO / "dpbench").rglob("*.md")]
+    missing = set()
+    for path in texts:
+        for name in re.findall(r"\b((?:tests|dpbench)/[\w/]+\.(?:py|md|pt))\b", path.read_text()):
+            if not (REPO / name).exists():
+                missing.add(f"{path.relative_to(REPO)}: {name}")
+    assert not missing, sorted(missing)

@@ -1,4 +1,4 @@
-"""One rank of a 2-process gloo run whose rank 1 fails (tests/test_distributed.py): it trains a tiny
+"""One rank of a 2-process gloo run whose rank 1 fails (tests/run/test_distributed.py): it trains a tiny
 DP-SGD with the Trainer, rank 1 fails at step 2, and each rank writes what it raised to
 <out>/rank<r>.txt before its process exits non-zero with it.
 

@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo test (tests/test_distributed.py), started by torch.multiprocessing.
+"""One rank of the 2-process gloo test (tests/run/test_distributed.py), started by torch.multiprocessing.
 
 Rank 0 first trains every algorithm in one process (the reference: no process group yet), then
 both ranks join the group and train the same logical batches, each on its shard indices[r::K].
