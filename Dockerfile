@@ -1,4 +1,4 @@
-# dpbench on a GPU, for reproducing the papers' tables (README: "Reproducing the papers").
+# dpbench on a GPU, for reproducing the papers' tables (docs/papers.md).
 #   docker build -t dpbench .
 #   docker run --gpus all --ipc=host -v "$PWD/outputs:/workspace/outputs" -v "$PWD/data:/workspace/data" \
 #       dpbench -m experiment=dpgrape_t7 device=cuda

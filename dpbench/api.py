@@ -34,7 +34,7 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
         show_progress: bool = True) -> RunResults:
-    """Compose, run one job and return its results (see README "What a run writes")."""
+    """Compose, run one job and return its results (docs/running.md, "What a run writes")."""
     from omegaconf import open_dict
 
     from dpbench.run import run_job

@@ -89,6 +89,8 @@ def setup(cfg: DictConfig) -> Job:
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
     require_fp32_trainable(model, cfg)  # after the algorithm chose what trains (LoRA freezes the base)
     algorithm.use_precision(precision)
+    for note in algorithm.run_notes if privacy else []:
+        privacy.note(note)  # printed by run_job, kept in results.json's notes
     TF32.apply(private=algo_cls.private)
     return Job(cfg, device, task, model, algorithm, privacy, steps)
 

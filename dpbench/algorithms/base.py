@@ -1,12 +1,15 @@
 """The Algorithm seam, and the shared body of first-order DP algorithms.
 
-An Algorithm owns its optimizer state and one `step(batches)`, where `batches` are the physical
-chunks of one logical (Poisson) batch. It declares the privacy mechanisms each step runs so that
-the accountant, not the algorithm, turns them into epsilon. It never opens files or logs.
+An Algorithm owns its optimizer state and one `step(batches, step_index)`, where `batches` are the
+physical chunks of one logical (Poisson) batch; the trainer calls it through `train_step`. It
+declares the privacy mechanisms each step runs so that the accountant, not the algorithm, turns
+them into epsilon. It never opens files, prints or logs: what a user should know goes to
+`run_notes`, `extra_results()` or `privacy_notes(cfg)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterator
@@ -88,6 +91,9 @@ class Algorithm(ABC):
         self.privacy = privacy
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
+        # Facts about this run that change what its results mean; setup prints them and results.json
+        # keeps them (algorithms never print).
+        self.run_notes: list[str] = []
 
     # --- privacy: the plan ---------------------------------------------------------------------
     @classmethod
@@ -228,6 +234,17 @@ class Algorithm(ABC):
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
 
 
+def declared_option(cfg, key: str, default):
+    """`cfg.key` where the algorithm's options dataclass declares `key`, else `default`: algorithm
+    options accept undeclared keys (presets set one algorithm's option for a whole grid), and
+    dpbench.schema.check_keys notes those as ignored."""
+    name = cfg.get("name")
+    options = ALGORITHMS.options(name) if name in ALGORITHMS.names() else None
+    if options is not None and key not in {f.name for f in dataclasses.fields(options)}:
+        return default
+    return cfg.get(key, default)
+
+
 def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state tensors (moments, momentum buffers), excluding step counters."""
     return sum(
@@ -292,9 +309,10 @@ class DPFirstOrderAlgorithm(Algorithm):
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # algo.per_sample is an option where an algorithm can use every engine; without it, materialize.
+        # algo.per_sample is an option where an algorithm can use every engine; where its options do
+        # not declare it (a grid sets it for every algorithm), it is ignored, as the run's note says.
         # The capabilities are checked before the engine hooks the model.
-        self.engine_spec: EngineSpec = engine_spec(cfg.get("per_sample", "materialize"))
+        self.engine_spec: EngineSpec = engine_spec(declared_option(cfg, "per_sample", "materialize"))
         self.engine_spec.require(self.engine_capabilities, f"algo={cfg.get('name', type(self).__name__)}")
         self.engine: Engine = self.engine_spec.build(model, dict(self.sampler_overrides()))
         self.optimizer = self.build_optimizer(self.params)

@@ -56,7 +56,7 @@ class DCDPSGDOptions(AlgoOptions):
     tail_selection: TailSelection = TailSelection.threshold
     momentum: float = 0.0
 
-MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once (200 MB): beyond, V is built in blocks
+MAX_PROJECTION_ELEMENTS = 50_000_000  # d_id * k floats held at once: beyond, V is built in blocks
 
 # Threshold selection: the released score histogram's bins. A score of a d-dim gradient in a
 # random k-dim subspace is about k/d, so the bins are log-spaced (1e-6 .. 1, 24 bins, x1.78 each)
@@ -142,8 +142,8 @@ class SubWeibullSubspaces:
     P(|X|>t) = exp(-t^(1/theta)), i.e. sub-Weibull with index theta) with random signs, so the
     entries are centred; inverse-CDF sampling keeps the public generator explicit.
     Why buffers: fresh d x k tensors every step (tens of MB) are below glibc's adaptive mmap
-    threshold once one has been freed, so they come from the heap and fragment it; the CPU
-    peak then grew with the step count (515 -> 931 MiB own peak from 20 to 120 steps, CNN).
+    threshold once one has been freed, so they come from the heap and fragment it, and the CPU
+    peak grows with the step count.
     The basis returned is overwritten by the next call. Above `max_elements`, `draw` returns a
     `BlockBasis` instead (the same kind of subspace, never held whole).
     """

@@ -49,7 +49,6 @@ from dpbench.algorithms.projected_adam import (
     project,
     projection_summary,
 )
-from dpbench.logging.console import console
 from dpbench.options import choice_of
 
 
@@ -122,13 +121,13 @@ class DPGrape(DPFirstOrderAlgorithm):
         self.make_projector = PROJECTORS[cfg.projector]
         modules, self.projections = build_projections(model, cfg)
         self.projected_modules = modules
-        if not modules:
-            console.print("[yellow]warning:[/] grape found no layer matching algo.projected_modules; it runs as DP-Adam")
         seed = cfg.projection_seed
         # Projectors are public randomness: a reproducible seed is fine (never used for noise).
         self.projection_seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
         self.window = 0  # index of the current F-step projector window
         super().__init__(model, task, cfg, lr, privacy)
+        if not modules:
+            self.run_notes.append("grape found no layer matching algo.projected_modules; it ran as DP-Adam")
 
     # --- projectors ----------------------------------------------------------------------
     def layer_seed(self, projection: Projection, window: int) -> int:

@@ -12,7 +12,7 @@ pass measured (so the bound holds even if the GPU's kernels are not deterministi
 clipping instead backpropagates Σ_i f_i ℓ_i with autograd, which under autocast sums in bf16.
 
 Each example's clip norm sums its pieces' squared norms, each an upper bound that covers its own
-rounding (pieces.py; README, "Rounding and the clip norm").
+rounding (pieces.py; docs/privacy.md, "Rounding and the clip norm").
 
 Both engines check once, against autograd's own summed gradient, that every trainable parameter's
 gradient is made only of what the hooks saw (a parameter read outside its module's forward would

@@ -47,8 +47,8 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
 
         A layer fed R = k·B rows (HF OPT flattens [B, T, d] to [B·T, d] before fc1/fc2 and its
         final LayerNorm; candidate scoring feeds K rows per example, example-major) would
-        otherwise get one per-*row* gradient each, [B·T, out, in] for a Linear: 16 GB at batch 16
-        on the engines benchmark's OPT shape, summed per example only afterwards. For layers whose
+        otherwise get one per-*row* gradient each, [B·T, out, in] for a Linear (T times an example's
+        gradient), summed per example only afterwards. For layers whose
         per-example gradient sums over every position of the input (Linear, Embedding, LayerNorm)
         the rows of one example are just more positions: [R, ..., d] -> [B, R/B·..., d] gives the
         per-example gradient directly, exactly."""

@@ -20,7 +20,7 @@ else is instantiated and summed.
 
 Every piece's squared norm is an upper bound that covers its own rounding (N̂_i + E_i, E_i bounding
 |N̂_i − ‖G_i‖²| for the arithmetic used), because the Gram identities cancel when an example's
-tokens do. README, "Rounding and the clip norm".
+tokens do. docs/privacy.md, "Rounding and the clip norm".
 """
 
 from __future__ import annotations

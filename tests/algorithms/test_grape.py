@@ -273,3 +273,13 @@ def test_a_run_writes_results(name, tmp_path):
     assert results["algorithm"]["projected_layers"] and results["memory"]["optimizer_state_bytes"] > 0
     if name != "galore":
         assert 0 < results["privacy"]["epsilon"] <= 8.0 + 1e-6
+
+
+def test_grape_with_no_projected_layer_says_so_in_the_run_notes():
+    from dpbench.run import setup
+
+    job = setup(compose(TINY + ["algo=grape", "model=cnn", "privacy.noise_multiplier=1.0", "device=cpu"]))
+    assert not job.algorithm.projected_modules
+    assert any("ran as DP-Adam" in note for note in job.privacy.recorded_notes())
+    vit = setup(compose(TINY + ["algo=grape", "privacy.noise_multiplier=1.0", "device=cpu"]))
+    assert not any("ran as DP-Adam" in note for note in vit.privacy.recorded_notes())
