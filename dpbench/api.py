@@ -45,3 +45,33 @@ def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, r
     if run_dir is None:
         run_dir = Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.algo.name}_{cfg.dataset.name}_api"
     return run_job(cfg, Path(run_dir), show_progress=show_progress)
+
+
+def evaluate_saved(run_dir: str | Path) -> dict:
+    """Evaluate a run's saved final model (train.evaluate_test=false wrote final_model.pt) on the
+    test set, once: the task and model are rebuilt from the config stored in its results.json,
+    the saved trainable parameters loaded, and the task's test metrics (with `metric`, what
+    `accuracy` holds) written into results.json as `saved_model_test` and returned. A search
+    evaluates only the model it selected (by its validation score) this way."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from dpbench.errors import UserError
+    from dpbench.logging.results import read_results, write_results
+    from dpbench.run import FINAL_MODEL_FILE, setup
+
+    run_dir = Path(run_dir)
+    stored, saved = read_results(run_dir), run_dir / FINAL_MODEL_FILE
+    if stored is None or not saved.is_file():
+        raise UserError(f"{run_dir} holds no results.json and {FINAL_MODEL_FILE}: run it with train.evaluate_test=false first")
+    results = RunResults.from_json(stored)
+    job = setup(OmegaConf.create(results.config))  # same seed: the frozen parts are rebuilt as they were
+    state = torch.load(saved, map_location=job.device)
+    trainable = dict(job.model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            trainable[name].copy_(value)
+    metrics = {"metric": job.task.metric_name, **job.task.evaluate(job.model)}
+    results.saved_model_test = metrics
+    write_results(run_dir, results)
+    return metrics

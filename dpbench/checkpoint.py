@@ -44,13 +44,13 @@ EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, rerun the same
 
 
 class Preempted(Exception):
-    """The run stopped on SIGTERM/SIGUSR1 after writing its checkpoint."""
+    """The run stopped on SIGTERM/SIGUSR1 after writing its checkpoint (`path`; None: a sharded run,
+    which cannot write one yet, stopped without)."""
 
-    def __init__(self, signal_name: str, step: int, path: Path):
-        super().__init__(
-            f"{signal_name} received: stopped after step {step} with a checkpoint in {path}; "
-            "rerun the same command to resume"
-        )
+    def __init__(self, signal_name: str, step: int, path: Path | None):
+        where = (f"with a checkpoint in {path}; rerun the same command to resume" if path is not None else
+                 "without a checkpoint (sharded checkpoints are not supported yet): a rerun starts over")
+        super().__init__(f"{signal_name} received: stopped after step {step} {where}")
         self.step, self.path = step, path
 
 
@@ -188,7 +188,7 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         self._restore()
 
-    def chain(self, step: int, path: Path) -> None:
+    def chain(self, step: int, path: Path | None) -> None:
         """After the checkpoint: let the previous handler act (submitit requeues and exits), then stop."""
         sig = self.received
         previous = signal.getsignal(sig)
@@ -201,9 +201,13 @@ class StopSignals:
 class Checkpointer:
     """Decides when the trainer writes a checkpoint and writes it (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, config: dict, every: int | None, signals: StopSignals | None = None):
+    def __init__(self, run_dir: Path, config: dict, every: int | None, signals: StopSignals | None = None,
+                 sharded: bool = False):
         self.run_dir, self.config, self.every = Path(run_dir), config, every
         self.signals = signals
+        # Rank 0's state is the run's only where every rank holds the whole model; a sharded run
+        # (train.sharding=fsdp) refuses checkpoint_every and stops on a signal without writing.
+        self.sharded = sharded
 
     @property
     def path(self) -> Path:
@@ -218,10 +222,10 @@ class Checkpointer:
         if step >= trainer.config.steps:
             return  # the run is complete: results.json follows
         periodic = self.every is not None and (step % self.every == 0 or evaluated)
-        if stop or periodic:
+        if (stop or periodic) and not self.sharded:
             self.save(trainer)
         if stop:
-            self.signals.chain(step, self.path)
+            self.signals.chain(step, None if self.sharded else self.path)
 
     def save(self, trainer) -> Path:
         """Rank 0 writes (the replicas are identical; the seeded generators are gathered from every

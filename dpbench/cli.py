@@ -88,8 +88,16 @@ class GridFailures(Callback):
 
 
 def objective(cfg: DictConfig, results: RunResults | None) -> float:
-    """What the job returns to a Hydra sweeper: `optimize` names a metrics key, "-key" negates it."""
-    key = str(cfg.get("optimize") or "test_accuracy")
+    """What the job returns to a Hydra sweeper: `optimize` names a metrics key, "-key" negates it.
+
+    Selection never reads the test set by default: with a validation split
+    (dataset.validation_fraction > 0) and `optimize` left at its default, the job returns the
+    final model's noisy validation score (metrics.validation_score)."""
+    from dpbench.run_config import DEFAULT_OPTIMIZE
+
+    key = str(cfg.get("optimize") or DEFAULT_OPTIMIZE)
+    if key == DEFAULT_OPTIMIZE and float(cfg.dataset.get("validation_fraction", 0) or 0) > 0:
+        key = "validation_score"
     sign, key = (-1.0, key[1:]) if key.startswith("-") else (1.0, key)
     value = results.metrics.to_json().get(key) if results is not None else None
     return float("nan") if value is None else sign * float(value)  # a failed job: nan
@@ -120,6 +128,22 @@ def save_job_config(cfg: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
 
 
+# Sweepers whose selection among private runs dpbench can state the privacy of: a grid selects
+# nothing (every job is reported), private_search charges its selection (dpbench/study.py).
+ACCOUNTED_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                      "hydra_plugins.dpbench_private_search.private_search.PrivateSearchSweeper")
+
+
+def check_sweeper(cfg: DictConfig, sweeper_target: str) -> None:
+    """Refuse a private run under a sweeper that selects on its results uncharged: Optuna's samplers
+    (TPE) read earlier trials' scores, so the trials are not independent and no study epsilon holds."""
+    from dpbench.algorithms import algorithm_class
+
+    if sweeper_target and sweeper_target not in ACCOUNTED_SWEEPERS and algorithm_class(cfg.algo.name).private:
+        raise UserError(f"{sweeper_target.rsplit('.', 1)[-1]} selects among private runs without charging the selection: "
+                        "use hydra/sweeper=private_search with dataset.validation_fraction (docs/tuning.md)")
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float:
     from omegaconf import open_dict
@@ -129,6 +153,12 @@ def _main(cfg: DictConfig) -> float:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     in_grid = HydraConfig.get().mode == RunMode.MULTIRUN
+    if in_grid:
+        try:
+            check_sweeper(cfg, str(HydraConfig.get().sweeper.get("_target_", "")))
+        except UserError as error:  # every trial would be refused alike: stop the sweep
+            console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            _exit(EXIT_BAD_INPUT)
     with open_dict(cfg):
         if cfg.get("threads") is None and (threads := launcher_threads()):
             cfg.threads = threads

@@ -320,6 +320,8 @@ def check_replicas(model: torch.nn.Module) -> None:
         return
     differing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if hasattr(tensor, "to_local"):  # a shard (train.sharding=fsdp): checked whole before sharding (run.setup)
+            continue
         reference = tensor.detach().clone()
         broadcast([reference])
         if not torch.equal(reference, tensor.detach()):

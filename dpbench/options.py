@@ -60,6 +60,11 @@ class Device(Choice):
     cuda = "cuda"
 
 
+class Sharding(Choice):  # dpbench/sharding.py
+    none = "none"
+    fsdp = "fsdp"
+
+
 class WandbMode(Choice):
     disabled = "disabled"
     offline = "offline"
@@ -87,6 +92,8 @@ class PrivacyOptions:
     secure_rng: bool = False
     log_private_stats: bool = True
     allow_approximate_accountant: bool = False
+    # sigma_v: noise std on the validation count (dataset.validation_fraction > 0), sensitivity 1
+    validation_noise_multiplier: float = 10.0
 
 
 @dataclass
@@ -100,6 +107,8 @@ class TrainOptions:
     eval_every: int = 20
     train_eval_size: int = 0
     checkpoint_every: Optional[int] = None
+    sharding: Sharding = Sharding.none
+    evaluate_test: bool = True  # false: no test evaluation; the final model is saved (final_model.pt)
 
 
 @dataclass
@@ -114,6 +123,7 @@ class AuditOptions:
     canaries: int = 1000
     guesses: int = 800
     confidence: float = 0.95
+    seeded_bug: Optional[str] = None
 
 
 @dataclass

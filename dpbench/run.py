@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dpbench import distributed
+from dpbench import distributed, sharding
 from dpbench.algorithms import Algorithm, algorithm_class
 from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
@@ -27,7 +27,8 @@ from dpbench.logging.results import (
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
-from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
+from dpbench.privacy.plan import COUNT_SENSITIVITY, PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
+from dpbench.privacy.release import ReleasePart, gaussian_release
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
 from dpbench.provenance import versions
 from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
@@ -50,7 +51,10 @@ def seed_everything(seed: int) -> None:
 
 
 def planned_steps(cfg: DictConfig, train_size: int) -> int:
-    """train.steps, or train.epochs passes of n / B Poisson batches or of the shuffled epoch's batches."""
+    """train.steps, or train.epochs passes of n / B Poisson batches or of the shuffled epoch's batches
+    (n: the public planning size; a batch larger than it is refused, as q = B / n must be <= 1)."""
+    if cfg.train.batch_size > train_size:
+        raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {train_size} training examples; lower it")
     if cfg.train.steps is not None:
         return int(cfg.train.steps)
     per_epoch = batches_per_epoch(cfg, train_size) or train_size / cfg.train.batch_size
@@ -73,6 +77,7 @@ class Job:
 def setup(cfg: DictConfig) -> Job:
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm."""
     validate(cfg)
+    sharding.check_supported(cfg)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
     if str(cfg.train.precision) == "bf16" or str(cfg.model.get("dtype")) == "bfloat16":
         require_native_bf16(device)
@@ -80,12 +85,14 @@ def setup(cfg: DictConfig) -> Job:
     task = build_task(cfg, device)
     model = task.build_model(cfg.model).to(device)
     model.train()
+    if sharding.requested(cfg) != sharding.NONE:  # train.sharding=fsdp: sharded before the algorithm is built
+        distributed.check_replicas(model)  # whole tensors, before each rank keeps only its shard
+        sharding.shard_model(model, sharding.block_patterns(str(cfg.model.name)), device)
     algo_cls = algorithm_class(cfg.algo.name)
-    if cfg.train.batch_size > task.train_size:
-        raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {task.train_size} training examples; lower it")
-    steps = planned_steps(cfg, task.train_size)
+    n = task.planning_size  # public: with a validation split n (1 - f), never the realised part's size
+    steps = planned_steps(cfg, n)
     precision = Precision(str(cfg.train.precision), device.type)  # the schema checked the choice
-    privacy = plan_privacy(cfg, algo_cls, task.train_size, steps, device) if algo_cls.private else None
+    privacy = plan_privacy(cfg, algo_cls, n, steps, device) if algo_cls.private else None
     algorithm = algo_cls(model, task, cfg.algo, float(cfg.train.lr), privacy.setup if privacy else None)
     require_fp32_trainable(model, cfg)  # after the algorithm chose what trains (LoRA freezes the base)
     algorithm.use_precision(precision)
@@ -104,15 +111,19 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     cfg = job.cfg
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
     checkpointer = None if run_dir is None else Checkpointer(
-        run_dir, resolved_config(cfg), cfg.train.get("checkpoint_every"), StopSignals())
+        run_dir, resolved_config(cfg), cfg.train.get("checkpoint_every"), StopSignals(),
+        sharded=sharding.requested(cfg) != sharding.NONE)
     seeded_sampler = job.privacy is None  # private runs draw their batches from fresh entropy
     trainer = Trainer(
         job.task,
         job.algorithm,
+        # over the realised training part, at the planned q = B / n and epoch length (public sizes)
         build_sampler(cfg.privacy.sampling, job.task.train_size, cfg.train.batch_size, cfg.seed, job.privacy is not None,
-                      batches_per_epoch(cfg, job.task.train_size)),
+                      batches_per_epoch(cfg, job.task.planning_size), sample_rate=cfg.train.batch_size / job.task.planning_size,
+                      relation=str(cfg.privacy.get("neighboring", "add_remove"))),
         TrainerConfig(job.steps, cfg.train.physical_batch_size, int(cfg.train.eval_every), log_private_stats,
-                      int(cfg.train.get("train_eval_size") or 0), replay_sampler=seeded_sampler),
+                      int(cfg.train.get("train_eval_size") or 0), replay_sampler=seeded_sampler,
+                      evaluate_test=bool(cfg.train.get("evaluate_test", True))),
         job.privacy,
         [LoggerCallback(logger)] + ([ProgressCallback()] if show_progress else []),
         checkpointer,
@@ -135,7 +146,41 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     return trainer, "completed", None
 
 
-def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str]) -> RunResults:
+def validation_score(job: Job, trainer: Trainer) -> float | None:
+    """The final model's validation score, computed once (None: no validation split): the sum of
+    the per-example scores in [0, 1] (`Task.validation_scores`) plus N(0, sigma_v^2) for a private
+    run, through the one release function, charged to the run's ledger as one more mechanism (the
+    plan's final release, which calibration composed), divided by the public size n f."""
+    task = job.task
+    if task.split is None:
+        return None
+    scores = task.validation_scores(job.model).detach().float().clamp(0, 1)
+    if job.privacy is None:
+        return float(scores.sum()) / task.split.planned_validation_size
+    plan, relation = job.privacy, job.privacy.setup.neighboring
+    # under torchrun the release sums its part over the ranks: each rank contributes a shard
+    count = scores[distributed.rank()::distributed.world_size()].sum().reshape(1).to(job.device)
+    part = ReleasePart([count], COUNT_SENSITIVITY[relation], plan.validation_noise_multiplier)
+    (noisy,), mechanism = gaussian_release("validation score", [part], noise=plan.setup.noise, sample_rate=1.0,
+                                           neighboring=relation, charge=trainer.state.ledger.add_release)
+    plan.check_final_release(mechanism)
+    return float(noisy[0]) / task.split.planned_validation_size
+
+
+FINAL_MODEL_FILE = "final_model.pt"
+
+
+def save_final_model(job: Job, run_dir: Path) -> Path:
+    """The final model's trainable parameters (train.evaluate_test=false), for `dpbench.api.evaluate_saved`."""
+    state = {name: p.detach().cpu() for name, p in job.model.named_parameters() if p.requires_grad}
+    path = Path(run_dir) / FINAL_MODEL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return path
+
+
+def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str],
+           score: float | None = None) -> RunResults:
     """results.json (the contract reports, resumption and checks read) of what ran."""
     cfg, algorithm, state = job.cfg, job.algorithm, trainer.state
     last = state.history[-1] if state.history else EvalRecord()  # the last evaluation's figures
@@ -143,15 +188,15 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         privacy = job.privacy.results(state.ledger, state.step, job.steps)
         notes = [*notes, *job.privacy.recorded_notes()]
     else:
-        sample_rate = cfg.train.batch_size / job.task.train_size
-        privacy = PrivacyResults(private=False, sample_rate=sample_rate, expected_batch_size=sample_rate * job.task.train_size,
+        sample_rate = cfg.train.batch_size / job.task.planning_size
+        privacy = PrivacyResults(private=False, sample_rate=sample_rate, expected_batch_size=sample_rate * job.task.planning_size,
                                  steps=state.step, planned_steps=job.steps, ledger=[])
     privacy.sampling = cfg.privacy.sampling
     memory_figures = {
         **memory.read(),
         "per_sample_grad_bytes": algorithm.per_sample_grad_bytes,
         "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
-        "parameter_bytes": sum(p.numel() * p.element_size() for p in job.model.parameters()),
+        "parameter_bytes": sharding.local_bytes(job.model.parameters()),  # this rank's shards when sharded
     }
     throughput = {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}
     if job.privacy is not None and not job.privacy.log_private_stats:  # they depend on realised batch sizes
@@ -169,7 +214,9 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         privacy=privacy,
         metrics=MetricsResults(
             metric=job.task.metric_name, test_accuracy=last.test_accuracy, best_test_accuracy=state.best_accuracy,
-            train_loss=last.train_loss, test_loss=last.test_loss, train_accuracy=last.train_accuracy,
+            train_loss=last.train_loss if state.history else state.train_loss, test_loss=last.test_loss,
+            train_accuracy=last.train_accuracy, validation_score=score,
+            validation_size=job.task.split.planned_validation_size if job.task.split is not None else None,
         ),
         memory=MemoryResults.from_json(memory_figures),
         throughput=ThroughputResults.from_json(throughput),
@@ -191,6 +238,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     main = distributed.is_main_process()  # rank 0 alone decides, writes, logs and prints
     if (existing := distributed.broadcast_object(reusable_results(cfg, run_dir) if main else None)) is not None:
         return existing
+    sharding.check_supported(cfg)  # before require_data_parallel: names what train.sharding=fsdp supports
     distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
     if on_start is not None and main:
         on_start()
@@ -226,9 +274,21 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished
         logger.abort(error)
         raise
+    score, score_error = None, None
+    if status == "completed":
+        try:
+            score = validation_score(job, trainer)  # once, on the final model (charged to the ledger)
+            if not cfg.train.get("evaluate_test", True) and main:
+                save_final_model(job, run_dir)
+        except Exception as error:  # noqa: BLE001 - every rank stops with it
+            score_error = error
+    distributed.raise_together(score_error, "scoring the validation split")
     results = record(job, trainer, status, memory, started,
-                     notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []))
+                     notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []),
+                     score=score)
     results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
+    if sharding.requested(cfg) != sharding.NONE:
+        results.throughput.sharding = sharding.requested(cfg)  # memory figures are then rank 0's shards
     results.resumed_from_step = trainer.resumed_from_step
     results_file, write_error = None, None
     if main:

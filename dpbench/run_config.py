@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dpbench.data.validation import validation_fraction
 from dpbench.errors import UserError
 from dpbench.logging.console import console
 from dpbench.schema import check_keys
@@ -40,8 +41,26 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"train.lr must be positive, got {t.lr}")
     if t.get("checkpoint_every") is not None and t.checkpoint_every < 1:
         raise UserError(f"train.checkpoint_every must be >= 1 or null (no periodic checkpoints), got {t.checkpoint_every}")
+    fraction = validation_fraction(cfg.dataset)  # in [0, 1), or a one-line error
+    sigma_v = p.get("validation_noise_multiplier", 10.0)
+    if fraction > 0 and (sigma_v is None or not sigma_v > 0):
+        raise UserError(f"privacy.validation_noise_multiplier must be positive, got {sigma_v}")
+    # optimize left at its default means the validation score when there is a split (dpbench.cli.objective)
+    selects_validation = fraction > 0 and str(cfg.get("optimize") or DEFAULT_OPTIMIZE) == DEFAULT_OPTIMIZE
+    if not t.get("evaluate_test", True) and names_test_metric(cfg) and not selects_validation:
+        raise UserError(f"optimize={cfg.get('optimize')} is a test metric but train.evaluate_test=false evaluates no test "
+                        "set; set dataset.validation_fraction > 0 (optimize=validation_score), or train.evaluate_test=true")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+
+
+DEFAULT_OPTIMIZE = "test_accuracy"  # dpbench.options.Config.optimize
+
+
+def names_test_metric(cfg: DictConfig) -> bool:
+    """Whether `optimize` names a test-set metric (test_accuracy, -test_loss, best_test_accuracy, ...)."""
+    key = str(cfg.get("optimize") or DEFAULT_OPTIMIZE).lstrip("-")
+    return key.startswith(("test_", "best_test_"))
 
 
 def resolved_config(cfg: DictConfig) -> dict:

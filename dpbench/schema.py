@@ -126,10 +126,17 @@ def register() -> None:
         store.store(name=name, node=node)
 
 
+# Keys every conf/dataset/*.yaml holds (datasets are untyped), with the default a stored run that
+# predates them ran with (dpbench/data/validation.py reads it with this default).
+DATASET_DEFAULTS = {"dataset.validation_fraction": 0.0}
+
+
 def default_of(dotted: str, algo_name: str | None = None) -> Any:
     """The schema's default of a top-level or `algo.` key (MISSING where no schema declares one):
     resume treats a key that a stored run predates as matching when the run uses its default."""
     section, _, key = dotted.partition(".")
+    if dotted in DATASET_DEFAULTS:  # untyped dataset configs: the keys every one of them has
+        return DATASET_DEFAULTS[dotted]
     if section == "algo":
         schema = algo_schemas().get(algo_name or "")
         node = OmegaConf.structured(schema) if schema else None

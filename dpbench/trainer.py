@@ -28,6 +28,7 @@ class TrainerConfig:
     log_private_stats: bool = True  # report un-noised training loss / batch sizes (see PrivacyPlan)
     train_eval_size: int = 0  # > 0: also evaluate on this many training examples (needs log_private_stats)
     replay_sampler: bool = True  # on resume, redraw the batches already used (seeded samplers without a state_dict)
+    evaluate_test: bool = True  # false (train.evaluate_test): no test evaluation, periodic or final
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Trainer:
         ]
 
     def _due_for_eval(self) -> bool:
+        if not self.config.evaluate_test:
+            return False
         every, step = self.config.eval_every, self.state.step
         return step == self.config.steps or (every > 0 and step % every == 0)
 
@@ -148,7 +151,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_fit_start(self)
         try:
-            if self.config.steps == 0:
+            if self.config.steps == 0 and self.config.evaluate_test:
                 self._publish(None, self.evaluate())
             batches = iter(self.sampler)
             replay = self.config.replay_sampler and not self._sampler_restored

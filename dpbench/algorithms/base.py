@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from dpbench import distributed
+from dpbench import distributed, sharding
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, under_relation
@@ -28,7 +28,7 @@ from dpbench.privacy.engines import (
 )
 from dpbench.privacy.per_sample import GradSampler
 # The release lives in dpbench/privacy/release.py; its names stay importable from here.
-from dpbench.privacy.release import REPLICATED, Layout, ReleaseObserver, ReleasePart, gaussian_release
+from dpbench.privacy.release import REPLICATED, SHARDED, Layout, ReleaseObserver, ReleasePart, gaussian_release
 from dpbench.registry import Registry
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
@@ -91,6 +91,7 @@ class Algorithm(ABC):
         self.privacy = privacy
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
+        self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/sharding.py)
         # Facts about this run that change what its results mean; setup prints them and results.json
         # keeps them (algorithms never print).
         self.run_notes: list[str] = []
@@ -177,13 +178,37 @@ class Algorithm(ABC):
     def chunks(self, batches: list[Batch], tally: LossTally) -> Iterator[tuple[Batch, torch.Tensor]]:
         """The one per-example loop: each non-empty physical chunk of the logical batch with its
         per-example losses [b] (forward under the run's precision); `tally` counts the chunk's
-        losses once the caller has used them."""
+        losses once the caller has used them.
+
+        A sharded model (train.sharding=fsdp) runs as many chunks as the rank with the most: its
+        forwards and backwards are collectives (FSDP2's all-gathers and reduce-scatters), which
+        every rank must enter. A rank short of examples runs padding chunks instead of skipping:
+        training example 0 alone, with `padding_chunk` set while the caller uses it, so that it
+        gives it clip factor 0 (its contribution is exactly zero) and it is not tallied."""
+        if self.sharded:
+            yield from self._sharded_chunks(batches, tally)
+            return
         for batch in batches:
             if self.task.batch_size(batch) == 0:
                 continue
             losses = self.per_example_losses(batch)
             yield batch, losses
             tally.add(losses)
+
+    padding_chunk: bool = False  # the chunk `chunks` yields is padding (train.sharding=fsdp)
+
+    def _sharded_chunks(self, batches: list[Batch], tally: LossTally) -> Iterator[tuple[Batch, torch.Tensor]]:
+        kept = [batch for batch in batches if self.task.batch_size(batch) > 0]
+        for position in range(sharding.max_over_ranks(len(kept))):
+            self.padding_chunk = position >= len(kept)
+            batch = self.task.batch([0]) if self.padding_chunk else kept[position]
+            losses = self.per_example_losses(batch)
+            try:
+                yield batch, losses
+            finally:
+                padding, self.padding_chunk = self.padding_chunk, False
+            if not padding:
+                tally.add(losses)
 
     def use_precision(self, precision: Precision) -> None:
         """Run the forwards under `precision` (train.precision), or refuse it before training."""
@@ -234,6 +259,11 @@ class Algorithm(ABC):
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
 
 
+def _zero_factors(norms: torch.Tensor) -> torch.Tensor:
+    """Clip factor 0 for every example (a padding chunk of train.sharding=fsdp)."""
+    return torch.zeros_like(norms, dtype=torch.float32)
+
+
 def declared_option(cfg, key: str, default):
     """`cfg.key` where the algorithm's options dataclass declares `key`, else `default`: algorithm
     options accept undeclared keys (presets set one algorithm's option for a whole grid), and
@@ -247,10 +277,8 @@ def declared_option(cfg, key: str, default):
 
 def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state tensors (moments, momentum buffers), excluding step counters."""
-    return sum(
-        value.numel() * value.element_size()
-        for state in optimizer.state.values()
-        for key, value in state.items()
+    return sharding.local_bytes(  # this rank's shards of a sharded model's state (train.sharding=fsdp)
+        value for state in optimizer.state.values() for key, value in state.items()
         if torch.is_tensor(value) and key != "step"
     )
 
@@ -336,7 +364,8 @@ class DPFirstOrderAlgorithm(Algorithm):
         tally, sums = LossTally(), None
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
-            contribution = self.engine.clipped_sum(losses, self.example_factors)
+            factors = _zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
+            contribution = self.engine.clipped_sum(losses, factors)
             sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
         return (self.zero_sums() if sums is None else sums), tally  # an empty batch releases pure noise
 
@@ -361,8 +390,10 @@ class DPFirstOrderAlgorithm(Algorithm):
         return self.privacy.noise_multiplier * self.privacy.clip_norm
 
     def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's noisy release of the clipped sum."""
-        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()))
+        """The step's noisy release of the clipped sum (a sharded model: this rank's shard rows of
+        each, sum-reduce-scattered over the ranks and noised by this rank, privacy/release.py)."""
+        (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()),
+                                         layout=SHARDED if self.sharded else REPLICATED)
         return noisy
 
     def scale_grad(self, noisy_sums: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -374,7 +405,7 @@ class DPFirstOrderAlgorithm(Algorithm):
 
     def apply_update(self, gradients: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, gradients):
-            p.grad = g.to(p.dtype)
+            p.grad = sharding.sharded_grad(p, g) if self.sharded else g.to(p.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

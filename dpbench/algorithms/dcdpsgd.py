@@ -19,7 +19,7 @@ import torch
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
-from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.clipping import clipped_sum, per_sample_norms
 from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
 from dpbench.options import AlgoOptions, Choice
 

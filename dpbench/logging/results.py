@@ -13,6 +13,12 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
      resumed_from_step (the checkpoint step a resumed run continued from; null: one go).
   4  privacy.bound (which bound epsilon is: poisson_subsampled_gaussian, or
      full_batch_gaussian_per_epoch for shuffled batches) and privacy.batches_per_epoch (shuffled).
+  5  with a validation split (dataset.validation_fraction > 0): metrics.validation_score (the final
+     model's noisy validation score), metrics.validation_size (its public divisor n f) and
+     privacy.validation_noise_multiplier (sigma_v, private runs); saved_model_test (the test metrics
+     `dpbench.api.evaluate_saved` wrote for a run with train.evaluate_test=false); throughput.sharding
+     (fsdp for a run with train.sharding=fsdp, whose memory figures are rank 0's shards). Each is
+     written only when it has a value, so a run without them keeps version 4's keys.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _OMIT_IF_NONE = "omit_if_none"
 
@@ -102,6 +108,7 @@ class PrivacyResults(Section):
     sampling: str | None = None
     bound: str | None = _only_when_known()  # privacy.plan.BOUNDS: the bound epsilon is (private runs)
     batches_per_epoch: int | None = _only_when_known()  # shuffled batches: one epoch's (its ledger's unit)
+    validation_noise_multiplier: float | None = _only_when_known()  # sigma_v: noise std on the validation count
 
     @property
     def is_private(self) -> bool:
@@ -117,6 +124,10 @@ class MetricsResults(Section):
     train_loss: float | None = None
     test_loss: float | None = None
     train_accuracy: float | None = None  # un-noised: only with privacy.log_private_stats
+    # with a validation split: (sum of per-example scores in [0, 1] + N(0, sigma_v^2)) / validation_size,
+    # of the final model, computed once (noiseless for a non-private run)
+    validation_score: float | None = _only_when_known()
+    validation_size: int | None = _only_when_known()  # the public divisor n - round(n (1 - f)), about n f
 
 
 @dataclass(kw_only=True)
@@ -136,6 +147,7 @@ class ThroughputResults(Section):
     measured_steps: int | None = None
     wall_s: float | None = None
     world_size: int | None = None  # processes that trained (set by the run; None before version 3)
+    sharding: str | None = _only_when_known()  # fsdp: parameters and optimizer state sharded (train.sharding)
 
 
 @dataclass(kw_only=True)
@@ -206,6 +218,8 @@ class RunResults(Section):
     notes: list | None = None
     versions: dict | None = None  # provenance: packages, device, git commit, command line
     config: dict | None = None  # the resolved config of the run
+    # test metrics of the saved final model (train.evaluate_test=false), by dpbench.api.evaluate_saved
+    saved_model_test: dict | None = _only_when_known()
 
     @classmethod
     def from_json(cls, data: dict | None) -> RunResults:

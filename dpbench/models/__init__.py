@@ -56,6 +56,9 @@ class ModelFamily:
     # outside dpbench is recognised too; None for non-Hugging-Face models.
     model_type: str | None = None
     opacus_fixes: tuple[OpacusFix, ...] = ()
+    # fnmatch patterns of the transformer blocks `train.sharding=fsdp` wraps one by one (the
+    # outermost modules they match; dpbench/sharding.py); () : the family cannot be sharded.
+    block_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

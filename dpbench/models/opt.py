@@ -68,5 +68,6 @@ register_language_family("opt", LanguageFamily(
         "*layers.*.self_attn.out_proj", "*layers.*.fc1", "*layers.*.fc2",
     ),
     lora_targets=("q_proj", "v_proj"),  # MeZO's and the DPZero paper's LoRA baseline
+    block_modules=("*decoder.layers.*",),  # train.sharding=fsdp wraps each decoder layer
     opacus_fixes=(OpacusFix(swap_positional_embeddings, restore_positional_embeddings),),
 ))

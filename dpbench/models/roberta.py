@@ -45,5 +45,6 @@ register_language_family("roberta", LanguageFamily(
         "*layer.*.attention.output.dense", "*layer.*.intermediate.dense", "*layer.*.output.dense",
     ),
     lora_targets=("query", "value"),  # MeZO's and the DPZero paper's LoRA baseline
+    block_modules=("*encoder.layer.*",),  # train.sharding=fsdp wraps each encoder layer
     opacus_fixes=(OpacusFix(register_lm_head_sampler),),
 ))

@@ -84,6 +84,7 @@ VIT_FAMILY = ModelFamily(
     projected_modules=("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2"),
     lora_targets=("qkv",),
     trained_modules=("head",),  # a from-scratch image head must learn beside the adapters
+    block_modules=("blocks.*",),  # train.sharding=fsdp wraps each block
 )
 
 

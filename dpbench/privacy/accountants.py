@@ -214,12 +214,16 @@ def calibrate_noise_multiplier(
 
 
 def ledger_of_plan(
-    mechanisms_for_step: Callable[[int], list[GaussianMechanism]], steps: int, batches_per_epoch: int | None = None
+    mechanisms_for_step: Callable[[int], list[GaussianMechanism]], steps: int, batches_per_epoch: int | None = None,
+    final_releases: tuple[GaussianMechanism, ...] = (),
 ) -> Ledger:
     """The ledger of a planned run: Poisson batches, or shuffled ones (`batches_per_epoch`), the
-    same accumulation the trainer does for the steps that run."""
+    same accumulation the trainer does for the steps that run, then `final_releases` (made once
+    after training, e.g. the validation score: `Ledger.add_release`)."""
     ledger = new_ledger(batches_per_epoch)
     for step in range(steps):
         ledger.add_step(mechanisms_for_step(step))
+    for mechanism in final_releases:
+        ledger.add_release(mechanism)
     return ledger
 

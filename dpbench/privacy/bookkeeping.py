@@ -101,6 +101,11 @@ class BookKeeping:
         self._functorch = {m for m in self.modules if m not in self.overrides and by_functorch(m)}
         for module in self._functorch:
             prepare_layer(module)
+        # A sharded model (train.sharding=fsdp): the hooks see FSDP2's unsharded parameters, which
+        # are other objects than the sharded ones in `params`; what they collect is keyed by the
+        # sharded parameter of the same name (each module's names -> its parameters in `params`).
+        self._canonical = _canonical_names(model, self.modules, self._functorch) \
+            if any(hasattr(p, "to_local") for p in self.params) else None
         self._state = _BackwardState()
         self._examples = 0  # B of the latest clipped_sum (a backward outside one reuses it)
         self._coverage_checked = False
@@ -125,9 +130,9 @@ class BookKeeping:
         if inputs and torch.is_tensor(inputs[0]):
             storage = _storage(inputs[0])
             state.readers[storage] = state.readers.get(storage, 0) + 1
-        for p in module.parameters(recurse=module in self._functorch):
+        for p, key in self._keyed_parameters(module):
             if p.requires_grad:
-                state.pending[p] = state.pending.get(p, 0) + 1
+                state.pending[key] = state.pending.get(key, 0) + 1
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         if torch.is_tensor(first) and first.grad_fn is not None:
             # On the node that made the output, not on the tensor: an in-place change of the
@@ -135,6 +140,15 @@ class BookKeeping:
             first.grad_fn.register_prehook(partial(self._capture_backprops, module, first.output_nr))
             if not any(torch.is_tensor(t) and t.requires_grad for t in inputs):
                 state.entry_edges.append((module, activations, get_gradient_edge(first)))
+
+    def _keyed_parameters(self, module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(parameter the module holds now, the key of what the hooks collect for it): itself, or
+        for a sharded model the sharded parameter of its name (FSDP2 swaps in unsharded ones)."""
+        recurse = module in self._functorch
+        if self._canonical is None:
+            return [(p, p) for p in module.parameters(recurse=recurse)]
+        names = self._canonical[module]
+        return [(p, names[name]) for name, p in module.named_parameters(recurse=recurse)]
 
     def _capture_backprops(self, module, index, output_grads):
         if self._enabled and output_grads[index] is not None:
@@ -147,7 +161,11 @@ class BookKeeping:
         if self.passes == 2 and state.factors is None:
             state.replay.setdefault(module, []).append(activations)
         backprops = output_grad.detach()
-        for p, piece in layer_pieces(module, activations, backprops, self._examples, self.overrides.get(module)).items():
+        pieces = layer_pieces(module, activations, backprops, self._examples, self.overrides.get(module))
+        if self._canonical is not None:  # the unsharded parameters' pieces, under the sharded ones
+            keys = dict(self._keyed_parameters(module))
+            pieces = {keys[p]: piece for p, piece in pieces.items()}
+        for p, piece in pieces.items():
             state.open[p] = piece if p not in state.open else merge_pieces(state.open[p], piece)
             state.pending[p] -= 1
             if state.pending[p] == 0:
@@ -254,6 +272,8 @@ class BookKeeping:
         """Refuse a trainable parameter whose gradient has a part no hook saw (a parameter read
         outside its module's forward, e.g. by a parent module): no per-example norm would cover
         that part. Compares autograd's summed gradient with the sum of the hooks' pieces, once."""
+        if self._canonical is not None:
+            return self._check_sharded_coverage()
         uncovered = []
         names = {p: n for n, p in self.model.named_parameters()}
         maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}
@@ -289,6 +309,43 @@ class BookKeeping:
                 "forward output received (the parameter is read outside that forward, or a view of the output "
                 "is changed in place), so no per-example norm would cover it; use algo.per_sample=materialize "
                 "or keep the parameter and the output inside the module"
+            )
+
+    def _check_sharded_coverage(self) -> None:
+        """`_check_coverage` for a sharded model: FSDP2 reduce-scattered autograd's gradient as a
+        SUM over the ranks (dpbench/sharding.py), so each rank compares its shard of it with its
+        shard of the hooks' sums reduce-scattered alike; the ranks add up the squared differences
+        and norms and decide together (a lone refusal would leave the others in a collective)."""
+        from dpbench import distributed
+
+        state, names = self._state, {p: n for n, p in self.model.named_parameters()}
+        grads = [None if p.grad is None else p.grad.to_local().float() for p in self.params]
+        (nonfinite,) = distributed.all_reduce_scalars(
+            float(not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)))
+        if nonfinite:
+            state.summed.clear()
+            return  # a non-finite example on some rank: compare on a later call
+        rows = []
+        for p, grad in zip(self.params, grads):
+            seen = state.summed.get(p)
+            seen = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if seen is None else seen.float().clone()
+            seen = distributed.reduce_scatter_rows(seen)
+            grad = torch.zeros_like(seen) if grad is None else grad
+            summed = state.norm_sq[p].sqrt().sum().double() if p in state.norm_sq else torch.zeros((), dtype=torch.float64)
+            rows.append(torch.stack([((grad - seen).double() ** 2).sum(), (grad.double() ** 2).sum(), summed,
+                                     torch.tensor(float(p.grad is not None), dtype=torch.float64)]))
+        table = torch.stack(rows) if rows else torch.zeros((0, 4), dtype=torch.float64)
+        distributed.all_reduce_sum([table])
+        floor = 1e-3 * self.tolerance * float(table[:, 1].sum().sqrt())
+        uncovered = [names.get(p, "?") for p, (missing_sq, grad_sq, summed, has_grad) in zip(self.params, table.tolist())
+                     if has_grad and missing_sq ** 0.5 > self.tolerance * max(grad_sq ** 0.5, summed) + floor + 1e-7]
+        state.summed.clear()
+        self._coverage_checked = True
+        if uncovered:
+            raise UserError(
+                f"algo.per_sample={'bk' if self.passes == 1 else 'ghost'}: the gradient of {', '.join(uncovered[:5])} "
+                "is not (only) what its module's forward output received, so no per-example norm would cover it; "
+                "use train.sharding=none with algo.per_sample=materialize"
             )
 
     def _norms(self, losses: torch.Tensor) -> torch.Tensor:
@@ -351,6 +408,15 @@ class BookKeeping:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _canonical_names(model: nn.Module, modules: list[nn.Module], functorch: set) -> dict:
+    """{hooked module: {its parameter names: the model's parameter of that qualified name}}."""
+    everything = dict(model.named_parameters(remove_duplicate=False))
+    prefixes = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+    return {module: {name: everything[f"{prefixes[module]}.{name}" if prefixes[module] else name]
+                     for name, _ in module.named_parameters(recurse=module in functorch, remove_duplicate=False)}
+            for module in modules}
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -142,6 +142,15 @@ class Ledger:
         _one_per_step(mechanisms)
         self.extend(mechanisms)
 
+    def add_release(self, mechanism: GaussianMechanism) -> None:
+        """Record a release made outside the training steps that reads a fixed, not sampled, set
+        (sample_rate 1: the validation score of the final model). It composes with the steps as
+        one more mechanism (sequential composition), in a shuffled run's ledger too: it is no step
+        of an epoch."""
+        if mechanism.sample_rate != 1.0:
+            raise ValueError(f"a release outside the steps reads no sampled batch: sample_rate 1, got {mechanism.sample_rate}")
+        self.add(mechanism)
+
     def expanded(self) -> list[GaussianMechanism]:
         """Every mechanism as often as it counts (for comparisons with `same_mechanisms`)."""
         return [m for m, n in self.items() for _ in range(n)]

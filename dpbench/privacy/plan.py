@@ -27,7 +27,34 @@ from dpbench.logging.results import PrivacyResults
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, ledger_of_plan
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, under_relation
 from dpbench.privacy.noise import GaussianNoise
+from dpbench.privacy.release import ReleasePart, release_mechanism
 from dpbench.privacy.sampling import batches_per_epoch
+
+
+# The validation score (dataset.validation_fraction > 0) releases a count of correct predictions
+# on the validation part (per-example scores in [0, 1]): adding, removing or replacing one example
+# moves it by at most 1. A `ReleasePart` states its sensitivity under add/remove-one and a
+# replace-one mechanism is accounted at twice that (`GaussianMechanism.add_remove_noise_multiplier`),
+# so the count's part sensitivity is 1 under add/remove and 1/2 under replace-one: under either
+# relation one Gaussian of std sigma_v at sensitivity 1, read from the whole part (sample rate 1).
+COUNT_SENSITIVITY = {"add_remove": 1.0, "replace_one": 0.5}
+DEFAULT_VALIDATION_NOISE_MULTIPLIER = 10.0  # dpbench.options.PrivacyOptions.validation_noise_multiplier
+
+
+def validation_noise_multiplier(cfg) -> float:
+    """sigma_v: the std of the noise on the validation count (privacy.validation_noise_multiplier)."""
+    return float(cfg.privacy.get("validation_noise_multiplier", DEFAULT_VALIDATION_NOISE_MULTIPLIER))
+
+
+def validation_mechanism(sigma_v: float, relation: str) -> GaussianMechanism:
+    """The mechanism the validation score's release is (`release_mechanism` of its one part)."""
+    return release_mechanism([ReleasePart([], COUNT_SENSITIVITY[relation], sigma_v)], 1.0, relation)
+
+
+def has_validation_split(cfg) -> bool:
+    from dpbench.data.validation import validation_fraction
+
+    return validation_fraction(cfg.dataset) > 0
 
 
 class CalibratedNoises(Protocol):
@@ -107,11 +134,14 @@ class Calibration:
     clip_norm: float
     neighboring: str
     batches_per_epoch: int | None = None  # shuffled batches (None: Poisson)
+    final_releases: tuple[GaussianMechanism, ...] = ()  # made once after training (the validation score)
 
     def ledger(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]]) -> Ledger:
-        """The planned run's ledger, each step's mechanisms stated under the run's relation."""
+        """The planned run's ledger, each step's mechanisms stated under the run's relation, and the
+        releases made after training."""
         return ledger_of_plan(
-            lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps, self.batches_per_epoch
+            lambda step: under_relation(mechanisms_for_step(step), self.neighboring), self.steps, self.batches_per_epoch,
+            self.final_releases,
         )
 
     def epsilon(self, mechanisms_for_step: Callable[[int], list[GaussianMechanism]], delta: float) -> float:
@@ -139,14 +169,25 @@ class PrivacyPlan:
     batches_per_epoch: int | None = None  # shuffled batches per epoch (None: Poisson)
     steps: int | None = None  # planned steps (what sigma was calibrated for)
     algo_config: dict = field(default_factory=dict)  # the algo settings planning read (as given)
+    # releases made once after the last step, outside the steps' plan (the validation score's:
+    # `validation_mechanism`); calibration composes them with the steps
+    final_releases: tuple[GaussianMechanism, ...] = ()
+    validation_noise_multiplier: float | None = None  # sigma_v, with a validation split
 
     def new_ledger(self) -> Ledger:
         """An empty ledger of this run's kind (the trainer's, calibration's and the audit's)."""
         return new_ledger(self.batches_per_epoch)
 
-    def planned_ledger(self, steps: int) -> Ledger:
-        """The ledger the first `steps` steps of the plan compose to."""
-        return ledger_of_plan(self.planned, steps, self.batches_per_epoch)
+    def planned_ledger(self, steps: int, final: bool = False) -> Ledger:
+        """The ledger the first `steps` steps of the plan compose to; `final`: with the releases made
+        after training (what calibration and the reported epsilon of a finished run compose)."""
+        return ledger_of_plan(self.planned, steps, self.batches_per_epoch, self.final_releases if final else ())
+
+    def check_final_release(self, ran: GaussianMechanism) -> None:
+        """Refuse a release after training that is not one of the plan's `final_releases`."""
+        if not any(same_mechanisms([ran], [planned]) for planned in self.final_releases):
+            raise PlanMismatchError(f"a release after training ran {ran} but the plan holds {list(self.final_releases)}: "
+                                    "the reported epsilon would not be that of the run; this is a bug, please report it")
 
     def fingerprint(self) -> dict:
         """What every rank of a data-parallel run must agree on (plain, comparable data)."""
@@ -159,6 +200,7 @@ class PrivacyPlan:
             "sampling": self.sampling, "batches_per_epoch": self.batches_per_epoch, "steps": self.steps,
             "algo": self.algo_config, "derived": asdict(setup.derived) if setup.derived is not None else None,
             "log_private_stats": self.log_private_stats,  # what else the run publishes
+            "final_releases": [asdict(m) for m in self.final_releases],
         }
 
     def check_step(self, step: int, ran: list[GaussianMechanism]) -> None:
@@ -202,6 +244,7 @@ class PrivacyPlan:
             sampling=self.sampling,
             bound=BOUNDS[self.sampling],
             batches_per_epoch=self.batches_per_epoch,
+            validation_noise_multiplier=self.validation_noise_multiplier,
         )
 
     def recorded_notes(self) -> list[str]:
@@ -230,6 +273,10 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     per_epoch = batches_per_epoch(cfg, train_size)
     notes: list[str] = []
     derived = None  # what an algorithm's own calibration derived (CalibratedNoises)
+    # `train_size` is the public planning size (with a validation split n (1 - f): Task.planning_size);
+    # the validation score is one more release, composed sequentially with the steps
+    sigma_v = validation_noise_multiplier(cfg) if has_validation_split(cfg) else None
+    final = (validation_mechanism(sigma_v, relation),) if sigma_v is not None else ()
 
     def planned_for(sigma: float, derived=None) -> Callable[[int], list[GaussianMechanism]]:
         return lambda step: algo_cls.declared_mechanisms(cfg.algo, sigma, sample_rate, step, clip_norm, relation,
@@ -252,11 +299,11 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
             )
         target = float(p.epsilon)
         if algo_cls.calibrate_noise is not None:  # an algorithm that calibrates several noises itself
-            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation, per_epoch)
+            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation, per_epoch, final)
             sigma, derived = algo_cls.calibrate_noise(cfg.algo, calibration, target, float(p.delta))
         else:
             sigma = calibrate_noise_multiplier(
-                accountant, lambda s: ledger_of_plan(planned_for(s), steps, per_epoch), target, float(p.delta)
+                accountant, lambda s: ledger_of_plan(planned_for(s), steps, per_epoch, final), target, float(p.delta)
             )
     if p.delta >= 1 / train_size:
         notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
@@ -281,7 +328,11 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     )
     planned = planned_for(sigma, derived)
     plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes, sampling, per_epoch,
-                       steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True))
+                       steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True), final, sigma_v)
+    if sigma_v is not None:
+        plan.note(f"dataset.validation_fraction={cfg.dataset.validation_fraction}: the final model's validation score "
+                  f"is released with Gaussian noise (std {sigma_v:g} on the count, privacy.validation_noise_multiplier), "
+                  "composed sequentially with training in epsilon")
     for note in algo_cls.privacy_notes(cfg.algo):
         plan.note(note)
     return plan

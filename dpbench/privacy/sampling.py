@@ -128,12 +128,24 @@ class ShardedBatches:
 
 
 def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, private: bool = True,
-                  batches_per_epoch: int | None = None):
+                  batches_per_epoch: int | None = None, sample_rate: float | None = None, relation: str = "add_remove"):
     """The run's sampler (private runs never draw their batches from a seed); `batches_per_epoch`:
-    shuffled batches per epoch (`batches_per_epoch(cfg, n)`; None: n // B)."""
+    shuffled batches per epoch (`batches_per_epoch(cfg, n)`; None: n // B).
+
+    With a validation split the sampler draws over the realised training part (`num_samples`) at
+    the rate and epoch length planned from the public size n (1 - f): `sample_rate` (None: B /
+    num_samples) and `batches_per_epoch`."""
     if kind == "poisson":
-        sampler = PoissonBatches(num_samples, batch_size / num_samples, None if private else seed)
+        sampler = PoissonBatches(num_samples, batch_size / num_samples if sample_rate is None else sample_rate,
+                                 None if private else seed)
     elif kind == "shuffle":
+        # the add/remove bound needs every epoch to leave an example out (`batches_per_epoch`)
+        room = num_samples - 1 if relation == "add_remove" else num_samples
+        if batches_per_epoch is not None and batches_per_epoch * batch_size > room:
+            raise UserError(
+                f"privacy.sampling=shuffle: the {batches_per_epoch} planned batches of {batch_size} do not fit the "
+                f"{num_samples} examples of the training part (dataset.validation_fraction took more than planned); "
+                "lower train.batch_size or use privacy.sampling=poisson")
         sampler = ShuffledBatches(num_samples, batch_size, None if private else seed, batches_per_epoch)
     else:
         raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")

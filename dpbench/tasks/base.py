@@ -4,18 +4,34 @@ that task modules import them without importing the package that dispatches to t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dpbench.registry import Registry
 
+if TYPE_CHECKING:
+    from dpbench.data.validation import ValidationSplit
+
 Batch = Any  # whatever the task's batches are; algorithms only hand them back to the task
 
 
 class Task(ABC):
-    train_size: int
+    train_size: int  # training examples `batch` indexes (with a validation split: the realised training part)
+    # dataset.validation_fraction > 0: the split of the loaded training set (dpbench/data/validation.py)
+    split: "ValidationSplit | None" = None
+
+    @property
+    def planning_size(self) -> int:
+        """The public training-set size q = B / n, B and T are planned with: n (1 - f) rounded half
+        up with a validation split (never the realised part's size), else `train_size`."""
+        return self.split.planned_train_size if self.split is not None else self.train_size
+
+    def validation_scores(self, model: nn.Module) -> torch.Tensor:
+        """Per-example score in [0, 1] of each validation example, shape [n_val] (1: correct; generation:
+        its F1): the private validation score sums them, so one example moves the sum by at most 1."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-example validation score")
 
     @abstractmethod
     def batch(self, indices: list[int]) -> Batch:

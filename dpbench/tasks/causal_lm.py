@@ -102,12 +102,17 @@ class CausalLMTask(LanguageTask):
             self.eval_prompts = [self.fit(self.tokenizer(self.prompt.prompt(r))["input_ids"], [])[: self.max_length]
                                  for r in self.eval_rows]
             self.eval_answers = [[a.strip() for a in self.prompt.answers(r)] for r in self.eval_rows]
+            self.validation_prompts = [self.fit(self.tokenizer(self.prompt.prompt(r))["input_ids"], [])[: self.max_length]
+                                       for r in self.validation_rows]
+            self.validation_answers = [[a.strip() for a in self.prompt.answers(r)] for r in self.validation_rows]
         else:
             def encode_rows(rows):
                 return [[self.encode(self.prompt.prompt(r), c) for c in self.prompt.candidates(r)] for r in rows]
 
             self.train_encoded, self.train_gold = encode_rows(self.train_rows), [self.prompt.gold(r) for r in self.train_rows]
             self.eval_encoded, self.eval_gold = encode_rows(self.eval_rows), [self.prompt.gold(r) for r in self.eval_rows]
+            self.validation_encoded = encode_rows(self.validation_rows)
+            self.validation_gold = [self.prompt.gold(r) for r in self.validation_rows]
 
     def _batch(self, encoded: list[list[tuple[list[int], int]]], gold: list[int]) -> CausalBatch:
         rows_per_example = len(encoded[0]) if encoded else 1
@@ -151,29 +156,56 @@ class CausalLMTask(LanguageTask):
         finally:
             model.train(was_training)
 
+    @torch.no_grad()
+    def validation_scores(self, model) -> torch.Tensor:
+        """Per validation example: 1 if its gold candidate scores highest (classification), or its
+        best SQuAD F1 over the gold answers (generation), both in [0, 1]."""
+        was_training = model.training
+        model.eval()
+        try:
+            if self.prompt.generation:
+                scores = self._generation_scores(model, self.validation_prompts, self.validation_answers)[0]
+            else:
+                scores = self._scoring(model, self.validation_encoded, self.validation_gold)[0]
+        finally:
+            model.train(was_training)
+        return torch.as_tensor(scores, dtype=torch.float32).clamp(0, 1)
+
     def _evaluate_scoring(self, model):
-        correct, loss, n = 0, 0.0, len(self.eval_gold)
-        for start in range(0, n, self.eval_batch_size):
+        correct, loss = self._scoring(model, self.eval_encoded, self.eval_gold)
+        n = len(self.eval_gold)
+        return {"accuracy": sum(correct) / n, "loss": loss / n}
+
+    def _scoring(self, model, encoded, gold) -> tuple[list[float], float]:
+        """(1.0 or 0.0 per example: its gold candidate scores highest, the summed loss)."""
+        correct, loss = [], 0.0
+        for start in range(0, len(gold), self.eval_batch_size):
             stop = start + self.eval_batch_size
-            batch = self._batch(self.eval_encoded[start:stop], self.eval_gold[start:stop])
+            batch = self._batch(encoded[start:stop], gold[start:stop])
             logits = -self.row_nll(model, batch).view(-1, batch.rows_per_example)  # [B, K]
             loss += F.cross_entropy(logits, batch.labels, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == batch.labels).sum().item()
-        return {"accuracy": correct / n, "loss": loss / n}
+            correct += (logits.argmax(dim=1) == batch.labels).float().tolist()
+        return correct, loss
 
     def _evaluate_generation(self, model):
+        f1, em = self._generation_scores(model, self.eval_prompts, self.eval_answers)
+        n = len(self.eval_prompts)
+        return {"accuracy": sum(f1) / n, "f1": sum(f1) / n, "exact_match": sum(em) / n}
+
+    def _generation_scores(self, model, all_prompts, all_answers) -> tuple[list[float], list[float]]:
+        """(best F1, best exact match) per example of greedy decoding against its gold answers."""
         tok = self.tokenizer
         stop_ids = [tok.encode("\n", add_special_tokens=False)[-1], tok.eos_token_id]
-        f1_total, em_total, n = 0.0, 0.0, len(self.eval_prompts)
-        for start in range(0, n, self.eval_batch_size):
-            prompts = self.eval_prompts[start : start + self.eval_batch_size]
+        f1_scores, em_scores = [], []
+        for start in range(0, len(all_prompts), self.eval_batch_size):
+            prompts = all_prompts[start : start + self.eval_batch_size]
             ids, attention = self.pad(prompts, left=True)  # left padding: generation appends on the right
             generated = model.generate(
                 input_ids=ids, attention_mask=attention, do_sample=False, num_beams=1,
                 max_new_tokens=self.max_new_tokens, eos_token_id=stop_ids, pad_token_id=tok.pad_token_id,
             )
-            for row, golds in zip(generated[:, ids.shape[1]:], self.eval_answers[start : start + self.eval_batch_size]):
+            for row, golds in zip(generated[:, ids.shape[1]:], all_answers[start : start + self.eval_batch_size]):
                 text = tok.decode(row, skip_special_tokens=True).split("\n")[0].strip()
-                f1_total += max(squad_f1(text, gold) for gold in golds)
-                em_total += max(exact_match(text, gold) for gold in golds)
-        return {"accuracy": f1_total / n, "f1": f1_total / n, "exact_match": em_total / n}
+                f1_scores.append(max(squad_f1(text, gold) for gold in golds))
+                em_scores.append(max(exact_match(text, gold) for gold in golds))
+        return f1_scores, em_scores

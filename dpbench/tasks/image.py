@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpbench.data import load_dataset
+from dpbench.data.validation import split_training_set, tensor_rows
 from dpbench.errors import UserError
 from dpbench.models import DataSpec
 from dpbench.tasks.base import TASKS, Task
@@ -21,6 +22,13 @@ class ImageClassificationTask(Task):
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
         self.data = load_dataset(cfg.dataset, cfg.seed)
         self.device = device
+        # dataset.validation_fraction: validation examples leave the training set (a keyed hash of
+        # each image's bytes and label decides; dpbench/data/validation.py says why)
+        self.split = split_training_set(cfg.dataset, tensor_rows(self.data.train_images, self.data.train_labels))
+        if self.split is not None:
+            kept, held = (torch.as_tensor(i, dtype=torch.long) for i in (self.split.train_indices, self.split.validation_indices))
+            self.validation_images, self.validation_labels = self.data.train_images[held], self.data.train_labels[held]
+            self.data.train_images, self.data.train_labels = self.data.train_images[kept], self.data.train_labels[kept]
         self.train_size = len(self.data.train_labels)
         self.eval_batch_size = eval_batch_size
         loss_name = cfg.dataset.get("loss", "cross_entropy")
@@ -34,7 +42,7 @@ class ImageClassificationTask(Task):
             self.ldam_scale = float(cfg.dataset.get("ldam_scale", 30.0))
         else:
             raise UserError(f"dataset.loss={loss_name!r} is not known; use cross_entropy or ldam")
-        self.drw = DeferredReweighting.from_config(cfg, self.data.num_classes, self.train_size, device)
+        self.drw = DeferredReweighting.from_config(cfg, self.data.num_classes, self.planning_size, device)
 
     def set_step(self, step: int) -> None:
         """The training step about to run (DRW switches its class weights on at `dataset.drw_epoch`)."""
@@ -74,6 +82,19 @@ class ImageClassificationTask(Task):
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return self._accuracy_and_loss(model, self.data.test_images, self.data.test_labels)
+
+    @torch.no_grad()
+    def validation_scores(self, model: nn.Module) -> torch.Tensor:
+        """1 for each correctly classified validation example, else 0."""
+        was_training = model.training
+        model.eval()
+        correct = []
+        for start in range(0, len(self.validation_labels), self.eval_batch_size):
+            images = self.validation_images[start : start + self.eval_batch_size].to(self.device)
+            labels = self.validation_labels[start : start + self.eval_batch_size].to(self.device)
+            correct.append((model(images).argmax(dim=1) == labels).float())
+        model.train(was_training)
+        return torch.cat(correct) if correct else torch.zeros(0, device=self.device)
 
     def train_metrics(self, model: nn.Module, size: int) -> dict[str, float]:
         """Accuracy and loss on the first `size` training examples (a fixed subset): un-noised

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dpbench.data.text import load_text_splits
+from dpbench.data.validation import split_training_set, text_rows
 from dpbench.errors import UserError
 from dpbench.models import language_families, model_family
 from dpbench.models.language import load_language_model, load_tokenizer
@@ -51,6 +52,12 @@ class LanguageTask(Task):
         self.eval_rows = dev if data.get("eval_split", "test") == "dev" else test
         if not train or not self.eval_rows:
             raise UserError(f"dataset {data.name}: the sampled train or {data.get('eval_split', 'test')} split is empty")
+        # dataset.validation_fraction: a keyed hash of each sampled training row's fields (its label
+        # among them) picks the validation rows (dpbench/data/validation.py)
+        self.split = split_training_set(data, text_rows(train))
+        self.validation_rows = [train[i] for i in self.split.validation_indices] if self.split else []
+        if self.split is not None:
+            train = [train[i] for i in self.split.train_indices]
         self.train_rows = train
         self.train_size = len(train)
         # A tiny model's tokenizer is trained on public text only: the prompt's own text, never
@@ -70,7 +77,7 @@ class LanguageTask(Task):
 
     @abstractmethod
     def prepare(self) -> None:
-        """Tokenise the sampled rows (the tokenizer is ready)."""
+        """Tokenise the sampled rows, `validation_rows` among them (the tokenizer is ready)."""
 
     # --- shared -----------------------------------------------------------------------------
     def build_model(self, model_cfg) -> nn.Module:

@@ -101,6 +101,7 @@ class PromptMLMTask(LanguageTask):
 
         self.train_ids, self.train_labels = encode(self.train_rows)
         self.eval_ids, self.eval_labels = encode(self.eval_rows)
+        self.validation_ids, self.validation_labels = encode(self.validation_rows)
 
     def _batch(self, sequences, labels) -> MLMBatch:
         ids, mask = self.pad(sequences)
@@ -124,16 +125,26 @@ class PromptMLMTask(LanguageTask):
             return torch.zeros(0, device=self.device)
         return F.cross_entropy(self.label_logits(model, batch), batch.labels, reduction="none")
 
-    @torch.no_grad()
     def evaluate(self, model):
+        correct, loss = self._scores(model, self.eval_ids, self.eval_labels)
+        n = len(self.eval_labels)
+        return {"accuracy": float(correct.sum()) / n, "loss": loss / n}
+
+    def validation_scores(self, model) -> torch.Tensor:
+        """1 for each validation example whose label word scores highest, else 0."""
+        return self._scores(model, self.validation_ids, self.validation_labels)[0]
+
+    @torch.no_grad()
+    def _scores(self, model, ids, labels) -> tuple[torch.Tensor, float]:
+        """(whether each example is predicted correctly [n], the summed loss)."""
         was_training = model.training
         model.eval()
-        correct, loss, n = 0, 0.0, len(self.eval_labels)
-        for start in range(0, n, self.eval_batch_size):
+        correct, loss = [], 0.0
+        for start in range(0, len(labels), self.eval_batch_size):
             stop = start + self.eval_batch_size
-            batch = self._batch(self.eval_ids[start:stop], self.eval_labels[start:stop])
+            batch = self._batch(ids[start:stop], labels[start:stop])
             logits = self.label_logits(model, batch)
             loss += F.cross_entropy(logits, batch.labels, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == batch.labels).sum().item()
+            correct.append((logits.argmax(dim=1) == batch.labels).float())
         model.train(was_training)
-        return {"accuracy": correct / n, "loss": loss / n}
+        return (torch.cat(correct) if correct else torch.zeros(0, device=self.device)), loss

@@ -23,6 +23,7 @@ import torch
 from opacus.grad_sample import register_grad_sampler
 from torch import nn
 
+from dpbench.data.validation import split_training_set, tensor_rows
 from dpbench.errors import UserError
 from dpbench.tasks.base import TASKS, Task
 
@@ -88,6 +89,12 @@ class QuadraticTask(Task):
         generator = torch.Generator().manual_seed(int(data.data_seed))
         self.train_points = 1.0 + torch.randn(int(data.train_size), self.dimension, generator=generator)
         test_points = 1.0 + torch.randn(int(data.test_size), self.dimension, generator=generator)
+        # dataset.validation_fraction: a keyed hash of each point's coordinates picks the validation
+        # points (dpbench/data/validation.py); the training summary is of the training part
+        self.split = split_training_set(data, tensor_rows(self.train_points))
+        if self.split is not None:
+            self.validation_points = self.train_points[torch.as_tensor(self.split.validation_indices, dtype=torch.long)]
+            self.train_points = self.train_points[torch.as_tensor(self.split.train_indices, dtype=torch.long)]
         self.train_summary = SplitSummary(self.train_points, self.diagonal)
         self.test_summary = SplitSummary(test_points, self.diagonal)
         self.device = device
@@ -108,6 +115,14 @@ class QuadraticTask(Task):
     def per_sample_loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         residuals = model(batch)  # [B, d]
         return 0.5 * (residuals.pow(2) * self.weights).sum(dim=1)
+
+    @torch.no_grad()
+    def validation_scores(self, model: nn.Module) -> torch.Tensor:
+        """Each validation point's loss over 2 Tr(A) (the loss at theta = 0 is about Tr(A)), clipped to
+        [0, 1]: lower is better, like the task's headline metric."""
+        residuals = model.point.detach().double().cpu().unsqueeze(0) - self.validation_points.double()
+        losses = 0.5 * (residuals.pow(2) * self.diagonal).sum(dim=1)
+        return (losses / (2 * float(self.diagonal.sum()))).clamp(0, 1).float()
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:

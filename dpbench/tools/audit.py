@@ -8,19 +8,32 @@ through `Algorithm.gaussian_release`. The checks compare what ran with what the 
 declares (the mechanisms `planned(step)` the accountant composes into the reported epsilon), never
 only with what the algorithm says it drew:
 
-  noise         in two fresh jobs, the noise each release actually added (noisy - noiseless) has,
-                step by step, the std the plan declares for that step and release: the planned
-                noise multiplier x the release's stated sensitivity (two-sided chi-square test);
-  independence  that noise is independent across steps and across the two fresh jobs: the pooled
-                correlation of the (plan-normalised) noise of steps t and t+lag, and of the two
-                jobs at the same step, is within z / sqrt(n) of 0 for n coordinate pairs (z: the
-                normal quantile at audit.alpha, Bonferroni-corrected over the lags and jobs);
-                noise repeated every step, or seeded from `seed`, fails;
+  noise         in two fresh jobs, the noise each release actually added has, step by step, the
+                std the plan declares for that step and release: the planned noise multiplier x the
+                release's stated sensitivity (two-sided chi-square test). Each audited step has >= 4
+                physical chunks, and where the algorithm runs DPFirstOrderAlgorithm's phases the
+                noise is the step's TOTAL (the release minus the clipped sums the engine formed,
+                chunk by chunk), else the release's noisy - noiseless;
+  noise across runs  the two fresh jobs (same config, same seed) draw different noise: the pooled
+                correlation of their noise at the same step is within z / sqrt(n) of 0;
+  independence  that noise is independent across steps: the pooled correlation of the
+                (plan-normalised) noise of steps t and t+lag is within z / sqrt(n) of 0 for n
+                coordinate pairs (z: the normal quantile at audit.alpha, Bonferroni-corrected over
+                the lags); noise repeated every step fails;
   sensitivity   with the noise off, neighbouring batches (one example added, removed or replaced;
                 every loss scaled up so that every example is clipped, the neighbour's gradient
                 pointing either way) move each released quantity by at most the sensitivity the
                 ledger assumes (2x for a replacement); for DC-DPSGD the added example can take the
-                tail from another one; an added record whose loss is NaN never halts a step;
+                tail from another one; an added record whose loss is NaN never halts a step; an
+                added copy of an example, against it, outweighing the whole batch (clipping the sum
+                instead of each example moves it by up to 2x);
+  release → update  at every audited step of the noise check, the optimizer's input is the recorded
+                noisy release / the expected batch size (public post-processing only), and for a
+                plain SGD the parameter change is -lr x it (DPFirstOrderAlgorithm's phases: dpsgd,
+                dpadam; "not applicable" for algorithms that override them);
+  sampler       the run's sampler, built as the run builds it: Poisson sizes ~ Binomial(n, q) and
+                independent inclusions across steps where Poisson is accounted (shuffled: batches
+                of B, disjoint within an epoch), and two fresh samplers of one seed draw differently;
   accounting    a step's releases (which read one sampled batch) are planned as ONE mechanism; every
                 audited step's ledger entries (the mechanisms derived from the released std
                 and stated sensitivity) are its planned ones (the trainer's per-step check), and
@@ -28,6 +41,7 @@ only with what the algorithm says it drew:
                 apart from the configured accountant, is not above the epsilon the run reports.
 
 Prints a table, writes audit.json in the run folder, exits 0 when every check holds, else 1.
+`audit.seeded_bug=NAME|all` runs the audit under seeded bugs instead (dpbench/tools/seeded_bugs.py).
 The sensitivity check turns dropout layers off so that the two neighbouring runs differ only in
 the neighbour; the per-example clipping of recomputed gradients under dropout is covered by the
 test suite. Under train.precision=fp16 it scales the losses only as far as fp16's range allows
@@ -38,7 +52,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +62,7 @@ from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism, SeveralMechanismsPerBatchError, one_batch_mechanism, same_mechanisms,
 )
-from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, Check
+from dpbench.tools.audit_report import CHECK_ORDER, UPDATE, AuditReport, Check
 from dpbench.tools.one_run import one_run_audit
 
 
@@ -100,13 +113,17 @@ class Release:
     noiseless: list[list[torch.Tensor]]  # per part, its values before the noise (float64)
     noisy: list[list[torch.Tensor]]  # per part, the released values (float64)
     mechanism: GaussianMechanism  # the ledger entry derived from the stated std and sensitivity
+    # the step's clipped sum as the engine formed it, chunk by chunk (`_observe_phases`): where set,
+    # the noise is the release minus it, the TOTAL noise of the step wherever it was added
+    reference: list[torch.Tensor] | None = None
 
     def key(self, part: int) -> str:
         return self.name if len(self.parts) == 1 else f"{self.name}[{part}]"
 
     def noise(self, part: int) -> torch.Tensor:
         """The noise part `part` actually drew, flattened (float64)."""
-        return torch.cat([(b - a).flatten() for a, b in zip(self.noiseless[part], self.noisy[part])])
+        before = self.reference if self.reference is not None and part == 0 else self.noiseless[part]
+        return torch.cat([(b - a).flatten() for a, b in zip(before, self.noisy[part])])
 
 
 class ReleaseRecorder:
@@ -116,6 +133,12 @@ class ReleaseRecorder:
         self.releases: list[Release] = []
         self.ledger: dict[int, list[GaussianMechanism]] = {}  # step -> StepResult.mechanisms
         self.step = 0
+        # DPFirstOrderAlgorithm's own phases (`_observe_phases`): per step, the engine's clipped sums
+        # added over the physical chunks (float64), how many chunks, and what the optimizer received
+        self.phases = False
+        self.clipped: dict[int, list[torch.Tensor]] = {}
+        self.chunks: dict[int, int] = {}
+        self.updates: dict[int, Update] = {}
 
     def __call__(self, name, parts, noisy, mechanism) -> None:
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]
@@ -138,13 +161,68 @@ def _audited_job(cfg, zero_noise: bool):
     job.algorithm.task = WeightedTask(job.task)
     recorder = ReleaseRecorder()
     job.algorithm.release_observer = recorder
+    if base_phases(job.algorithm):
+        _observe_phases(job.algorithm, recorder)
     return job, recorder
 
 
-def _physical(job, indices: list[int], weights: list[float]) -> list:
-    """The logical batch in the trainer's physical chunks (`Trainer._physical_batches`'s rule)."""
+# DPFirstOrderAlgorithm's phases (clip_and_accumulate -> add_noise -> scale_grad -> apply_update): an
+# algorithm that overrides none of them releases the clipped sum of the engine and updates with
+# release / expected batch size, which the audit checks (`update_checks`, total noise).
+BASE_PHASES = ("step", "privatize", "clip_and_accumulate", "add_noise", "scale_grad", "apply_update")
+
+
+def base_phases(algorithm) -> bool:
+    """Whether `algorithm` runs DPFirstOrderAlgorithm's own phases (dpsgd, dpadam)."""
+    from dpbench.algorithms.base import DPFirstOrderAlgorithm
+
+    if not isinstance(algorithm, DPFirstOrderAlgorithm):
+        return False
+    owner = {name: next(c for c in type(algorithm).__mro__ if name in vars(c)) for name in BASE_PHASES}
+    return all(c is DPFirstOrderAlgorithm for c in owner.values())
+
+
+@dataclass
+class Update:
+    """What the optimizer received at one step: the parameters' .grad, and the parameters before
+    and after its step (float64)."""
+
+    grads: list[torch.Tensor | None]
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+
+
+def _observe_phases(algorithm, recorder: ReleaseRecorder) -> None:
+    """Seams on one algorithm instance: its engine's clipped sum of each physical chunk (before
+    anything else touches it), and its optimizer's input and effect."""
+    recorder.phases = True
+    engine_sum, optimizer_step = algorithm.engine.clipped_sum, algorithm.optimizer.step
+
+    def clipped_sum(*args, **kwargs):
+        contribution = engine_sum(*args, **kwargs)
+        copy = [c.detach().double().clone() for c in contribution]  # the caller adds into it in place
+        total = recorder.clipped.get(recorder.step)
+        recorder.clipped[recorder.step] = copy if total is None else [t + c for t, c in zip(total, copy)]
+        recorder.chunks[recorder.step] = recorder.chunks.get(recorder.step, 0) + 1
+        return contribution
+
+    def step(*args, **kwargs):
+        params = algorithm.params
+        grads = [None if p.grad is None else p.grad.detach().double().clone() for p in params]
+        before = [p.detach().double().clone() for p in params]
+        out = optimizer_step(*args, **kwargs)
+        recorder.updates[recorder.step] = Update(grads, before, [p.detach().double().clone() for p in params])
+        return out
+
+    algorithm.engine.clipped_sum = clipped_sum
+    algorithm.optimizer.step = step
+
+
+def _physical(job, indices: list[int], weights: list[float], size: int | None = None) -> list:
+    """The logical batch in the trainer's physical chunks (`Trainer._physical_batches`'s rule;
+    `size`: chunks of that many examples instead)."""
     task = job.algorithm.task
-    size = job.cfg.train.physical_batch_size or max(1, len(indices))
+    size = size or job.cfg.train.physical_batch_size or max(1, len(indices))
     chunks = [task.batch(indices[i : i + size], weights[i : i + size]) for i in range(0, len(indices), size)]
     return chunks or [task.batch([], [])]
 
@@ -199,16 +277,18 @@ def pooled_correlation(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     return (dot / math.sqrt(norms) if norms > 0 else 0.0), sum(a.numel() for a, _ in pairs)
 
 
-def _independence_check(key: str, across: str, statistics: list[tuple[str, float, int]], alpha: float) -> Check:
+def _independence_check(key: str, across: str, statistics: list[tuple[str, float, int]], alpha: float,
+                        name: str = "independence") -> Check:
     """One check over (what, correlation, n) statistics: every |corr| <= z / sqrt(n)."""
     z = _normal_quantile(alpha, len(statistics))
+    release = f"{key} across {across}" if name == "independence" else key
     if not statistics:
-        return Check("independence", f"{key} across {across}", 0.0, 0.0, True,
+        return Check(name, release, 0.0, 0.0, True,
                      f"released at one step only: nothing to compare across {across} (raise audit.noise_steps)")
     what, corr, n = max(statistics, key=lambda s: abs(s[1]) * math.sqrt(s[2]))
     bound = z / math.sqrt(n)
     return Check(
-        "independence", f"{key} across {across}", abs(corr), bound, abs(corr) <= bound,
+        name, release, abs(corr), bound, abs(corr) <= bound,
         f"largest |corr| of the noise {what} = {abs(corr):.4f} over n = {n} coordinate pairs; independent noise "
         f"stays within z/sqrt(n) = {z:.2f}/sqrt({n}) = {bound:.4f} (z at alpha {alpha:g} over {len(statistics)} "
         f"correlations, Bonferroni)",
@@ -228,6 +308,7 @@ class DrawnNoise:
     unplanned: dict[int, str] = field(default_factory=dict)  # step -> why its releases are not its plan's
     ledger_mismatches: list[str] = field(default_factory=list)  # steps whose ledger is not their plan
     steps: int = 0  # audited steps, over both jobs
+    chunks: dict[str, set[int]] = field(default_factory=dict)  # release part -> physical chunks of its total-noise steps
 
     def add_job(self, plan, recorder: ReleaseRecorder) -> None:
         series: dict[int, dict[int, list[torch.Tensor]]] = {}
@@ -237,6 +318,11 @@ class DrawnNoise:
             if not same_mechanisms(recorder.ledger[step], planned):
                 self.ledger_mismatches.append(
                     f"step {step} ran {_describe(recorder.ledger[step])}, its plan {_describe(planned)}")
+            clipped = recorder.clipped.get(step)
+            if (recorder.phases and clipped is not None and len(releases) == 1 and len(releases[0].parts) == 1
+                    and [v.shape for v in clipped] == [v.shape for v in releases[0].noisy[0]]):
+                releases[0].reference = clipped  # the step's total noise: release - the engine's clipped sum
+                self.chunks.setdefault(releases[0].key(0), set()).add(recorder.chunks[step])
             stds = planned_stds(releases, planned)
             if stds is None:
                 self.unplanned[step] = (f"step {step} made {len(releases)} releases but its plan declares "
@@ -266,9 +352,12 @@ class DrawnNoise:
                 continue
             p_value = _chi_square_p_value(total, count)
             ratio = math.sqrt(total / count)
+            chunks = self.chunks.get(key)
+            measured = (f"each step's total noise (the release - the clipped sums of its {_values(chunks)} physical chunks, "
+                        "as the engine formed them)" if chunks else "the noise drawn (noisy - noiseless)")
             checks.append(Check(
                 "noise", key, ratio, 1.0, p_value > alpha,
-                f"drawn std / planned std = {ratio:.4f} over {count} draws in 2 fresh jobs; planned std (the plan's "
+                f"{measured}: std / planned std = {ratio:.4f} over {count} draws in 2 fresh jobs; planned std (the plan's "
                 f"noise multiplier x the stated sensitivity) {_values(planned)}, the release stated {_values(stated)} "
                 f"(update std {_values(s / expected_batch_size for s in planned)}); chi-square p = {p_value:.3g}",
             ))
@@ -288,8 +377,8 @@ class DrawnNoise:
             checks.append(_independence_check(label, "steps", across_steps, alpha))
             first, second = (series.get(size, {}) for series in self.by_size)
             pairs = [(first[t], second[t]) for t in first if t in second and first[t].shape == second[t].shape]
-            across_jobs = [("of two fresh jobs at the same step", *pooled_correlation(pairs))] if pairs else []
-            checks.append(_independence_check(label, "jobs", across_jobs, alpha))
+            across_jobs = [("of two fresh jobs (same config, same seed) at the same step", *pooled_correlation(pairs))] if pairs else []
+            checks.append(_independence_check(label, "jobs", across_jobs, alpha, name="noise across runs"))
         return checks
 
     def ledger_check(self) -> Check:
@@ -309,10 +398,15 @@ def noise_check(cfg) -> list[Check]:
     jobs = [_audited_job(cfg, zero_noise=False) for _ in range(2)]  # two fresh runs: their noise must differ
     n, batch = jobs[0][0].task.train_size, int(cfg.audit.batch)
     generator = torch.Generator().manual_seed(0)
-    schedule = [torch.randperm(n, generator=generator)[:batch].tolist() for _ in range(steps)]
+    # realised sizes batch and batch + 1 (never both the expected size: `update_checks`), in chunks
+    # of at most batch // 4, so that each step has >= 4 physical chunks (the noise is each step's total)
+    schedule = [torch.randperm(n, generator=generator)[:batch + step % 2].tolist() for step in range(steps)]
+    chunk = max(1, batch // 4)
+    if cfg.train.physical_batch_size:
+        chunk = min(chunk, int(cfg.train.physical_batch_size))
     for job, recorder in jobs:
         for step, indices in enumerate(schedule):
-            _train_step(job, recorder, _physical(job, indices, [1.0] * len(indices)), step)
+            _train_step(job, recorder, _physical(job, indices, [1.0] * len(indices), chunk), step)
     if any(sum(v.numel() for part in r.noiseless for v in part) == 1 for r in jobs[0][1].releases):
         for job, recorder in jobs:  # a scalar release (DPZero): more draws from empty Poisson batches (pure noise, cheap)
             for step in range(steps, steps + SCALAR_DRAWS):
@@ -322,7 +416,141 @@ def noise_check(cfg) -> list[Check]:
         drawn.add_job(job.privacy, recorder)
     alpha = float(cfg.audit.alpha)
     return [*drawn.std_checks(alpha, jobs[0][0].privacy.setup.expected_batch_size),
-            *drawn.independence_checks(alpha), drawn.ledger_check()]
+            *drawn.independence_checks(alpha), drawn.ledger_check(), update_check(jobs)]
+
+
+def _relative(values: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """|values - reference| / |reference| over a list of tensors (inf when a value is missing)."""
+    if any(v is None for v in values) or [v.shape for v in values] != [r.shape for r in reference]:
+        return math.inf
+    difference = math.sqrt(sum(float((v - r).pow(2).sum()) for v, r in zip(values, reference)))
+    norm = math.sqrt(sum(float(r.pow(2).sum()) for r in reference))
+    return difference / norm if norm > 0 else (0.0 if difference == 0 else math.inf)
+
+
+def _plain_sgd(optimizer) -> float | None:
+    """The learning rate of an SGD without momentum, weight decay or maximize (its parameter change is
+    -lr x the gradient), else None."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    plain = not group.get("momentum") and not group.get("weight_decay") and not group.get("maximize")
+    return float(group["lr"]) if plain else None
+
+
+UPDATE_TOLERANCE = 1e-4  # relative: float32 rounding is ~1e-7; a broken update path is off by O(1)
+
+
+def update_check(jobs) -> Check:
+    """release -> update: at every audited step of the noise check's two jobs, the optimizer's input
+    (the parameters' .grad at its step) is the step's recorded noisy release / the expected batch
+    size (public post-processing only), and for a plain SGD the parameter change is -lr x that."""
+    job, recorder = jobs[0]
+    name = type(job.algorithm).__name__
+    if not recorder.phases:
+        return Check(UPDATE, "optimizer input", 0.0, UPDATE_TOLERANCE, True,
+                     f"not applicable: {name} overrides DPFirstOrderAlgorithm's phases (its update is not release / "
+                     "expected batch size); the check covers the algorithms that run them (dpsgd, dpadam)")
+    expected_size = job.privacy.setup.expected_batch_size
+    worst_grad, worst_change, steps, problems = 0.0, 0.0, 0, []
+    sgd_lr = _plain_sgd(job.algorithm.optimizer)
+    fp32 = all(p.dtype in (torch.float32, torch.float64) for p in job.algorithm.params)
+    for _, rec in jobs:
+        for step in sorted(rec.ledger):
+            releases = rec.of_step(step)
+            if len(releases) != 1 or len(releases[0].parts) != 1:
+                problems.append(f"step {step} made {len(releases)} releases")
+                continue
+            steps += 1
+            target = [v / expected_size for v in releases[0].noisy[0]]
+            update = rec.updates.get(step)
+            if update is None:
+                worst_grad = math.inf
+                problems.append(f"the optimizer did not step at step {step}")
+                continue
+            worst_grad = max(worst_grad, _relative(update.grads, target))
+            if sgd_lr is not None and fp32:
+                change = [a - b for a, b in zip(update.after, update.before)]
+                worst_change = max(worst_change, _relative(change, [-sgd_lr * t for t in target]))
+    worst = max(worst_grad, worst_change)
+    change = (f"; the parameter change vs -lr x it: {worst_change:.3g}" if sgd_lr is not None and fp32
+              else "; (the optimizer is not a plain SGD: its parameter change is not checked)")
+    detail = (f"at each of the {steps} audited steps (2 fresh jobs, realised batch sizes differing from the expected "
+              f"{expected_size:g}), the optimizer's gradient vs the recorded noisy release / {expected_size:g}: largest "
+              f"relative deviation {worst_grad:.3g}{change}; anything but public post-processing of the release "
+              f"(an un-noised sum, the realised batch size) deviates by O(1)")
+    if problems:
+        detail = "; ".join(problems[:2]) + "; " + detail
+    return Check(UPDATE, "optimizer input", worst, UPDATE_TOLERANCE, worst <= UPDATE_TOLERANCE and not problems, detail)
+
+
+SAMPLER_DRAWS = 200  # batches drawn from each of two fresh samplers (no training: cheap)
+
+
+def _run_sampler(cfg, job):
+    """The private run's sampler, built as `dpbench.run` builds it (fresh entropy, not the seed): over
+    the training part, at the planned (accounted) sample rate and epoch length."""
+    from dpbench.privacy.sampling import build_sampler
+
+    return build_sampler(str(cfg.privacy.sampling), job.task.train_size, int(cfg.train.batch_size), int(cfg.seed), True,
+                         job.privacy.batches_per_epoch, sample_rate=float(job.privacy.setup.sample_rate),
+                         relation=str(cfg.privacy.get("neighboring", "add_remove")))
+
+
+def _two_sided_normal(z: float) -> float:
+    from scipy.stats import norm
+
+    return float(2 * norm.sf(abs(z)))
+
+
+def sampler_check(cfg, job) -> list[Check]:
+    """sampler: the private batch selection is the one the plan accounts. Under Poisson sampling the
+    realised sizes are Binomial(n, q) (two-sided tests of their mean and dispersion) and inclusions
+    are independent across steps (the overlap of consecutive batches vs n q^2); shuffled batches are
+    of size B and disjoint within an epoch; either way two fresh samplers with the same seed draw
+    different batches."""
+    import itertools
+
+    n, alpha = job.task.train_size, float(cfg.audit.alpha)
+    draws = [list(itertools.islice(iter(_run_sampler(cfg, job)), SAMPLER_DRAWS)) for _ in range(2)]
+    first = draws[0]
+    identical = sum(a == b for a, b in zip(*draws))
+    checks = []
+    if job.privacy.batches_per_epoch is None:  # Poisson accounted
+        q = float(job.privacy.setup.sample_rate)
+        sizes = torch.tensor([len(b) for b in first], dtype=torch.float64)
+        mean, var, S = n * q, n * q * (1 - q), len(first)
+        z_mean = float(sizes.sum() - S * mean) / math.sqrt(S * var)
+        dispersion = float((sizes - mean).pow(2).sum()) / var  # ~ chi-square with S degrees of freedom
+        p_sizes = min(1.0, 3 * min(_two_sided_normal(z_mean), _chi_square_p_value(dispersion, S)))
+        checks.append(Check(
+            "sampler", "batch sizes ~ Binomial(n, q)", dispersion / S, 1.0, p_sizes > alpha,
+            f"{S} batches of the run's sampler: mean size {float(sizes.mean()):.2f} (n q = {mean:.2f}, z = {z_mean:.2f}), "
+            f"variance / n q (1 - q) = {dispersion / S:.3f} (two-sided chi-square); p = {p_sizes:.3g} (Bonferroni over "
+            "3); fixed-size batches have variance 0"))
+        overlap = sum(len(set(a) & set(b)) for a, b in itertools.pairwise(first))
+        expected = (S - 1) * n * q * q
+        variance = (S - 1) * n * q * q * (1 - q * q) + 2 * (S - 2) * n * (q ** 3 - q ** 4)
+        z = (overlap - expected) / math.sqrt(variance) if variance > 0 else 0.0
+        p_overlap = min(1.0, 3 * _two_sided_normal(z))
+        checks.append(Check(
+            "sampler", "inclusions across steps", overlap / expected if expected else 0.0, 1.0, p_overlap > alpha,
+            f"examples in both of two consecutive batches: {overlap} vs (S - 1) n q^2 = {expected:.1f} for independent "
+            f"inclusions (z = {z:.2f}, p = {p_overlap:.3g}); an epoch's disjoint batches give fewer"))
+    else:  # shuffled batches, accounted per epoch
+        per_epoch, size = job.privacy.batches_per_epoch, int(cfg.train.batch_size)
+        bad = [t for t, b in enumerate(first) if len(b) != size or len(set(b)) != size]
+        epochs = [first[i:i + per_epoch] for i in range(0, len(first), per_epoch)]
+        repeated = sum(sum(map(len, e)) - len(set(itertools.chain.from_iterable(e))) for e in epochs)
+        checks.append(Check(
+            "sampler", "shuffled epochs", float(len(bad) + repeated), 0.0, not bad and not repeated,
+            f"{len(first)} batches: {len(bad)} not of size {size}, {repeated} examples repeated within an epoch of "
+            f"{per_epoch} batches"))
+    checks.append(Check(
+        "sampler", "two fresh runs", identical / len(first), 1.0, identical < len(first),
+        f"two fresh samplers of one config (seed {cfg.seed}) drew {identical} identical batches of {len(first)}; "
+        "a selection seeded from `seed` repeats every batch"))
+    return checks
 
 
 def _describe(mechanisms: list[GaussianMechanism]) -> str:
@@ -389,15 +617,18 @@ def sensitivity_check(cfg) -> list[Check]:
             scale = max(1.0, scale / 4)
 
 
+OUTWEIGH = 100  # the outweighing neighbour's loss weight, x the batch size x the other examples' weight
+
+
 def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
     batch = int(cfg.audit.batch)
     worst: dict[str, tuple[float, float, str]] = {}  # part -> (ratio, distance, how)
     generator = torch.Generator().manual_seed(1)
     halted: list[str] = []  # steps a non-finite record halted
     for step in range(int(cfg.audit.sensitivity_steps)):
-        for trial in range(int(cfg.audit.trials) + 1):
-            if trial == int(cfg.audit.trials) and step < int(cfg.audit.sensitivity_steps) - 1:
-                continue  # the non-finite record: at the last audited step only (every step kind by then)
+        for trial in range(int(cfg.audit.trials) + 2):
+            if trial >= int(cfg.audit.trials) and step < int(cfg.audit.sensitivity_steps) - 1:
+                continue  # the non-finite and outweighing records: at the last audited step only (every step kind by then)
             pair = [_audited_job(cfg, zero_noise=True) for _ in range(2)]
             n = pair[0][0].task.train_size
             order = torch.randperm(n, generator=generator).tolist()
@@ -416,7 +647,12 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
             }
             # the last trial adds a record whose loss is NaN: it must contribute nothing and never halt
             neighbours["add non-finite"] = (base + [outsider], [scale] * batch + [math.nan])
-            kind = "add non-finite" if trial == int(cfg.audit.trials) else ("add", "remove", "replace")[trial % 3]
+            # and then a copy of the batch's first example (a record may repeat) whose loss, against its own,
+            # outweighs the whole batch: clipping the SUM instead of each example moves the release by up
+            # to 2x the sensitivity (the clipped sum turns round), per-example clipping by at most 1x
+            neighbours["add outweighing"] = (base + [base[0]], [scale] * batch + [-OUTWEIGH * batch * scale])
+            kind = ("add non-finite" if trial == int(cfg.audit.trials) else "add outweighing" if trial > int(cfg.audit.trials)
+                    else ("add", "remove", "replace")[trial % 3])
             try:
                 for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbours[kind]]):
                     recorder.releases.clear()
@@ -448,14 +684,11 @@ def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
     """epsilon of the ledger by dp-accounting's RDP and PLD accountants (independent of ours)."""
     import dp_accounting as dpa
 
-    items = ledger.items()
-    replace_one = all(m.neighboring == "replace_one" for m, _ in items)
+    from dpbench.study import ledger_dp_event  # the one ledger -> dp-accounting conversion
+
+    replace_one = all(m.neighboring == "replace_one" for m, _ in ledger.items())
     relation = dpa.NeighboringRelation.REPLACE_ONE if replace_one else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-    sigmas = [m.noise_multiplier if replace_one else m.add_remove_noise_multiplier for m, _ in items]
-    event = dpa.ComposedDpEvent([
-        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(s)), count)
-        for (m, count), s in zip(items, sigmas)
-    ])
+    event = ledger_dp_event(ledger, exact_replace_one=replace_one)
     out = {}
     pld = dpa.pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=1e-3)
     out["pld"] = float(pld.compose(event).get_epsilon(delta))
@@ -463,10 +696,7 @@ def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
         rdp = dpa.rdp.RdpAccountant(neighboring_relation=relation)
         out["rdp"] = float(rdp.compose(event).get_epsilon(delta))
     except Exception:  # dp-accounting's RDP has no replace-one Poisson analysis: add/remove at sigma/2
-        halved = dpa.ComposedDpEvent([
-            dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(m.add_remove_noise_multiplier)), count)
-            for m, count in items
-        ])
+        halved = ledger_dp_event(ledger)
         out["rdp"] = float(dpa.rdp.RdpAccountant().compose(halved).get_epsilon(delta))
     return out
 
@@ -481,7 +711,7 @@ def accounting_check(job) -> list[Check]:
     """The planned ledger's epsilon by dp-accounting vs the epsilon the configured accountant reports."""
     plan = job.privacy
     try:
-        ledger = plan.planned_ledger(job.steps)  # Poisson steps, or a shuffled run's epochs
+        ledger = plan.planned_ledger(job.steps, final=True)  # Poisson steps or a shuffled run's epochs, the validation score
     except SeveralMechanismsPerBatchError as error:
         return [several_mechanisms_check(error)]
     if not ledger:
@@ -522,7 +752,7 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
         derived = job.privacy.setup.derived  # an algorithm's own calibration (DC-DPSGD's EpsilonSplit: sigma_tr)
         for key, value in (derived.fixed_noise_options() if derived is not None else {}).items():
             OmegaConf.update(fixed, f"algo.{key}", value)
-        checks = [*noise_check(fixed), *sensitivity_check(fixed), *accounting]
+        checks = [*noise_check(fixed), *sensitivity_check(fixed), *sampler_check(fixed, job), *accounting]
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
     return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks), run_dir)
 
@@ -546,37 +776,3 @@ def audit_table(report: AuditReport):
             "[green]pass[/]" if c.passed else "[bold red]FAIL[/]", c.detail,
         )
     return table
-
-
-def _main_factory():
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from dpbench.paths import config_dir
-
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-    def _main(cfg) -> None:
-        from dpbench.logging.console import console
-
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        try:
-            report = run_audit(cfg, run_dir)
-        except (UserError, DivergedError) as error:
-            console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
-            sys.exit(2)
-        console.print(audit_table(report))
-        verdict = "every check holds" if report.passed else "some checks FAILED"
-        console.print(f"{verdict}; audit.json: {run_dir / 'audit.json'}", soft_wrap=True)
-        sys.exit(0 if report.passed else 1)
-
-    return _main
-
-
-def main() -> None:
-    from dpbench.schema import run_app
-
-    run_app(_main_factory())
-
-
-if __name__ == "__main__":
-    main()

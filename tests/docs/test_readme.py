@@ -19,14 +19,15 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def commands_of(path: Path) -> list[str]:
-    """`dpbench ...` and `python -m dpbench.cli ...` lines of a Markdown file's bash blocks."""
+    """`dpbench ...`, `dpbench-audit ...` and `python -m dpbench.cli ...` lines of a Markdown file's bash
+    blocks (dpbench-audit composes the same config)."""
     text = path.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 part = part.split(" #")[0].strip()
-                if re.match(r"(dpbench|python -m dpbench\.cli)(\s|$)", part):
+                if re.match(r"(dpbench|dpbench-audit|python -m dpbench\.cli)(\s|$)", part):
                     commands.append(part)
     return commands
 

@@ -167,7 +167,7 @@ def test_language_runs_end_to_end(workspace, tmp_path, model_name, dataset, algo
 def test_zero_shot_evaluates_once(workspace, tmp_path):
     from dpbench.run import run_job
 
-    cfg = compose([f"dataset=boolq", f"dataset.path={workspace / 'data' / 'boolq'}", "model=opt", "model.size=tiny",
+    cfg = compose(["dataset=boolq", f"dataset.path={workspace / 'data' / 'boolq'}", "model=opt", "model.size=tiny",
                    f"model.path={workspace / 'opt'}", "algo=dpadam", "logger=none", "train.batch_size=4", "train.steps=0"])
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results.privacy.steps == 0 and len(results.history) == 1

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers.cli import dpbench, dpbench_in_process
+from helpers.cli import dpbench_in_process
 from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.wandb_records import exit_code, summary
 
@@ -35,6 +35,7 @@ def test_logger_none_writes_no_wandb_files(tiny_cfg, tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow  # an end-to-end sweep: the slow tier
 def test_multirun_runs_every_job_and_skips_finished_ones_on_resume(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "algo=adam,dpsgd", "seed=0,1", *TINY, *FIXED_SIGMA, "threads=1", "device=cpu",

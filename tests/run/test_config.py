@@ -55,6 +55,7 @@ def check_results(results: RunResults) -> None:
     assert results.memory.peak_bytes > 0
 
 
+@pytest.mark.slow  # an end-to-end sweep: the slow tier
 @pytest.mark.parametrize("algo", options("algo"))
 def test_every_algorithm_runs_end_to_end(algo, tiny_cfg, tmp_path: Path):
     results = run_job(tiny_cfg(f"algo={algo}"), tmp_path, show_progress=False)
@@ -67,6 +68,7 @@ def test_every_algorithm_runs_end_to_end(algo, tiny_cfg, tmp_path: Path):
         assert results.privacy.epsilon is None and results.privacy.ledger == []
 
 
+@pytest.mark.slow  # an end-to-end sweep: the slow tier
 @pytest.mark.parametrize("model", options("model"))
 def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
     if compose([f"model={model}"]).model.get("task_kind", "image") != "image":
@@ -76,6 +78,7 @@ def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
     check_results(results)
 
 
+@pytest.mark.slow  # an end-to-end sweep: the slow tier
 @pytest.mark.parametrize("accountant", ["rdp", "prv", "gdp", "pld"])
 def test_every_accountant_calibrates_a_run(accountant, tiny_cfg, tmp_path: Path):
     opt_in = ["privacy.allow_approximate_accountant=true"] if accountant == "gdp" else []

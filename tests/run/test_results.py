@@ -13,7 +13,7 @@ from dpbench.logging.results import SCHEMA_VERSION, EvalRecord, RunResults, eval
 from dpbench.tools.report import load_rows
 from dpbench.run import run_job
 
-# results.json of schema version 4 as readers know it, in the order it is written (pinned here
+# results.json of schema version 5 as readers know it, in the order it is written (pinned here
 # so that a renamed or dropped key fails; adding one means a new schema version).
 TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy", "metrics", "memory",
        "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config"]
@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 4
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 5
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT

@@ -273,6 +273,7 @@ def grid_points(overrides: list[str], product: bool) -> tuple[list[list[str]], i
     return [fixed + p for p in points], size
 
 
+@pytest.mark.slow  # an end-to-end sweep: the slow tier
 @pytest.mark.parametrize("name", sorted(BENCH))
 def test_every_grid_point_of_the_bench_presets_composes(name):
     text = (EXPERIMENTS / f"{name}.yaml").read_text()

@@ -138,7 +138,7 @@ def test_an_update_without_its_released_noise_fails(algo, tmp_path, monkeypatch)
     """Seeded bug `unnoised_update`: the noisy sum is released (and charged) but the update uses the
     clipped sum without noise. The ledger is unchanged, so only an audit of what the model learned
     sees it: every guess is right and the bound reaches the ceiling, far above the claimed 1."""
-    from dpbench.tools.audit import main
+    from dpbench.tools.audit_cli import main
 
     def unnoised_update(self, sums):
         self.add_noise([s.clone() for s in sums])  # released and in the ledger, then ignored

@@ -1,0 +1,164 @@
+"""`train.sharding=fsdp`: private training with PyTorch FSDP2 (`fully_shard`) under torchrun.
+
+Each rank keeps 1/K of every parameter (a DTensor, Shard(0): torch.chunk's rows) and of the
+optimizer state. FSDP2 all-gathers a block's full weight for its forward and backward, so the
+per-example engines' hooks see full activations and full output gradients of this rank's own
+examples, as in one process:
+
+* `shard_model` wraps every transformer block (the family record's `block_modules`, the
+  outermost modules they match) with `fully_shard`, leaves a block whose parameters are also used
+  outside it (a tied embedding and head) to the root, then wraps the root. Every FSDP module
+  reduce-scatters gradients as a SUM (`set_gradient_divide_factor(1.0)` and
+  `set_force_sum_reduction_for_comms(True)`; FSDP2's default is the average over ranks). The
+  engines' coverage check reads FSDP's reduce-scattered autograd gradient, which must then be the
+  sum over ranks of what the hooks saw.
+* The algorithm (`DPFirstOrderAlgorithm` with a sharded model) forms each layer's full-size
+  clipped sum of this rank's examples after the backward (bk; ghost: in its second backward), and releases it with
+  `privacy.release.gaussian_release(..., layout=SHARDED)`: a sum-reduce-scatter (fp32) into the
+  parameter's shard rows, then N(0, σ²C²) added by each rank to its own shard from its own
+  entropy. The optimizer steps on the sharded parameters.
+* Every rank runs the same number of physical chunks per step (the maximum over the ranks, a
+  rank short of examples running empty ones): FSDP2's all-gathers and reduce-scatters are
+  collectives, so a rank that skipped a chunk would leave the others waiting.
+
+Supported: `algo=dpsgd|dpadam` with `algo.per_sample=bk|ghost` (ghost's second backward goes through
+FSDP2's hooks again, all-gathering each block once more), fp32, a model family that names its
+blocks, under torchrun. Everything else is refused in one line (`check_supported`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+
+import torch
+from torch import nn
+
+from dpbench import distributed
+from dpbench.errors import UserError
+
+NONE, FSDP = "none", "fsdp"
+SUPPORTED_ALGORITHMS = ("dpsgd", "dpadam")
+SUPPORTED_ENGINES = ("bk", "ghost")
+SUPPORTED = (f"train.sharding=fsdp supports algo={'|'.join(SUPPORTED_ALGORITHMS)} with "
+             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)}, train.precision=fp32, no train.checkpoint_every, "
+             "on a model whose family names its transformer blocks (vit, opt, roberta), under torchrun "
+             "with 2 or more processes")
+
+
+def requested(cfg) -> str:
+    """The run's `train.sharding` (none when the key is absent)."""
+    return str(cfg.train.get("sharding") or NONE)
+
+
+def check_supported(cfg) -> None:
+    """One line naming what is supported, unless `train.sharding=fsdp` can run as configured."""
+    if requested(cfg) == NONE:
+        return
+    algo = str(cfg.algo.name)
+    engine = str(cfg.algo.get("per_sample", "materialize"))
+    problem = None
+    if not distributed.launched():
+        problem = "it needs several processes (torchrun --nproc_per_node=K, K >= 2), this is one"
+    elif algo not in SUPPORTED_ALGORITHMS:
+        problem = f"algo={algo} is not supported"
+    elif engine not in SUPPORTED_ENGINES:
+        problem = f"algo.per_sample={engine} is not supported"
+    elif str(cfg.train.get("precision", "fp32")) != "fp32":
+        problem = f"train.precision={cfg.train.precision} is not supported"
+    elif cfg.train.get("checkpoint_every"):
+        problem = "sharded checkpoints are not supported yet (train.checkpoint_every)"
+    elif not block_patterns(str(cfg.model.name)):
+        problem = f"model={cfg.model.name} names no transformer blocks to shard"
+    if problem is not None:
+        raise UserError(f"{problem}: {SUPPORTED}")
+
+
+def block_patterns(model_name: str) -> tuple[str, ...]:
+    """The family record's `block_modules` of the registered model `model_name` (() if none)."""
+    from dpbench.models import MODELS
+
+    if model_name not in MODELS.names():
+        return ()
+    return tuple(getattr(MODELS.get(model_name).family, "block_modules", ()))
+
+
+def block_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The outermost modules whose qualified names match one of `patterns` (fnmatch: `*` also
+    matches dots, so `blocks.*` names `blocks.0`, not `blocks.0.attn`)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            found.append((name, module))
+    return found
+
+
+def _shared_outside(model: nn.Module, block_name: str, block: nn.Module) -> bool:
+    """Whether a parameter of `block` is also a parameter of a module outside it (tied)."""
+    inside = {id(p) for p in block.parameters()}
+    prefix = block_name + "."
+    return any(id(p) in inside for name, p in model.named_parameters(remove_duplicate=False)
+               if not name.startswith(prefix))
+
+
+def shard_model(model: nn.Module, patterns: tuple[str, ...], device: torch.device) -> list[str]:
+    """Wrap `model`'s blocks, then the root, with FSDP2's `fully_shard` (SUM reductions); the
+    names of the blocks wrapped (a tied block is left to the root)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    cuda_group = distributed._groups.get("cuda") if device.type == "cuda" else None  # nccl (bind_device)
+    mesh = DeviceMesh.from_group(cuda_group, "cuda") if cuda_group is not None else \
+        init_device_mesh(device.type, (distributed.world_size(),))
+    wrapped = []
+    for name, block in block_modules(model, patterns):
+        if not _shared_outside(model, name, block):
+            fully_shard(block, mesh=mesh)
+            wrapped.append(name)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum over ranks, not their mean
+            module.set_force_sum_reduction_for_comms(True)  # ... as ReduceOp.SUM (gloo has no AVG)
+    return wrapped
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `shard_model` wrapped `model` (no import of FSDP when nothing did)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's shard, not its global size)."""
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def sharded_grad(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` (this rank's rows of a released gradient) as the gradient of the sharded `param`."""
+    mine = local(param)
+    if shard.shape != mine.shape:
+        raise RuntimeError(f"released shard {tuple(shard.shape)} is not the parameter's {tuple(mine.shape)}")
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(shard.to(mine.dtype), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank (this rank's in one process)."""
+    if not distributed.is_distributed():
+        return value
+    buffer = torch.tensor([float(value)], dtype=torch.float64)
+    torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
+    return int(buffer.item())

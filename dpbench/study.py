@@ -1,0 +1,383 @@
+"""The privacy of a hyperparameter study: K random trials, only the best one released.
+
+A grid or an Optuna sweep over private runs trains on the same private data once per trial, and
+each trial spends the run's epsilon again: K trials composed cost about K times one (`naive_epsilon`).
+Papernot & Steinke ("Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022) show that
+when the NUMBER of trials K is itself random, drawn from a suitable distribution, and only the best
+trial is released (its hyperparameters, model and score), the whole study costs little more than
+one trial (`study_epsilon`). dp-accounting implements their bound as
+`dp_event.RepeatAndSelectDpEvent(event, mean, shape)` under its RDP accountant; this module wraps it:
+
+    event = trial_event(ledger)                        # one trial's releases (results.json privacy.ledger)
+    study_epsilon(event, mean_trials=10, shape=1, delta=1e-5)   # the study, K ~ geometric of mean 10
+    naive_epsilon(event, trials=10, delta=1e-5)        # what 10 trials composed would cost
+    k = draw_trial_count(mean=10, shape=1)             # K for a study, from OS entropy
+
+`shape` picks K's distribution, as dp-accounting reads it: inf -> Poisson(mean) (K = 0 possible:
+the study releases nothing), 0 -> logarithmic, 1 -> geometric, any other eta > 0 -> the truncated
+negative binomial with shape eta; the distribution's parameter gamma follows from (eta, mean) as in
+dp-accounting (`tnb_gamma`). The Hydra sweeper that runs such a study is
+hydra_plugins/dpbench_private_search (`dpbench -m hydra/sweeper=private_search ...`).
+
+What the bound needs: every trial is the same mechanism (same ledger: only keys that leave the
+ledger alone, such as lr and clip norm, may vary), trials do not read each other's results, K is
+drawn with fresh randomness nobody can predict or re-draw, and only the selected trial is published.
+`selected_trial` is where the selection rule (and, later, a noisy validation score) plugs in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from dpbench.errors import UserError
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
+
+MAX_NOISE_MULTIPLIER = 1e4
+
+
+def entropy_rng() -> np.random.Generator:
+    """A generator seeded from the OS's entropy pool, never from the run's `seed`."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
+# ---------------------------------------------------------------------------------------------
+# K, the random number of trials
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_shape(value) -> float:
+    """`shape` as a float; "inf"/".inf" (YAML's spelling, which Hydra's command line keeps as a string) -> inf."""
+    if isinstance(value, str) and value.strip().lower().lstrip(".+") in ("inf", "infinity"):
+        return math.inf
+    shape = float(value)
+    if math.isnan(shape) or shape < 0:
+        raise UserError(f"the shape of the trial-count distribution must be >= 0 or inf, got {value}")
+    return shape
+
+
+def _check_distribution(mean: float, shape: float) -> None:
+    if math.isnan(shape) or shape < 0:
+        raise UserError(f"the shape of the trial-count distribution must be >= 0 or inf, got {shape}")
+    if not mean >= 1:  # dp-accounting's analysis needs it (and a geometric K has mean >= 1)
+        raise UserError(f"the mean number of trials must be at least 1, got {mean}")
+
+
+def _tnb_mean(gamma: float, shape: float) -> float:
+    """Mean of the truncated negative binomial of (gamma, eta) (Papernot & Steinke, Definition 1)."""
+    if shape == 1:
+        return 1 / gamma
+    log_gamma = math.log(gamma)
+    if gamma == 1:
+        return 1.0
+    if shape == 0:  # logarithmic: (1 - 1/gamma) / log(gamma)
+        return (1 - 1 / gamma) / log_gamma
+    # eta (1/gamma - 1) / (1 - gamma^eta), with expm1 for small eta log(gamma)
+    return shape * (1 / gamma - 1) / -math.expm1(shape * log_gamma)
+
+
+@functools.lru_cache(maxsize=256)
+def tnb_gamma(shape: float, mean: float, tolerance: float = 1e-9) -> float:
+    """gamma of the truncated negative binomial with shape eta and the given mean, found as
+    dp-accounting finds it (`_gamma_truncated_negative_binomial`: geometric 1/mean, otherwise a
+    bisection returning its lower end, i.e. a mean at least the asked one). Drawing K from another
+    gamma than the one the accountant assumed would void the bound."""
+    _check_distribution(mean, shape)
+    if shape == 1:
+        return 1 / mean
+    low, high = 0.0, min(1.0, 2 * (shape + 1) / mean)
+    while high > low * (1 + tolerance):
+        gamma = (low + high) / 2
+        if _tnb_mean(gamma, shape) < mean:
+            high = gamma
+        else:
+            low = gamma
+    return low
+
+
+def trial_count_pmf(k: int, mean: float, shape: float) -> float:
+    """P(K = k) of the distribution `draw_trial_count` samples (for checks and tests)."""
+    shape = parse_shape(shape)
+    _check_distribution(mean, shape)
+    if shape == math.inf:
+        return math.exp(-mean + k * math.log(mean) - math.lgamma(k + 1))
+    if k < 1:
+        return 0.0
+    gamma = tnb_gamma(shape, mean)
+    if shape == 0:  # (1-gamma)^k / (k log(1/gamma))
+        return math.exp(k * math.log1p(-gamma) - math.log(k) - math.log(-math.log(gamma)))
+    # (1-gamma)^k / (gamma^-eta - 1) * prod_{l<k} (l + eta)/(l + 1)
+    log_prod = math.lgamma(k + shape) - math.lgamma(shape) - math.lgamma(k + 1)
+    return math.exp(k * math.log1p(-gamma) + log_prod - math.log(math.expm1(-shape * math.log(gamma))))
+
+
+def draw_trial_count(mean: float, shape: float, rng: np.random.Generator | None = None) -> int:
+    """K, the number of trials of a study: Poisson(mean) for shape=inf (0 allowed: the study then
+    releases nothing, and K is never drawn again), otherwise the truncated negative binomial of
+    dp-accounting's (shape, mean) (0: logarithmic, 1: geometric), K >= 1.
+
+    K must come from fresh entropy (the default `rng`), never from the run's `seed`: the bound holds
+    for K drawn independently of everything an adversary could know or steer. A seeded K is known
+    in advance (and can be re-drawn by changing the seed until it suits), which turns the study
+    into a fixed number of trials, whose cost is the composition (`naive_epsilon`), not this bound.
+    Tests may pass their own `rng`.
+    """
+    shape = parse_shape(shape)
+    _check_distribution(mean, shape)
+    rng = entropy_rng() if rng is None else rng
+    if shape == math.inf:
+        return int(rng.poisson(mean))
+    gamma = tnb_gamma(shape, mean)
+    if gamma >= 1:
+        return 1
+    # Inversion of the CDF with the pmf's ratio P(k+1)/P(k) = (1-gamma)(k+eta)/(k+1): one uniform
+    # draw, exact for every eta >= 0 (numpy's negative_binomial would need rejection of 0, which is
+    # slow for small eta, and has no eta = 0).
+    u = rng.random()
+    k, p = 1, trial_count_pmf(1, mean, shape)
+    cumulative = p
+    while cumulative <= u:
+        p *= (1 - gamma) * (k + shape) / (k + 1)
+        k += 1
+        cumulative += p
+        if p < 1e-18 * cumulative:  # rounding left u above the summed mass: the far tail
+            break
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# A trial's privacy event
+# ---------------------------------------------------------------------------------------------
+
+
+def as_ledger(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism]) -> Ledger:
+    """A Ledger from a Ledger, its `as_records()` (results.json privacy.ledger) or a list of the
+    mechanisms that ran (one entry per release)."""
+    if isinstance(ledger, Ledger):
+        return ledger
+    items = list(ledger)
+    if all(isinstance(item, GaussianMechanism) for item in items):
+        out = Ledger()
+        out.extend(items)
+        return out
+    return Ledger.from_records(items)
+
+
+def ledger_dp_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], exact_replace_one: bool = False):
+    """The ledger as one dp-accounting event: each (mechanism, count) a self-composed
+    Poisson-subsampled Gaussian.
+
+    Under add/remove (default) a replace-one mechanism enters at sigma/2, the conservative reduction
+    dpbench's rdp/prv/gdp accountants use (`GaussianMechanism.add_remove_noise_multiplier` says why).
+    `exact_replace_one`: a ledger stated under replace-one only, with each mechanism's own sigma, for
+    an accountant built with dp-accounting's REPLACE_ONE relation (PLD; its RDP has no
+    replace-one analysis of Poisson sampling). A noiseless mechanism is a NonPrivateDpEvent."""
+    import dp_accounting as dpa
+
+    items = as_ledger(ledger).items()
+    if exact_replace_one and any(m.neighboring != "replace_one" for m, _ in items):
+        raise ValueError("exact_replace_one needs a ledger stated under replace_one only")
+    events = []
+    for m, count in items:
+        sigma = m.noise_multiplier if exact_replace_one else m.add_remove_noise_multiplier
+        step = dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(sigma)) if sigma > 0 else dpa.NonPrivateDpEvent()
+        events.append(dpa.SelfComposedDpEvent(step, count))
+    return dpa.ComposedDpEvent(events)
+
+
+def trial_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], score_noise_multiplier: float | None = None):
+    """One trial's privacy event: its training ledger, and, with `score_noise_multiplier` sigma_v,
+    the release of a validation score of L2 sensitivity 1 with Gaussian noise of std sigma_v (not
+    subsampled): ComposedDpEvent([training, GaussianDpEvent(sigma_v)]). The score's sensitivity must
+    be 1 under the ledger's relation (a count of correct predictions on private examples is)."""
+    import dp_accounting as dpa
+
+    training = ledger_dp_event(ledger)
+    if score_noise_multiplier is None:
+        return training
+    if not score_noise_multiplier > 0:
+        raise ValueError(f"the validation score's noise multiplier must be positive, got {score_noise_multiplier}")
+    return dpa.ComposedDpEvent([training, dpa.GaussianDpEvent(score_noise_multiplier)])
+
+
+def same_ledger(a: Ledger, b: Ledger, rel_tol: float = 1e-9) -> bool:
+    """Whether two ledgers hold the same mechanisms as often (up to rounding of sigma and q)."""
+    ra, rb = a.as_records(), b.as_records()
+    return len(ra) == len(rb) and all(
+        x["neighboring"] == y["neighboring"] and x["count"] == y["count"]
+        and math.isclose(x["noise_multiplier"], y["noise_multiplier"], rel_tol=rel_tol)
+        and math.isclose(x["sample_rate"], y["sample_rate"], rel_tol=rel_tol)
+        for x, y in zip(ra, rb)
+    )
+
+
+def ledger_within(recorded: Ledger | Iterable[dict], planned: Ledger, rel_tol: float = 1e-9) -> bool:
+    """Whether a trial released at most its plan: the same mechanisms, none more often (a trial
+    that diverged stopped early). The study's epsilon is computed from the plan."""
+    plan = planned.items()
+    for m, n in as_ledger(recorded).items():
+        matches = [c for p, c in plan if p.neighboring == m.neighboring
+                   and math.isclose(p.noise_multiplier, m.noise_multiplier, rel_tol=rel_tol)
+                   and math.isclose(p.sample_rate, m.sample_rate, rel_tol=rel_tol)]
+        if not matches or max(matches) < n:
+            return False
+    return True
+
+# ---------------------------------------------------------------------------------------------
+# Epsilons
+# ---------------------------------------------------------------------------------------------
+
+
+def _empty(event) -> bool:
+    import dp_accounting as dpa
+
+    if isinstance(event, dpa.NoOpDpEvent):
+        return True
+    if isinstance(event, dpa.ComposedDpEvent):
+        return all(_empty(e) for e in event.events)
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return event.count == 0 or _empty(event.event)
+    return False
+
+
+def rdp_epsilon(event, delta: float) -> float:
+    """epsilon of an event by dp-accounting's RDP accountant (add/remove neighbours)."""
+    import dp_accounting as dpa
+
+    accountant = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
+def study_epsilon(event, mean_trials: float, shape: float, delta: float, studies: int = 1) -> float:
+    """epsilon of the whole study: K ~ (mean_trials, shape) runs of `event`, only the best released
+    (RepeatAndSelectDpEvent, RDP). Covers the selected trial's outputs, not the realised K.
+    `studies` > 1: that many such studies on the same data, composed in RDP (below studies x one)."""
+    from dp_accounting import dp_event
+
+    shape = parse_shape(shape)
+    _check_distribution(mean_trials, shape)
+    if _empty(event) or studies <= 0:  # trials that release nothing: nothing to select from privately
+        return 0.0
+    one = dp_event.RepeatAndSelectDpEvent(event, float(mean_trials), shape)
+    return rdp_epsilon(one if studies == 1 else dp_event.SelfComposedDpEvent(one, int(studies)), delta)
+
+
+def naive_epsilon(event, trials: int, delta: float) -> float:
+    """epsilon of `trials` runs of `event` composed (what releasing all of them, or a fixed number
+    of trials, costs): the comparison figure."""
+    import dp_accounting as dpa
+
+    if trials <= 0 or _empty(event):
+        return 0.0
+    return rdp_epsilon(dpa.SelfComposedDpEvent(event, int(trials)), delta)
+
+
+def _bisect_sigma(epsilon_of: Callable[[float], float], target: float, what: str, tolerance: float) -> float:
+    """Smallest sigma (up to `tolerance` in epsilon) with epsilon_of(sigma) <= target; epsilon_of
+    decreases in sigma. Returns the bracket's upper end, so the result meets the target."""
+    cache: dict[float, float] = {}
+
+    def eps(sigma: float) -> float:
+        if sigma not in cache:
+            cache[sigma] = epsilon_of(sigma)
+        return cache[sigma]
+
+    low, high = 0.0, 1.0
+    while eps(high) > target:
+        low, high = high, high * 2
+        if high > MAX_NOISE_MULTIPLIER:
+            raise UserError(f"no {what} noise multiplier up to {MAX_NOISE_MULTIPLIER:g} meets epsilon={target}: "
+                            "raise the budget, lower mean_trials, or plan fewer steps")
+    if low == 0.0:  # sigma = 1 meets it: search downwards for a bracket
+        low = high / 2
+        while eps(low) <= target:
+            high, low = low, low / 2
+            if low < 1e-4:
+                return high
+    while target - eps(high) > tolerance and high - low > 1e-6 * high:
+        mid = (low + high) / 2
+        if eps(mid) > target:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def score_noise_multiplier_for_share(share: float, target_epsilon: float, delta: float, mean_trials: float,
+                                     shape: float, tolerance: float = 0.005) -> float | None:
+    """sigma_v of the validation score under the budget split rule: the noisy score ALONE, repeated
+    and selected like the study, would cost `share` x target_epsilon. Training then gets the rest
+    of the budget through `per_trial_noise_multiplier_for_budget`, which composes both (RDP
+    composition is cheaper than splitting epsilon, so training gets more than (1 - share) x target).
+    share = 0: no score release (None)."""
+    import dp_accounting as dpa
+
+    if not 0 <= share < 1:
+        raise UserError(f"score_share must lie in [0, 1), got {share}")
+    if share == 0:
+        return None
+    return _bisect_sigma(lambda s: study_epsilon(dpa.GaussianDpEvent(s), mean_trials, shape, delta),
+                         share * target_epsilon, "validation-score", tolerance)
+
+
+def per_trial_noise_multiplier_for_budget(ledger_for: Callable[[float], Ledger], target_epsilon: float, delta: float,
+                                          mean_trials: float, shape: float, score_alone: float | None = None,
+                                          tolerance: float = 0.01) -> float:
+    """Smallest per-trial sigma (within `tolerance` in epsilon) whose study meets the target:
+    study_epsilon(trial_event(ledger_for(sigma)), ...) <= target_epsilon.
+
+    `ledger_for(sigma)` is a trial's planned ledger at base noise multiplier sigma, its noisy
+    validation score included (the sweeper plans it as the trial will). `score_alone`: that score's
+    noise multiplier sigma_v; a target the score alone already exceeds is refused in one line."""
+    if score_alone is not None:
+        alone = study_epsilon(trial_event([], score_alone), mean_trials, shape, delta)
+        if alone >= target_epsilon:
+            raise UserError(f"the validation score alone (noise multiplier {score_alone:g}) costs "
+                            f"epsilon={alone:.3f} over the study, not below the target {target_epsilon}: "
+                            "raise the budget or the score's noise (privacy.validation_noise_multiplier, or a lower score_share)")
+    return _bisect_sigma(lambda s: study_epsilon(trial_event(ledger_for(s)), mean_trials, shape, delta),
+                         target_epsilon, "per-trial", tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection: the hook where the validation score plugs in
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrialOutcome:
+    """What a trial of a study returned. `score` is the job's return value (dpbench.cli.objective:
+    the metric `optimize` names, "-key" negated, so higher is better); -inf for a trial that
+    failed, diverged or returned no number."""
+
+    index: int
+    overrides: list[str] = field(default_factory=list)
+    score: float = -math.inf
+    status: str = "completed"  # completed | diverged | failed
+    run_dir: str = ""
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "overrides": self.overrides,
+                "score": self.score if math.isfinite(self.score) else None, "status": self.status, "run_dir": self.run_dir}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TrialOutcome":
+        score = data.get("score")
+        return cls(int(data["index"]), list(data.get("overrides") or []), -math.inf if score is None else float(score),
+                   str(data.get("status", "completed")), str(data.get("run_dir", "")))
+
+
+def selected_trial(outcomes: Iterable[TrialOutcome]) -> TrialOutcome | None:
+    """The trial a study releases: the highest finite score (the lowest index among equals); None
+    when no trial has one (K = 0, or every trial failed).
+
+    The bound covers any selection that reads only the trials' outputs (their noisy validation
+    scores, each charged in its trial's own ledger), so the rule may change here."""
+    finite = [o for o in outcomes if math.isfinite(o.score)]
+    return max(finite, key=lambda o: (o.score, -o.index)) if finite else None

@@ -1,0 +1,6 @@
+"""dpbench's private random hyperparameter search, a Hydra sweeper (`hydra/sweeper=private_search`).
+
+Hydra finds sweepers by importing every module under the `hydra_plugins` namespace package (which
+therefore has no __init__.py); `private_search.py` stores `PrivateSearchConf` in Hydra's ConfigStore.
+The privacy arithmetic lives in dpbench/study.py.
+"""

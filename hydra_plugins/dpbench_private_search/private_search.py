@@ -1,0 +1,489 @@
+"""The `private_search` sweeper: K random trials, only the best released, with the study's epsilon.
+
+    dpbench -m hydra/sweeper=private_search hydra.sweeper.mean_trials=10 hydra.sweeper.shape=1 \
+        'train.lr=tag(log, interval(0.003, 0.1))' 'privacy.clip_norm=interval(0.3, 2)' privacy.epsilon=3
+
+What it does, in order (dpbench/study.py holds the privacy arithmetic and says why it holds):
+  1. Reads the sweep overrides with Hydra's parser: `choice(...)`, a plain list `a,b,c`, `range(...)`
+     (each a choice), `interval(a, b)` (uniform) and `tag(log, interval(a, b))` (log-uniform) are
+     the search space; every other override is fixed for all trials. Keys that change a trial's
+     privacy event (its ledger: batch size, steps, epochs, privacy.* but clip_norm, the dataset)
+     are refused, and every trial's planned ledger is checked against the study's before any runs.
+  2. Budget mode (privacy.epsilon set, privacy.noise_multiplier null): finds the per-trial sigma
+     whose STUDY epsilon meets privacy.epsilon and passes privacy.noise_multiplier=<sigma> to every
+     trial. With privacy.noise_multiplier set, the study's epsilon is computed instead.
+  3. Draws K and every trial's values from OS entropy (never from `seed`) and writes them to
+     <sweep dir>/study_state.json BEFORE the first trial: a rerun of the same command resumes the
+     study without drawing again, and skips trials that already have an outcome (a trial that
+     failed or diverged counts as score -inf and is never rerun).
+  4. Launches the trials (trial i in <sweep dir>/trial_<i>), independently of each other's
+     results, `max_batch_size` per launcher call; a trial's score is what the job returns
+     (dpbench.cli.objective: the metric `optimize` names).
+  5. Selects the best (dpbench.study.selected_trial) and writes <sweep dir>/study.json.
+
+The objective is each trial's noisy validation score (dataset.validation_fraction > 0 is required;
+a test metric is never a private search's objective): every trial trains on the training part,
+releases its score once on its final model (noise std privacy.validation_noise_multiplier, part
+of the trial's own ledger), and reads no test example (train.evaluate_test=false). After
+selection only the selected trial's saved model is evaluated on the test set, once.
+
+score_share (budget mode only; default 0: sigma_v is privacy.validation_noise_multiplier): the
+share of privacy.epsilon the noisy score would cost ALONE over the study; its sigma_v follows
+from that (dpbench.study.score_noise_multiplier_for_share), and training gets the rest through
+RDP composition.
+"""
+
+# No `from __future__ import annotations`: Hydra's plugin scan executes this module without
+# registering it in sys.modules, and dataclasses then cannot resolve string annotations.
+import json
+import math
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep, Override
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dpbench import study
+from dpbench.errors import UserError
+
+STATE_FILE, STUDY_FILE = "study_state.json", "study.json"
+STATE_FORMAT = 1
+
+
+@dataclass
+class PrivateSearchConf:
+    _target_: str = "hydra_plugins.dpbench_private_search.private_search.PrivateSearchSweeper"
+    mean_trials: float = 10.0  # E[K]; dp-accounting needs >= 1
+    shape: Any = 1.0  # K's distribution: 0 logarithmic, 1 geometric, eta > 0 truncated neg. binomial, .inf Poisson
+    score_share: float = 0.0  # share of privacy.epsilon a noisy validation score would cost alone (budget mode)
+    max_batch_size: Optional[int] = None  # trials per launcher call (None: all at once)
+    params: Optional[Dict[str, str]] = None  # search space from a config file: {key: "interval(0.1, 1)"}
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="private_search", node=PrivateSearchConf, provider="dpbench")
+
+
+# ---------------------------------------------------------------------------------------------
+# The search space
+# ---------------------------------------------------------------------------------------------
+
+# Swept keys that would change a trial's privacy event; the bound assumes every trial is the same
+# mechanism. privacy.clip_norm only scales the clipped sum and its noise together: the ledger
+# (noise multiplier, sample rate, steps) stays the same.
+EVENT_KEYS = ("train.batch_size", "train.steps", "train.epochs")
+EVENT_SECTIONS = ("privacy", "dataset", "experiment")  # the group or any of its keys
+EVENT_FREE_KEYS = ("privacy.clip_norm",)
+# results.json metrics computed from the private training data without noise: a study selecting
+# on them releases more than the bound covers
+
+
+def changes_event(key: str) -> bool:
+    key = key.lstrip("+~").split("@")[0]
+    if key in EVENT_FREE_KEYS:
+        return False
+    return key in EVENT_KEYS or any(key == s or key.startswith(s + ".") for s in EVENT_SECTIONS)
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One swept key: `choice` over value strings, or `uniform`/`log_uniform` on [low, high)."""
+
+    key: str  # as written, with its +/~ prefix: the override is "<key>=<value>"
+    kind: str
+    choices: tuple[str, ...] = ()
+    low: float = 0.0
+    high: float = 0.0
+
+    def draw(self, rng) -> str:
+        if self.kind == "choice":
+            return f"{self.key}={self.choices[int(rng.integers(len(self.choices)))]}"
+        if self.kind == "log_uniform":
+            value = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        else:
+            value = rng.uniform(self.low, self.high)
+        return f"{self.key}={min(max(value, self.low), self.high)!r}"
+
+    def describe(self) -> str:
+        if self.kind == "choice":
+            return f"choice({', '.join(self.choices)})"
+        return f"{'log-' if self.kind == 'log_uniform' else ''}uniform[{self.low!r}, {self.high!r})"
+
+
+def _dimension(override: Override) -> Dimension:
+    key = override.get_key_element()
+    if override.is_discrete_sweep():  # choice(...), a,b,c, range(...)
+        return Dimension(key, "choice", tuple(override.sweep_string_iterator()))
+    value = override.value()
+    if isinstance(value, IntervalSweep):
+        low, high = float(value.start), float(value.end)
+        log = "log" in value.tags
+        if not low < high or (log and low <= 0):
+            raise UserError(f"{override.input_line}: an interval needs low < high{' and low > 0 (log)' if log else ''}")
+        return Dimension(key, "log_uniform" if log else "uniform", low=low, high=high)
+    raise UserError(f"private_search cannot draw from {override.input_line}: use choice(...), a,b,c, range(...), "
+                    "interval(a, b) or tag(log, interval(a, b))")
+
+
+def parse_search_space(arguments: Sequence[str]) -> tuple[list[str], list[Dimension]]:
+    """(fixed overrides, swept dimensions) of the sweep's arguments, by Hydra's override parser;
+    a swept key that changes the privacy event is refused (one-line UserError)."""
+    fixed, dimensions = [], []
+    for override in OverridesParser.create().parse_overrides(list(arguments)):
+        if not override.is_sweep_override():
+            fixed.append(f"{override.get_key_element()}={override.get_value_element_as_str()}")
+            continue
+        if changes_event(override.key_or_group):
+            raise UserError(
+                f"private_search cannot sweep {override.key_or_group}: it changes each trial's privacy event, and the "
+                "study's epsilon assumes every trial releases the same; fix it for the whole study "
+                "(train.lr, privacy.clip_norm, model or algo options that leave the ledger alone may vary)")
+        dimensions.append(_dimension(override))
+    return fixed, dimensions
+
+
+def draw_values(dimensions: Sequence[Dimension], rng) -> list[str]:
+    """One trial's overrides: every dimension drawn once (from entropy: rng = study.entropy_rng())."""
+    return [d.draw(rng) for d in dimensions]
+
+
+# ---------------------------------------------------------------------------------------------
+# A trial's planned ledger, as the trial will plan it
+# ---------------------------------------------------------------------------------------------
+
+
+class TrialPlanner:
+    """Plans a trial's privacy the way dpbench.run.setup does (train size, steps, plan_privacy),
+    without building its model: the ledger its run will record, at a given noise multiplier."""
+
+    def __init__(self, base: DictConfig) -> None:
+        import torch
+
+        from dpbench.algorithms import algorithm_class
+        from dpbench.run_config import validate
+        from dpbench.tasks import build_task
+
+        validate(base)  # the job's own input checks, one line each
+        if not algorithm_class(base.algo.name).private:
+            raise UserError(f"private_search studies private training; algo={base.algo.name} is not private")
+        if not float(base.dataset.get("validation_fraction", 0) or 0) > 0:
+            raise UserError("private_search selects trials by their noisy validation score: set "
+                            "dataset.validation_fraction (e.g. 0.2); the test set is never a search's objective")
+        # the public planning size n(1 - f) sets the sample rate (q = B / n(1 - f)); dataset keys
+        # are never swept, so it is one for all trials
+        self.train_size = build_task(base, torch.device("cpu")).planning_size
+
+    def ledger(self, cfg: DictConfig, noise_multiplier: float, score_noise_multiplier: float | None = None):
+        import torch
+
+        from dpbench.algorithms import algorithm_class
+        from dpbench.privacy.plan import plan_privacy
+        from dpbench.run import planned_steps
+
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.privacy.noise_multiplier = float(noise_multiplier)
+            if score_noise_multiplier is not None:
+                cfg.privacy.validation_noise_multiplier = float(score_noise_multiplier)
+        steps = planned_steps(cfg, self.train_size)
+        plan = plan_privacy(cfg, algorithm_class(cfg.algo.name), self.train_size, steps, torch.device("cpu"))
+        return plan.planned_ledger(steps, final=True)  # training, then the noisy validation score
+
+
+# ---------------------------------------------------------------------------------------------
+# The state file and the outcome of a trial
+# ---------------------------------------------------------------------------------------------
+
+
+def _json_shape(shape: float) -> float | str:
+    return "inf" if shape == math.inf else shape  # JSON has no infinity
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: an interrupted write leaves the previous file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_state(sweep_dir: Path) -> dict | None:
+    path = Path(sweep_dir) / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path} is unreadable ({error}); the study's K and draws are lost: start a new study "
+                        "(another name=), the trials that ran count against the data's privacy") from error
+    if state.get("format") != STATE_FORMAT:
+        raise UserError(f"{path} is of another format ({state.get('format')}); start a new study (another name=)")
+    return state
+
+
+def trial_outcome(index: int, overrides: list[str], run_dir: Path, returned=None) -> study.TrialOutcome:
+    """A trial's outcome from what its job returned (None: not launched, e.g. a failed trial found
+    on resume) and its folder: no results.json, a status other than completed, or no finite
+    return value all score -inf."""
+    from dpbench.logging.results import read_results
+
+    score = math.nan
+    if returned is not None:
+        try:
+            score = float(returned.return_value)  # raises the job's exception when it failed
+        except Exception:  # noqa: BLE001 - a trial that raised scores -inf, like one that diverged
+            score = math.nan
+    results = read_results(run_dir)
+    if results is None:
+        return study.TrialOutcome(index, overrides, -math.inf, "failed", str(run_dir))
+    status = str(results.get("status") or "failed")  # a diverged trial wrote results.json, and returned nan
+    if status != "completed" or not math.isfinite(score):
+        return study.TrialOutcome(index, overrides, -math.inf, status if status != "completed" else "failed", str(run_dir))
+    return study.TrialOutcome(index, overrides, score, status, str(run_dir))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweeper
+# ---------------------------------------------------------------------------------------------
+
+
+class PrivateSearchSweeper(Sweeper):
+    """Hydra sweeper for dpbench/study.py's private random search (see the module docstring)."""
+
+    def __init__(self, mean_trials: float = 10.0, shape: Any = 1.0, score_share: float = 0.0,
+                 max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None) -> None:
+        super().__init__()
+        self.mean_trials = float(mean_trials)
+        self.shape = study.parse_shape(shape)
+        self.score_share = float(score_share)
+        self.max_batch_size = max_batch_size
+        self.params = dict(params or {})
+        self.hydra_context: Optional[HydraContext] = None
+        self.config: Optional[DictConfig] = None
+        self.launcher: Optional[Launcher] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        from dpbench.logging.console import console
+
+        try:
+            return self._sweep(arguments)
+        except UserError as error:  # one line and exit status 2, as dpbench's own input errors
+            console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            sys.exit(2)
+
+    def _compose(self, overrides: list[str]) -> DictConfig:
+        """A trial's job config as the launcher composes it, without the `hydra` node (as the job sees it)."""
+        from omegaconf import read_write
+
+        assert self.hydra_context is not None and self.config is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with read_write(cfg), open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    def _planner(self, base: DictConfig) -> TrialPlanner:
+        return TrialPlanner(base)
+
+    def _sweep(self, arguments: List[str]) -> dict:
+        assert self.config is not None and self.launcher is not None
+        study._check_distribution(self.mean_trials, self.shape)
+        fixed, dimensions = parse_search_space([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+
+        base = self._compose(fixed)
+        from dpbench.run_config import DEFAULT_OPTIMIZE
+
+        optimize = str(base.get("optimize") or DEFAULT_OPTIMIZE)
+        if optimize not in (DEFAULT_OPTIMIZE, "validation_score"):
+            raise UserError(f"optimize={optimize}: a private search selects by the noisy validation score; "
+                            "leave optimize at its default (or set optimize=validation_score)")
+        planner = self._planner(base)
+        delta = float(base.privacy.delta)
+        budget = base.privacy.noise_multiplier is None
+        settings = {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape), "score_share": self.score_share,
+                    "fixed_overrides": sorted(fixed), "space": {d.key: d.describe() for d in dimensions}}
+        state = read_state(sweep_dir)
+        if state is not None and state["settings"] != settings:
+            raise UserError(f"{sweep_dir} holds study {state['study_id']} of other settings ({state['settings']}); "
+                            "rerun its command to resume it, or start a new study with another name=")
+        if state is None:
+            state = self._new_state(base, planner, fixed, dimensions, settings, budget)
+        sigma, score_sigma = float(state["noise_multiplier"]), state["score_noise_multiplier"]
+        trials = [dict(t) for t in state["draws"]]
+        for trial in trials:
+            trial["launch"] = self._trial_overrides(fixed, trial, sigma, score_sigma, budget)
+
+        planned = planner.ledger(base, sigma, score_sigma)
+        if "checked" not in state:  # a new study: refused before its K and draws are stored or any trial runs
+            self._check_events(planner, planned, trials, sigma)
+            state["checked"] = True
+            write_json(sweep_dir / STATE_FILE, state)  # K and the draws, before any trial runs
+        self._run_trials(sweep_dir, state, trials)
+
+        outcomes = [study.TrialOutcome.from_json(state["outcomes"][str(t["index"])]) for t in trials]
+        summary = self._summary(state, base, planned, outcomes, delta)
+        write_json(sweep_dir / STUDY_FILE, summary)
+        self._print(summary, outcomes, dimensions, sweep_dir)
+        return summary
+
+    def _new_state(self, base, planner, fixed, dimensions, settings, budget) -> dict:
+        score_sigma = None
+        if budget:
+            target, delta = float(base.privacy.epsilon), float(base.privacy.delta)
+            score_sigma = study.score_noise_multiplier_for_share(self.score_share, target, delta, self.mean_trials, self.shape)
+            sigma = study.per_trial_noise_multiplier_for_budget(
+                lambda s: planner.ledger(base, s, score_sigma), target, delta, self.mean_trials, self.shape,
+                score_alone=score_sigma if score_sigma is not None else float(base.privacy.validation_noise_multiplier))
+        else:
+            if self.score_share:
+                raise UserError("score_share splits a budget: set privacy.epsilon and leave privacy.noise_multiplier "
+                                "null, or set score_share=0")
+            sigma = float(base.privacy.noise_multiplier)
+        # K and every value from OS entropy: a seeded draw could be predicted and re-drawn (dpbench/study.py)
+        rng = study.entropy_rng()
+        k = study.draw_trial_count(self.mean_trials, self.shape, rng)
+        draws = [{"index": i, "values": draw_values(dimensions, rng)} for i in range(k)]
+        return {"format": STATE_FORMAT, "study_id": secrets.token_hex(8), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "settings": settings, "trials": k, "budget_epsilon": float(base.privacy.epsilon) if budget else None,
+                "noise_multiplier": sigma, "score_noise_multiplier": score_sigma, "draws": draws, "outcomes": {}}
+
+    @staticmethod
+    def _trial_overrides(fixed, trial, sigma, score_sigma, budget) -> list[str]:
+        # Each trial in its own folder: two trials that drew equal values are still two runs, and a
+        # rerun finds each trial's results.json where it left it (dpbench's resume skips it).
+        # No trial reads the test set: it saves its final model, and only the selected one is evaluated.
+        return [*fixed, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}"] if budget else []),
+                *([f"privacy.validation_noise_multiplier={score_sigma!r}"] if score_sigma is not None else []),
+                "train.evaluate_test=false", f"hydra.sweep.subdir=trial_{trial['index']}"]
+
+    def _check_events(self, planner, planned, trials, sigma) -> None:
+        """Every trial's composed config (also the launcher's composition check) plans the
+        study's ledger; otherwise the study's epsilon would not be its epsilon."""
+        for trial in trials:
+            ledger = planner.ledger(self._compose(trial["launch"]), sigma)
+            if not study.same_ledger(ledger, planned):
+                raise UserError(f"trial {trial['index']} ({' '.join(trial['values'])}) plans another privacy ledger than "
+                                "the study's; sweep only keys that leave the ledger alone (noise, sample rate, steps)")
+
+    def _run_trials(self, sweep_dir: Path, state: dict, trials: list[dict]) -> None:
+        assert self.launcher is not None
+        pending = []
+        for trial in trials:
+            key, run_dir = str(trial["index"]), sweep_dir / f"trial_{trial['index']}"
+            if key in state["outcomes"]:
+                continue
+            if (run_dir / "error.txt").exists() and not (run_dir / "results.json").exists():
+                # a trial that failed before the state recorded it: -inf, never rerun
+                state["outcomes"][key] = trial_outcome(trial["index"], trial["values"], run_dir).to_json()
+                continue
+            pending.append(trial)  # new, or interrupted: dpbench resumes its folder (results.json: skipped)
+        if state["outcomes"]:
+            write_json(sweep_dir / STATE_FILE, state)
+        size = self.max_batch_size if self.max_batch_size and self.max_batch_size > 0 else max(1, len(pending))
+        for start in range(0, len(pending), size):
+            batch = pending[start:start + size]
+            returns = self.launcher.launch([t["launch"] for t in batch], initial_job_idx=batch[0]["index"])
+            for trial, returned in zip(batch, returns):
+                run_dir = sweep_dir / f"trial_{trial['index']}"
+                state["outcomes"][str(trial["index"])] = trial_outcome(trial["index"], trial["values"], run_dir,
+                                                                       returned).to_json()
+            write_json(sweep_dir / STATE_FILE, state)
+
+    def _summary(self, state: dict, base: DictConfig, planned, outcomes: list[study.TrialOutcome], delta: float) -> dict:
+        from dpbench.logging.results import read_results
+
+        event = study.trial_event(planned)  # the planned ledger holds the noisy validation score
+        k = int(state["trials"])
+        notes = []
+        for outcome in outcomes:
+            recorded = (read_results(outcome.run_dir) or {}).get("privacy", {}).get("ledger")
+            if recorded is not None and not study.ledger_within(recorded, planned):
+                notes.append(f"trial {outcome.index} recorded more than the study's planned ledger: epsilon_study does "
+                             "not cover it")
+        chosen = study.selected_trial(outcomes)
+        test = None
+        if chosen is not None:  # the selected model alone meets the test set, once
+            from dpbench.api import evaluate_saved
+
+            try:
+                test = evaluate_saved(chosen.run_dir)
+            except Exception as error:  # noqa: BLE001 - the study is still reported
+                notes.append(f"the selected trial's saved model could not be evaluated on the test set: {error}")
+        return {
+            "study_id": state["study_id"],
+            "epsilon_trial": study.rdp_epsilon(event, delta),
+            "epsilon_study": study.study_epsilon(event, self.mean_trials, self.shape, delta),
+            "epsilon_naive": study.naive_epsilon(event, k, delta),
+            "delta": delta,
+            "accountant": "dp-accounting RDP (RepeatAndSelectDpEvent; replace-one through the add/remove sigma/2 reduction)",
+            "budget_epsilon": state["budget_epsilon"],
+            "mean_trials": self.mean_trials,
+            "shape": _json_shape(self.shape),
+            "noise_multiplier": state["noise_multiplier"],
+            "score_noise_multiplier": state["score_noise_multiplier"],
+            "trials": k,
+            "trials_note": "the realised number of trials K is NOT covered by epsilon_study: publishing it weakens the bound",
+            "epsilon_naive_note": "the trials that ran, composed: what releasing all of them would cost",
+            "selected": None if chosen is None else {"overrides": chosen.overrides, "validation_score": chosen.score,
+                                                     "test": test, "run_dir": chosen.run_dir, "index": chosen.index},
+            "covers": ("epsilon_study covers releasing the selected trial's hyperparameters, model and noisy score only "
+                       "(its test metrics are post-processing of the released model; the test records are treated as "
+                       "public); not K, not the other trials' results, models, logs or W&B runs, "
+                       "and not un-noised statistics in results.json (privacy.log_private_stats)"),
+            "optimize": "validation_score",
+            "outcomes": [o.to_json() for o in outcomes],
+            "notes": notes,
+        }
+
+    @staticmethod
+    def _print(summary: dict, outcomes: list[study.TrialOutcome], dimensions: list[Dimension], sweep_dir: Path) -> None:
+        from rich.table import Table
+
+        from dpbench.logging.console import console
+
+        chosen = (summary["selected"] or {}).get("index")
+        table = Table(title=f"dpbench private search · study {summary['study_id']} · K = {summary['trials']}",
+                      caption=(f"ε study {summary['epsilon_study']:.3f} (mean K {summary['mean_trials']:g}, shape "
+                               f"{summary['shape']}) · one trial {summary['epsilon_trial']:.3f} · {summary['trials']} "
+                               f"composed {summary['epsilon_naive']:.3f} · δ {summary['delta']:g}"))
+        table.add_column("trial", justify="right")
+        for d in dimensions:
+            table.add_column(d.key.lstrip("+~"), justify="right")
+        table.add_column(f"score ({summary['optimize']})", justify="right")
+        table.add_column("status")
+        for o in outcomes:
+            values = [v.split("=", 1)[1] for v in o.overrides]
+            values = [f"{float(v):.4g}" if _is_float(v) else v for v in values]
+            mark = " ★" if o.index == chosen else ""
+            table.add_row(f"{o.index}{mark}", *values, f"{o.score:.4f}" if math.isfinite(o.score) else "-inf", o.status)
+        console.print(table)
+        for note in summary["notes"]:
+            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        console.print(f"[dim]study: {sweep_dir / STUDY_FILE} (publish only the selected trial; K is not covered)[/]",
+                      soft_wrap=True)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,356 @@
+"""The private random search (dpbench/study.py and the `private_search` Hydra sweeper).
+
+The study's epsilon is dp-accounting's RepeatAndSelectDpEvent (Papernot & Steinke, ICLR 2022) on
+the trial's ledger; K follows dp-accounting's distribution and comes from entropy; the sweeper
+refuses swept keys that change the trial's privacy event, keeps equal draws as separate trials,
+and resumes an interrupted study without drawing again. One end-to-end run through the console
+script is marked slow."""
+
+import json
+import math
+import random
+import types
+from pathlib import Path
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from omegaconf import OmegaConf
+
+from dpbench import study
+from dpbench.errors import UserError
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
+from hydra_plugins.dpbench_private_search import private_search
+from hydra_plugins.dpbench_private_search.private_search import PrivateSearchSweeper, parse_search_space
+
+DELTA = 1e-5
+
+
+def _ledger(sigma: float, q: float, steps: int, neighboring: str = "add_remove") -> Ledger:
+    ledger = Ledger()
+    ledger.add(GaussianMechanism(sigma, q, neighboring), steps)
+    return ledger
+
+
+def _rdp(event) -> float:
+    return dpa.rdp.RdpAccountant().compose(event).get_epsilon(DELTA)
+
+
+def _direct(sigma, q, steps, mean, shape, add_remove_sigma=None):
+    """The study by hand: dp-accounting's own events, nothing from dpbench."""
+    step = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(add_remove_sigma or sigma))
+    return _rdp(dp_event.RepeatAndSelectDpEvent(dpa.SelfComposedDpEvent(step, steps), mean, shape))
+
+
+# ------------------------------------------------------------------ epsilon
+
+
+def test_reference_numbers_of_the_brief():
+    """q = 0.02, T = 500, sigma = 1, delta = 1e-5: one run 3.14; 10 composed 10.19; K of mean 10:
+    logarithmic 5.08, geometric 5.84, Poisson 6.34 (dp-accounting 0.6.0)."""
+    event = study.trial_event(_ledger(1.0, 0.02, 500))
+    assert study.rdp_epsilon(event, DELTA) == pytest.approx(3.14, abs=0.005)
+    assert study.naive_epsilon(event, 10, DELTA) == pytest.approx(10.19, abs=0.005)
+    for shape, expected in ((0, 5.08), (1, 5.84), (math.inf, 6.34)):
+        assert study.study_epsilon(event, 10, shape, DELTA) == pytest.approx(expected, abs=0.005)
+    assert study.study_epsilon(event, 10, 1, DELTA, studies=3) == pytest.approx(13.80, abs=0.005)  # < 3 x 5.84
+
+
+@pytest.mark.parametrize("shape, mean, sigma", [(0, 5.0, 1.5), (2.5, 20.0, 0.8), (math.inf, 3.0, 2.0)])
+def test_study_epsilon_is_dp_accountings_repeat_and_select(shape, mean, sigma):
+    ledger = _ledger(sigma, 0.01, 300)
+    got = study.study_epsilon(study.trial_event(ledger.as_records()), mean, shape, DELTA)  # results.json's records
+    assert got == pytest.approx(_direct(sigma, 0.01, 300, mean, shape), rel=1e-12)
+    assert got < study.naive_epsilon(study.trial_event(ledger), math.ceil(mean), DELTA)
+
+
+def test_replace_one_enters_through_the_add_remove_reduction():
+    got = study.study_epsilon(study.trial_event(_ledger(2.0, 0.02, 200, "replace_one")), 10, 1, DELTA)
+    assert got == pytest.approx(_direct(2.0, 0.02, 200, 10, 1, add_remove_sigma=1.0), rel=1e-12)
+
+
+def test_a_validation_score_composes_as_an_unsampled_gaussian():
+    sigma_v = 3.0
+    ledger = _ledger(1.0, 0.02, 100)
+    step = dpa.PoissonSampledDpEvent(0.02, dpa.GaussianDpEvent(1.0))
+    direct = dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, 100), dpa.GaussianDpEvent(sigma_v)])
+    with_score = study.study_epsilon(study.trial_event(ledger, sigma_v), 5, 1, DELTA)
+    assert with_score == pytest.approx(_rdp(dp_event.RepeatAndSelectDpEvent(direct, 5, 1)), rel=1e-12)
+    assert with_score > study.study_epsilon(study.trial_event(ledger), 5, 1, DELTA)
+
+
+def test_a_target_the_score_alone_exceeds_is_refused_in_one_line():
+    with pytest.raises(UserError) as error:
+        study.per_trial_noise_multiplier_for_budget(lambda s: _ledger(s, 0.02, 10), 0.5, DELTA, 10, 1,
+                                                    score_alone=0.5)
+    assert "\n" not in str(error.value) and "validation score alone" in str(error.value)
+    with pytest.raises(UserError):
+        study.score_noise_multiplier_for_share(1.0, 3.0, DELTA, 10, 1)
+
+
+# ------------------------------------------------------------------ K
+
+
+@pytest.mark.parametrize("shape", [0, 1, math.inf])
+def test_trial_count_follows_dp_accountings_distribution(shape):
+    mean, n = 10.0, 2000
+    ks = np.array([study.draw_trial_count(mean, shape) for _ in range(n)])
+    support = np.arange(0, 3000)
+    pmf = np.array([study.trial_count_pmf(int(k), mean, shape) for k in support])
+    assert pmf.sum() == pytest.approx(1.0, abs=1e-9)
+    exact_mean = float((support * pmf).sum())
+    assert exact_mean == pytest.approx(mean, rel=1e-6)  # the gamma of dp-accounting's (shape, mean)
+    std = math.sqrt(float((support**2 * pmf).sum()) - exact_mean**2)
+    assert abs(ks.mean() - exact_mean) < 5 * std / math.sqrt(n)
+    p1 = pmf[1]
+    assert abs((ks == 1).mean() - p1) < 5 * math.sqrt(p1 * (1 - p1) / n) + 1 / n
+    assert ks.min() >= (0 if shape == math.inf else 1)
+
+
+def test_gamma_is_dp_accountings():
+    from dp_accounting.rdp.rdp_privacy_accountant import _gamma_truncated_negative_binomial
+
+    for shape in (0, 0.5, 1, 3):
+        for mean in (1.5, 10, 100):
+            assert study.tnb_gamma(shape, mean) == pytest.approx(_gamma_truncated_negative_binomial(shape, mean), rel=1e-12)
+
+
+def test_trial_count_ignores_every_seed():
+    import torch
+
+    draws = []
+    for _ in range(20):
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        draws.append(study.draw_trial_count(10, 1))
+    assert len(set(draws)) > 1
+
+
+def test_shape_spellings():
+    assert study.parse_shape(".inf") == math.inf and study.parse_shape("inf") == math.inf
+    assert study.parse_shape(2) == 2.0
+    with pytest.raises(UserError):
+        study.parse_shape(-1)
+
+
+# ------------------------------------------------------------------ the search space
+
+
+def test_space_parser_draws_within_bounds():
+    fixed, dims = parse_search_space([
+        "train.lr=tag(log, interval(0.003, 0.1))", "privacy.clip_norm=interval(0.3, 2)", "model=cnn,vit",
+        "train.eval_every=choice(5, 10)", "seed=3",
+    ])
+    assert fixed == ["seed=3"]
+    kinds = {d.key: d.kind for d in dims}
+    assert kinds == {"train.lr": "log_uniform", "privacy.clip_norm": "uniform", "model": "choice", "train.eval_every": "choice"}
+    rng = study.entropy_rng()
+    lrs = []
+    for _ in range(400):
+        values = dict(v.split("=", 1) for v in private_search.draw_values(dims, rng))
+        lr, clip = float(values["train.lr"]), float(values["privacy.clip_norm"])
+        assert 0.003 <= lr <= 0.1 and 0.3 <= clip <= 2
+        assert values["model"] in ("cnn", "vit") and values["train.eval_every"] in ("5", "10")
+        lrs.append(lr)
+    # log-uniform: half the draws below the geometric mean of the bounds (uniform would put 15% there)
+    assert 0.38 < np.mean(np.array(lrs) < math.sqrt(0.003 * 0.1)) < 0.62
+
+
+@pytest.mark.parametrize("override", [
+    "train.batch_size=16,32", "train.steps=choice(5,10)", "train.epochs=interval(1,3)", "privacy.noise_multiplier=1,2",
+    "privacy.epsilon=1,8", "privacy.sampling=poisson,shuffle", "dataset=digits,synthetic", "dataset.train_size=100,200",
+    "experiment=bench_mini,bench_vit",
+])
+def test_event_changing_keys_are_refused_in_one_line(override):
+    with pytest.raises(UserError) as error:
+        parse_search_space([override])
+    message = str(error.value)
+    assert "\n" not in message and override.split("=")[0] in message and "privacy event" in message
+
+
+def test_clip_norm_and_fixed_privacy_keys_are_allowed():
+    fixed, dims = parse_search_space(["privacy.clip_norm=0.5,1", "privacy.epsilon=3", "train.steps=5"])
+    assert [d.key for d in dims] == ["privacy.clip_norm"] and fixed == ["privacy.epsilon=3", "train.steps=5"]
+
+
+# ------------------------------------------------------------------ the sweeper, with a fake launcher
+
+
+class _Planner:
+    def ledger(self, cfg, sigma, score_sigma=None):
+        return _ledger(sigma, 0.02, 5)
+
+
+class _Launcher:
+    """Writes each trial's results.json as dpbench would; `fail` trials raise, `stop_at` interrupts."""
+
+    def __init__(self, sweep_dir: Path, fail=(), stop_at=None):
+        self.sweep_dir, self.fail, self.stop_at, self.calls = sweep_dir, set(fail), stop_at, []
+
+    def launch(self, batch, initial_job_idx):
+        returns = []
+        for overrides in batch:
+            index = int([o for o in overrides if o.startswith("hydra.sweep.subdir=")][0].rsplit("_", 1)[1])
+            self.calls.append((index, list(overrides)))
+            if index in self.fail:
+                returns.append(types.SimpleNamespace(return_value=float("nan")))
+                continue
+            folder = self.sweep_dir / f"trial_{index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            results = {"status": "completed", "privacy": {"ledger": _ledger(1.0, 0.02, 5).as_records()},
+                       "metrics": {"test_accuracy": 0.5 + index / 100}, "config": {"optimize": "test_accuracy"}}
+            (folder / "results.json").write_text(json.dumps(results))
+            if index == self.stop_at:
+                raise KeyboardInterrupt  # the trial finished, the sweeper never recorded it
+            returns.append(types.SimpleNamespace(return_value=0.5 + index / 100))
+        return returns
+
+
+class _Sweeper(PrivateSearchSweeper):
+    def __init__(self, sweep_dir: Path, launcher, **options):
+        super().__init__(**{"mean_trials": 3, "shape": 1, **options})
+        self.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}})
+        self.launcher = launcher
+
+    def _compose(self, overrides):
+        return OmegaConf.create({"optimize": "test_accuracy", "privacy": {"delta": DELTA, "epsilon": 3.0, "noise_multiplier": 1.0}})
+
+    def _planner(self, base):
+        return _Planner()
+
+
+def _fixed_k(monkeypatch, k):
+    monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: k)
+
+
+def test_two_trials_with_equal_values_both_run(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 2)
+    launcher = _Launcher(tmp_path)
+    summary = _Sweeper(tmp_path, launcher)._sweep(["train.lr=choice(0.01)", "logger=none"])
+    (i0, o0), (i1, o1) = launcher.calls
+    assert (i0, i1) == (0, 1) and o0[:-1] == o1[:-1] == ["logger=none", "train.lr=0.01", "train.evaluate_test=false"]
+    assert o0[-1] != o1[-1]  # each in its own folder
+    assert summary["trials"] == 2 and summary["selected"]["index"] == 1
+    assert [o["status"] for o in summary["outcomes"]] == ["completed", "completed"]
+    stored = json.loads((tmp_path / "study.json").read_text())
+    assert stored["epsilon_study"] == pytest.approx(_direct(1.0, 0.02, 5, 3, 1), rel=1e-12)
+    assert "NOT covered" in stored["trials_note"] and "selected trial" in stored["covers"]
+
+
+def test_an_interrupted_study_resumes_without_drawing_again(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 3)
+    args = ["train.lr=tag(log, interval(0.001, 0.1))"]
+    first = _Launcher(tmp_path, fail={0}, stop_at=1)
+    with pytest.raises(KeyboardInterrupt):
+        _Sweeper(tmp_path, first, max_batch_size=1)._sweep(args)
+    state = json.loads((tmp_path / "study_state.json").read_text())
+    assert state["trials"] == 3 and list(state["outcomes"]) == ["0"]  # trial 0 failed, recorded
+    monkeypatch.setattr(study, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
+    second = _Launcher(tmp_path)
+    summary = _Sweeper(tmp_path, second, max_batch_size=1)._sweep(args)
+    # trial 0 (failed: -inf) is never rerun; trial 1 goes back to its folder, where dpbench finds its results.json
+    assert [i for i, _ in second.calls] == [1, 2]
+    assert second.calls[0][1] == first.calls[1][1]  # the same drawn values, the same folder
+    after = json.loads((tmp_path / "study_state.json").read_text())
+    assert after["study_id"] == state["study_id"] and after["draws"] == state["draws"]
+    assert summary["outcomes"][0]["status"] == "failed" and summary["selected"]["index"] == 2
+
+
+def test_other_settings_in_the_same_folder_are_refused(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 1)
+    _Sweeper(tmp_path, _Launcher(tmp_path))._sweep(["train.lr=0.1,0.2"])
+    with pytest.raises(UserError, match="other settings"):
+        _Sweeper(tmp_path, _Launcher(tmp_path), mean_trials=5)._sweep(["train.lr=0.1,0.2"])
+
+
+def test_poisson_may_draw_no_trial(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 0)
+    launcher = _Launcher(tmp_path)
+    summary = _Sweeper(tmp_path, launcher, shape=".inf")._sweep(["train.lr=0.1,0.2"])
+    assert launcher.calls == [] and summary["selected"] is None and summary["trials"] == 0
+    assert summary["shape"] == "inf" and summary["epsilon_naive"] == 0.0 and summary["epsilon_study"] > 0
+
+
+@pytest.mark.parametrize("optimize", ["-train_loss", "test_loss", "train_accuracy"])
+def test_an_objective_other_than_the_noisy_validation_score_is_refused(tmp_path, optimize):
+    class Sweeper(_Sweeper):
+        def _compose(self, overrides):
+            cfg = super()._compose(overrides)
+            cfg.optimize = optimize
+            return cfg
+
+    with pytest.raises(UserError, match="noisy validation score") as error:
+        Sweeper(tmp_path, _Launcher(tmp_path))._sweep(["train.lr=0.1,0.2"])
+    assert "\n" not in str(error.value)
+
+
+def test_a_study_without_a_validation_split_is_refused_in_one_line():
+    from helpers.config import TINY, compose
+    from hydra_plugins.dpbench_private_search.private_search import TrialPlanner
+
+    with pytest.raises(UserError, match="dataset.validation_fraction") as error:
+        TrialPlanner(compose([*TINY, "algo=dpsgd", "privacy.noise_multiplier=1.0"]))
+    assert "\n" not in str(error.value)
+
+
+def test_trials_never_evaluate_on_the_test_set(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 2)
+    launcher = _Launcher(tmp_path)
+    _Sweeper(tmp_path, launcher)._sweep(["train.lr=0.1,0.2"])
+    assert all("train.evaluate_test=false" in overrides for _, overrides in launcher.calls)
+
+
+def test_the_sweeper_is_a_discoverable_hydra_plugin():
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.sweeper import Sweeper
+
+    assert "PrivateSearchSweeper" in {p.__name__ for p in Plugins.instance().discover(Sweeper)}
+    assert "private_search.yaml" in ConfigStore.instance().list("hydra/sweeper")
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_a_study_through_the_console_script(tmp_path):
+    from helpers.cli import dpbench
+
+    done = dpbench("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
+                   "train.lr=tag(log, interval(0.003, 0.1))", "privacy.clip_norm=interval(0.3, 2)", "privacy.epsilon=3",
+                   "train.steps=5", "dataset=synthetic", "dataset.validation_fraction=0.2", "train.batch_size=64", "logger=none",
+                   "name=study",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "outputs" / "multirun" / "study"
+    summary = json.loads((sweep / "study.json").read_text())
+    assert summary["epsilon_study"] <= 3.0 + 1e-6
+    k = summary["trials"]
+    assert k >= 1 and sorted(p.name for p in sweep.glob("trial_*")) == [f"trial_{i}" for i in range(k)]
+    results = json.loads((sweep / "trial_0" / "results.json").read_text())
+    assert results["metrics"].get("test_accuracy") is None  # a trial reads no test example
+    # 5 training steps at the sigma the sweeper chose for the budget, then the noisy validation score
+    training, score = sorted(results["privacy"]["ledger"], key=lambda r: r["sample_rate"])
+    assert training["count"] == 5 and training["noise_multiplier"] == pytest.approx(summary["noise_multiplier"])
+    assert score["count"] == 1 and score["sample_rate"] == 1.0
+    step = dpa.PoissonSampledDpEvent(training["sample_rate"], dpa.GaussianDpEvent(training["noise_multiplier"]))
+    trial = dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, 5), dpa.GaussianDpEvent(score["noise_multiplier"])])
+    direct = _rdp(dp_event.RepeatAndSelectDpEvent(trial, 2.0, 1.0))
+    assert summary["epsilon_study"] == pytest.approx(direct, abs=0.01)
+    selected = summary["selected"]
+    assert selected["validation_score"] == max(o["score"] for o in summary["outcomes"] if o["score"] is not None)
+    assert 0.0 <= selected["test"]["accuracy"] <= 1.0  # the selected model alone, evaluated once
+
+
+def test_an_uncharged_sweeper_over_private_runs_is_refused_in_one_line():
+    from helpers.config import TINY, compose
+
+    from dpbench.cli import ACCOUNTED_SWEEPERS, check_sweeper
+
+    optuna = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    with pytest.raises(UserError, match="private_search") as error:
+        check_sweeper(compose([*TINY, "algo=dpsgd"]), optuna)
+    assert "\n" not in str(error.value)
+    check_sweeper(compose([*TINY, "algo=adam"]), optuna)  # non-private runs: any sweeper
+    for accounted in ACCOUNTED_SWEEPERS:
+        check_sweeper(compose([*TINY, "algo=dpsgd"]), accounted)
