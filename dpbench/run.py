@@ -154,7 +154,9 @@ def validation_score(job: Job, trainer: Trainer) -> float | None:
     task = job.task
     if task.split is None:
         return None
-    scores = task.validation_scores(job.model).detach().float().clamp(0, 1)
+    # in [0, 1] whatever the model outputs: a non-finite score counts 0, so no record can make the
+    # count non-finite and halt the release (its sensitivity stays 1)
+    scores = torch.nan_to_num(task.validation_scores(job.model).detach().float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1)
     if job.privacy is None:
         return float(scores.sum()) / task.split.planned_validation_size
     plan, relation = job.privacy, job.privacy.setup.neighboring

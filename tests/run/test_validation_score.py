@@ -173,3 +173,19 @@ def test_the_cli_runs_with_a_validation_split(tmp_path):
     assert stored["schema_version"] == 5 and stored["metrics"]["validation_size"] == 51
     assert stored["privacy"]["validation_noise_multiplier"] == 10.0
     assert sorted(r["sample_rate"] for r in stored["privacy"]["ledger"]) == pytest.approx([32 / 205, 1.0])
+
+
+def test_a_non_finite_validation_record_counts_zero_and_never_halts_the_release():
+    """A record whose score is NaN or inf (a diverged prediction) must not make the count
+    non-finite: the release would halt on one record, which its sensitivity does not cover."""
+    import types
+
+    from dpbench.run import setup, validation_score
+
+    job = setup(compose([*TINY, *FIXED_SIGMA, *SPLIT, "algo=dpsgd", "device=cpu"]))
+    size = job.task.split.planned_validation_size
+    job.task.validation_scores = lambda model: torch.tensor([float("nan"), float("inf"), 1.0, 0.0])
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(ledger=job.privacy.new_ledger()))
+    score = validation_score(job, trainer)
+    assert math.isfinite(score) and abs(score * size - 2.0) < 12 * job.privacy.validation_noise_multiplier
+    assert len(trainer.state.ledger.as_records()) == 1  # charged once
