@@ -196,6 +196,7 @@ def test_html_page_renders_in_a_headless_browser(bench, tmp_path):
     assert pixels.std() > 0.05 and len({tuple(p) for p in pixels[::20, ::20].reshape(-1, 3).round(2)}) > 20   # not blank
 
 
+@pytest.mark.slow  # starts W&B's service
 def test_wandb_logs_the_leaderboard_table_and_figures_offline(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "report"
