@@ -36,9 +36,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from dpbench.errors import UserError
+from dpbench.privacy.accountants import MAX_NOISE_MULTIPLIER, smallest_noise_multiplier
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
-
-MAX_NOISE_MULTIPLIER = 1e4
 
 
 def entropy_rng() -> np.random.Generator:
@@ -279,34 +278,10 @@ def naive_epsilon(event, trials: int, delta: float) -> float:
 
 
 def _bisect_sigma(epsilon_of: Callable[[float], float], target: float, what: str, tolerance: float) -> float:
-    """Smallest sigma (up to `tolerance` in epsilon) with epsilon_of(sigma) <= target; epsilon_of
-    decreases in sigma. Returns the bracket's upper end, so the result meets the target."""
-    cache: dict[float, float] = {}
-
-    def eps(sigma: float) -> float:
-        if sigma not in cache:
-            cache[sigma] = epsilon_of(sigma)
-        return cache[sigma]
-
-    low, high = 0.0, 1.0
-    while eps(high) > target:
-        low, high = high, high * 2
-        if high > MAX_NOISE_MULTIPLIER:
-            raise UserError(f"no {what} noise multiplier up to {MAX_NOISE_MULTIPLIER:g} meets epsilon={target}: "
-                            "raise the budget, lower mean_trials, or plan fewer steps")
-    if low == 0.0:  # sigma = 1 meets it: search downwards for a bracket
-        low = high / 2
-        while eps(low) <= target:
-            high, low = low, low / 2
-            if low < 1e-4:
-                return high
-    while target - eps(high) > tolerance and high - low > 1e-6 * high:
-        mid = (low + high) / 2
-        if eps(mid) > target:
-            low = mid
-        else:
-            high = mid
-    return high
+    """Smallest sigma meeting the study's target: the calibration's own bisection."""
+    return smallest_noise_multiplier(epsilon_of, target, tolerance,
+                                     f"no {what} noise multiplier up to {MAX_NOISE_MULTIPLIER:g} meets epsilon={target}: "
+                                     "raise the budget, lower mean_trials, or plan fewer steps")
 
 
 def score_noise_multiplier_for_share(share: float, target_epsilon: float, delta: float, mean_trials: float,

@@ -179,12 +179,24 @@ def calibrate_noise_multiplier(
     upper end of the bisection bracket, so the achieved epsilon is at most the target (Opacus's
     get_noise_multiplier does the same, for one mechanism only).
     """
+    return smallest_noise_multiplier(
+        lambda sigma: accountant.epsilon(ledger_for(sigma), delta), target_epsilon, tolerance,
+        f"no noise multiplier reaches epsilon={target_epsilon} at delta={delta} for "
+        "this run: raise privacy.epsilon or privacy.delta, or plan fewer steps",
+    )
 
+
+def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,
+                              unreachable: str) -> float:
+    """Smallest sigma (up to `tolerance` in epsilon) with epsilon_of(sigma) <= target, epsilon_of
+    decreasing in sigma (a run's calibration, a study's per-trial sigma). Returns the bracket's
+    upper end, so the result meets the target; `unreachable` is the error when no sigma up to
+    MAX_NOISE_MULTIPLIER does."""
     cache: dict[float, float] = {}
 
     def eps(sigma: float) -> float:
         if sigma not in cache:
-            cache[sigma] = accountant.epsilon(ledger_for(sigma), delta)
+            cache[sigma] = epsilon_of(sigma)
         return cache[sigma]
 
     high = 1.0
@@ -199,10 +211,7 @@ def calibrate_noise_multiplier(
         while eps(high) > target_epsilon:
             low, high = high, high * 2
             if high > MAX_NOISE_MULTIPLIER:
-                raise UserError(
-                    f"no noise multiplier reaches epsilon={target_epsilon} at delta={delta} for "
-                    "this run: raise privacy.epsilon or privacy.delta, or plan fewer steps"
-                )
+                raise UserError(unreachable)
     # invariant: eps(low) > target >= eps(high)
     while target_epsilon - eps(high) > tolerance and high - low > 1e-6 * high:
         mid = (low + high) / 2

@@ -6,10 +6,9 @@ the mechanism is the replicated one. One process, it is the REPLICATED release."
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from helpers.ranks import spawn_ranks
 from scipy import stats
 
 from dpbench import distributed
@@ -72,26 +71,25 @@ def test_row_shards_follow_torch_chunk(rows, world):
         assert torch.equal(shard, chunks[r] if r < len(chunks) else torch.arange(0))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
     from helpers.release_worker import run
 
     world = request.param
-    out = tmp_path_factory.mktemp(f"release{world}")
-    torch.multiprocessing.start_processes(run, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
-    return world, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return world, spawn_ranks(run, world, tmp_path_factory.mktemp(f"release{world}"))
 
 
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce"])
 def test_sharded_release_is_the_global_sum_plus_independent_noise_of_the_stated_std(ranks, path):
-    from helpers.release_worker import SAMPLE_RATE, SENSITIVITY, SHAPES, STD, local_values
+    from helpers.release_worker import (
+        SAMPLE_RATE,
+        SENSITIVITY,
+        SHAPES,
+        STD,
+        local_values,
+    )
 
     world, results = ranks
     totals = [sum(local_values(r)[i] for r in range(world)) for i in range(len(SHAPES))]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,24 +14,23 @@ import pytest
 import torch
 from helpers.algorithms import tiny_model
 from helpers.config import REPO
-from helpers.distributed_worker import ALGORITHMS_COMPARED, LOGICAL_BATCHES, NOISE_COORDINATES, run
+from helpers.distributed_worker import (
+    ALGORITHMS_COMPARED,
+    LOGICAL_BATCHES,
+    NOISE_COORDINATES,
+    run,
+)
+from helpers.ranks import free_port, spawn_ranks
 from scipy import stats
 
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' measurements (one spawn for the whole module: process start-up dominates)."""
-    out = tmp_path_factory.mktemp("ranks")
-    torch.multiprocessing.start_processes(run, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(run, WORLD, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.slow  # starts processes

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from helpers.config import REPO
+from helpers.ranks import free_port, spawn_ranks
 from helpers.sharding_worker import CLIP, LOGICAL_BATCHES, NOISY_SIGMA, run
 from scipy import stats
 
@@ -24,20 +25,10 @@ from dpbench.errors import UserError
 WORLD = 2
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' measurements (one spawn for the whole module)."""
-    out = tmp_path_factory.mktemp("sharded_ranks")
-    torch.multiprocessing.start_processes(run, args=(WORLD, free_port(), str(out)), nprocs=WORLD, start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(run, WORLD, tmp_path_factory.mktemp("sharded_ranks"))
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
