@@ -9,6 +9,11 @@ number beside ours), the ordering check of a mini table, and plots.
 Runs are averaged only when their resolved configs differ in nothing but the seed (`seed`,
 `dataset.data_seed`) and ran the same number of steps; otherwise they stay separate rows and a
 note names the key that differs.
+
+A folder with an audit.json (`dpbench-audit`) adds the audit: a run's row gains the one-run
+audit's lower bound on ε and its ceiling ("audit ε≥", "ceiling"), and a "Privacy audits" table
+lists every audit (claimed ε, lower bound, ceiling, canaries, correct/guesses, verdict), those
+without a results.json included.
 """
 
 from __future__ import annotations
@@ -25,16 +30,24 @@ from dpbench.tools.report.formatting import fmt
 from dpbench.tools.report.groups import group_runs, ratios
 from dpbench.tools.report.html import page, write_page
 from dpbench.tools.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
-from dpbench.tools.report.load import load_rows
+from dpbench.tools.report.load import AUDIT_FILE, AuditRow, load_report
 from dpbench.tools.report.paper import caption, paper_ref
 from dpbench.tools.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
-from dpbench.tools.report.tables import FORMATS, build_table, choose_metric, render
+from dpbench.tools.report.tables import (
+    AUDIT_NUMERIC,
+    AUDIT_TITLE,
+    FORMATS,
+    build_audit_table,
+    build_table,
+    choose_metric,
+    render,
+)
 from dpbench.tools.report.wandb_export import log_leaderboard
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpbench-report", description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, help="folder searched recursively for results.json")
+    parser.add_argument("folder", type=Path, help="folder searched recursively for results.json (and audit.json)")
     parser.add_argument("--paper", default=None, help="paper table to put beside ours, e.g. dpgrape:T6 (default: the preset's report.paper/table)")
     parser.add_argument("--metric", choices=("final", "best"), default=None, help="final or best test accuracy (default: the preset's report.metric, else final)")
     parser.add_argument("--format", choices=FORMATS + ("html",), default="rich",
@@ -57,13 +70,19 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args) -> int:
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>")
-    rows = load_rows(args.folder)
-    if not rows:
-        raise UserError(f"no {RESULTS_FILE} under {args.folder}; run `dpbench -m ...` first")
+    rows, audits = load_report(args.folder)
+    if not rows and not audits:
+        raise UserError(f"no {RESULTS_FILE} (nor {AUDIT_FILE}) under {args.folder}; run `dpbench -m ...` first")
+    if not rows:  # audits only (dpbench-audit's run folders): their table is the report
+        if args.format == "html" or args.wandb:
+            raise UserError(f"no {RESULTS_FILE} under {args.folder}: the leaderboard needs runs; "
+                            f"its {len(audits)} {AUDIT_FILE} print without --format html / --wandb")
+        _print_audits(audits, args.format)
+        return 0
     groups, notes = group_runs(rows)
     metric = choose_metric(groups, args.metric)
     if args.leaderboard:
-        return _leaderboard(args, groups, metric)
+        return _leaderboard(args, groups, metric, audits)
     if args.format == "html" or args.wandb:
         raise UserError(f"--{'format html' if args.format == 'html' else 'wandb'} is for the leaderboard: add --leaderboard")
     ref = paper_ref(groups, args.paper)
@@ -77,6 +96,7 @@ def _report(args) -> int:
         console.print(rendered)
     else:
         print(rendered)
+    _print_audits(audits, args.format)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     for r in ratios(rows):
@@ -98,7 +118,7 @@ def _report(args) -> int:
     return 0
 
 
-def _leaderboard(args, groups, metric: str) -> int:
+def _leaderboard(args, groups, metric: str, audits: list[AuditRow]) -> int:
     boards = build_boards(groups, metric)
     fair = fairness(boards)
     out = args.out or args.folder
@@ -117,6 +137,8 @@ def _leaderboard(args, groups, metric: str) -> int:
                 print(rendered + "\n")
     elif args.format == "csv":
         print(render(*csv_table(boards), "csv", ""))
+    if args.format != "html":
+        _print_audits(audits, args.format)
     if args.format in ("rich", "markdown"):
         text = fairness_markdown(fair)
         if args.format == "rich":
@@ -129,7 +151,7 @@ def _leaderboard(args, groups, metric: str) -> int:
         _write_figures(figures, out)
     if args.format == "html":
         title = f"dpbench leaderboard: {args.folder.resolve().name}"
-        made = write_page(out / "leaderboard.html", page(boards, fair, figures, title))
+        made = write_page(out / "leaderboard.html", page(boards, fair, figures, title, audits))
         console.print(f"page: {made}", soft_wrap=True)
     if args.wandb:
         sync = log_leaderboard(boards, figures, out, args.folder.resolve().name)
@@ -137,6 +159,17 @@ def _leaderboard(args, groups, metric: str) -> int:
     if args.check:
         return _check(groups, metric)
     return 0
+
+
+def _print_audits(audits: list[AuditRow], kind: str) -> None:
+    """The Privacy audits table (nothing when no folder holds an audit.json)."""
+    if not audits:
+        return
+    rendered = render(*build_audit_table(audits), kind, AUDIT_TITLE, numeric=AUDIT_NUMERIC)
+    if kind == "rich":
+        console.print(rendered)
+    else:
+        print("\n" + rendered)
 
 
 def _write_figures(figures: dict, out: Path) -> None:

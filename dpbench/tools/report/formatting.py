@@ -20,3 +20,10 @@ def fmt_any(value) -> str:
 def fmt_eps(value, spec: str = "g") -> str:
     """Non-private runs show ∞ everywhere (target and spent)."""
     return INFINITY if value is None or value == math.inf else format(value, spec)
+
+
+def fmt_bound(value, spec: str = ".2f") -> str:
+    """An audit's bound on ε: a dash when there is none, ∞ when nothing bounds it."""
+    if value is None:
+        return "—"
+    return INFINITY if value == math.inf else format(value, spec)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from dpbench.tools.report.formatting import fmt_eps
 from dpbench.tools.report.leaderboard import NUMERIC, PARETO_MARK, Board, Fairness, board_table, headline
+from dpbench.tools.report.load import AuditRow
+from dpbench.tools.report.tables import AUDIT_NUMERIC, build_audit_table
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
@@ -18,6 +20,7 @@ table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f2f2f2; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.pareto td { background: #eef6ff; } tr.ceiling td { color: #555; font-style: italic; }
+tr.failed td { background: #fdecea; }
 figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption, .meta { color: #555; font-size: 0.9em; }
 """
@@ -65,14 +68,30 @@ def _fairness(item: Fairness) -> str:
     return "\n".join(out)
 
 
+def _audits(audits: list[AuditRow]) -> str:
+    """The Privacy audits section: each audit.json's claimed ε beside its lower bound and ceiling."""
+    header, body = build_audit_table(audits)
+    out = ['<h2 id="audits">Privacy audits</h2>',
+           '<p class="meta">dpbench-audit: the ε the accountant claims beside the one-run audit\'s empirical lower '
+           "bound (a bound above the claim fails the audit; the ceiling is the most that audit could certify), and "
+           "each self-audit's verdict with the names of its failed checks.</p>",
+           "<table>", "<thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr></thead>", "<tbody>"]
+    for audit, row in zip(audits, body):
+        cells = "".join(f'<td class="num">{_e(c)}</td>' if h in AUDIT_NUMERIC else f"<td>{_e(c)}</td>" for h, c in zip(header, row))
+        out.append(f'<tr class="{"" if audit.passed else "failed"}">{cells}</tr>')
+    return "\n".join(out + ["</tbody>", "</table>"])
+
+
 def _figure(name: str, task: str, png: bytes) -> str:
     data = base64.b64encode(png).decode("ascii")
     return (f'<figure id="{_e(name)}"><img alt="{_e(name.replace("_", " "))}: {_e(task)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{_e(CAPTIONS.get(name, name))}</figcaption></figure>")
 
 
-def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[str, dict[str, bytes]]], title: str) -> str:
-    """The whole page. `figures`: {task: {figure name: {'png': bytes, ...}}} (plots.leaderboard_figures)."""
+def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[str, dict[str, bytes]]], title: str,
+         audits: list[AuditRow] = ()) -> str:
+    """The whole page. `figures`: {task: {figure name: {'png': bytes, ...}}} (plots.leaderboard_figures);
+    `audits`: the audit.json files of the folder (a Privacy audits section when there are any)."""
     tasks = list(dict.fromkeys(b.task for b in boards))
     fair = {item.task: item for item in fairness}
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
@@ -96,6 +115,8 @@ def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[
                 out.append(_figure(name, task, kinds["png"]))
         if task in fair:
             out.append(_fairness(fair[task]))
+    if audits:
+        out.append(_audits(list(audits)))
     out += [f"<script>{IMAGE_CHECK}</script>", "</body>", "</html>"]
     return "\n".join(out) + "\n"
 

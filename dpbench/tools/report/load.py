@@ -1,5 +1,7 @@
 """Reading results.json files into one flat `RunRow` each (through the `RunResults` contract, so
-files of every schema version read the same; keys an old file lacks are None)."""
+files of every schema version read the same; keys an old file lacks are None), and the audit.json
+that `dpbench-audit` writes into its run folder into one `AuditRow` each (its lower bound on ε and
+ceiling join the RunRow of the same folder)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
 
 MIB = 2**20
+AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit_report.AuditReport.to_json)
 DEFAULT_ENGINE = "materialize"   # algo.per_sample when a method name carries no engine
 
 
@@ -80,6 +83,12 @@ class RunRow:
     samples_per_s: float | None = None
     device: str | None = None
     paper_accounting: bool = False
+    # the audit.json of the run's folder (None: not audited; the bounds also None for a checks-only audit)
+    audit_claimed_epsilon: float | None = None      # the accountant's ε as the one-run audit read it
+    audit_epsilon_lower_bound: float | None = None  # the one-run audit's empirical lower bound on ε
+    audit_ceiling: float | None = None              # the most that audit could certify
+    audit_passed: bool | None = None
+    audit_failed_checks: tuple[str, ...] = ()
     report: dict = field(default_factory=dict)
     algo_config: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the resolved config, flattened ('train.lr': ...)
@@ -92,6 +101,74 @@ class RunRow:
 
     def keys(self) -> list[str]:  # with __getitem__: `{**row}` and `dict(row)` work
         return [f.name for f in fields(self)]
+
+
+@dataclass
+class AuditRow:
+    """One audit.json: the self-audit's verdict, and for a one-run canary audit (key `one_run`) its
+    lower bound on ε beside the ε the accountant claims. Every figure may be None."""
+
+    path: str
+    algo: str | None = None
+    model: str | None = None
+    dataset: str | None = None
+    passed: bool = False
+    checks: tuple[str, ...] = ()          # the names of its checks, in order
+    failed_checks: tuple[str, ...] = ()
+    one_run: bool = False
+    claimed_epsilon: float | None = None
+    epsilon_lower_bound: float | None = None
+    ceiling: float | None = None
+    canaries: int | None = None
+    guesses: int | None = None
+    correct: int | None = None
+    confidence: float | None = None
+    delta: float | None = None
+    with_results: bool = False            # its folder holds a results.json too (the run's row carries it)
+
+    @property
+    def verdict(self) -> str:
+        """'passed' or 'FAILED: <the failed checks>'; a checks-only audit also counts its checks."""
+        counted = not self.one_run and self.checks
+        if self.passed:
+            return "passed" + (f" ({len(self.checks)} checks)" if counted else "")
+        return ("FAILED" + (f" ({len(self.failed_checks)} of {len(self.checks)} checks)" if counted else "")
+                + (f": {', '.join(self.failed_checks)}" if self.failed_checks else ""))
+
+
+def _number(value, kind=float):
+    return None if value is None else kind(value)
+
+
+def audit_row(path: Path, folder: Path, data) -> AuditRow:
+    """One AuditRow per audit.json; keys beyond algo, model, dataset, passed, checks (and one_run's
+    figures) are ignored, and a missing one is None. Malformed content raises TypeError/ValueError."""
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+    checks = data.get("checks") or []
+    if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
+        raise TypeError("'checks' is not a list of objects")
+    names = tuple(str(c.get("name")) for c in checks)
+    failed = tuple(str(c.get("name")) for c in checks if c.get("passed") is False)
+    passed = data.get("passed")
+    one_run = data.get("one_run")
+    if one_run is not None and not isinstance(one_run, dict):
+        raise TypeError("'one_run' is not an object")
+    figures = one_run or {}
+    return AuditRow(
+        path=str(path.parent.relative_to(folder)) or ".",
+        algo=data.get("algo"), model=data.get("model"), dataset=data.get("dataset"),
+        passed=bool(passed) if passed is not None else not failed,
+        checks=names, failed_checks=failed, one_run=one_run is not None,
+        claimed_epsilon=_number(figures.get("claimed_epsilon")),
+        epsilon_lower_bound=_number(figures.get("epsilon_lower_bound")),
+        ceiling=_number(figures.get("ceiling")),
+        canaries=_number(figures.get("canaries"), int),
+        guesses=_number(figures.get("guesses"), int),
+        correct=_number(figures.get("correct"), int),
+        confidence=_number(figures.get("confidence")),
+        delta=_number(figures.get("delta")),
+    )
 
 
 def _has_engines(algo: str | None) -> bool:
@@ -169,8 +246,30 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
     )
 
 
-def load_rows(folder: Path) -> list[RunRow]:
-    """One row per results.json under `folder` (unreadable files are reported and skipped)."""
+def with_audit(row: RunRow, audit: AuditRow) -> RunRow:
+    """The run's row with the figures of the audit.json beside its results.json."""
+    audit.with_results = True
+    row.audit_claimed_epsilon, row.audit_epsilon_lower_bound = audit.claimed_epsilon, audit.epsilon_lower_bound
+    row.audit_ceiling, row.audit_passed, row.audit_failed_checks = audit.ceiling, audit.passed, audit.failed_checks
+    return row
+
+
+def load_audits(folder: Path) -> list[AuditRow]:
+    """One AuditRow per audit.json under `folder`, by path (unreadable files are reported and skipped)."""
+    audits = []
+    for path in sorted(folder.rglob(AUDIT_FILE)):
+        try:
+            audits.append(audit_row(path, folder, json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError, AttributeError) as error:  # JSONDecodeError is a ValueError
+            console.print(f"[yellow]warning:[/] skipping {path}: {error}")
+    return audits
+
+
+def load_report(folder: Path) -> tuple[list[RunRow], list[AuditRow]]:
+    """The runs under `folder` (one row per results.json, with the audit.json of its folder when there
+    is one) and every audit (one row per audit.json: those without a results.json have no run row)."""
+    audits = load_audits(folder)
+    by_folder = {audit.path: audit for audit in audits}
     rows = []
     for path in sorted(folder.rglob(RESULTS_FILE)):
         try:
@@ -178,5 +277,11 @@ def load_rows(folder: Path) -> list[RunRow]:
         except (OSError, json.JSONDecodeError, TypeError, AttributeError) as error:
             console.print(f"[yellow]warning:[/] skipping {path}: {error}")
             continue
-        rows.append(run_row(path, folder, results))
-    return sorted(rows, key=lambda r: (str(r.algo), r.batch_size or 0, r.epsilon or 0.0))
+        row = run_row(path, folder, results)
+        rows.append(with_audit(row, by_folder[row.path]) if row.path in by_folder else row)
+    return sorted(rows, key=lambda r: (str(r.algo), r.batch_size or 0, r.epsilon or 0.0)), audits
+
+
+def load_rows(folder: Path) -> list[RunRow]:
+    """One row per results.json under `folder` (unreadable files are reported and skipped)."""
+    return load_report(folder)[0]

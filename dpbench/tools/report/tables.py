@@ -1,4 +1,5 @@
-"""The paper-style table (one row per group of runs) and its renderings: rich, markdown, csv, latex."""
+"""The paper-style table (one row per group of runs), the privacy audits' table, and their
+renderings: rich, markdown, csv, latex."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import io
 from rich.table import Table
 
 from dpbench.errors import UserError
-from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
+from dpbench.tools.report.formatting import fmt, fmt_any, fmt_bound, fmt_eps
 from dpbench.tools.report.groups import Group, accuracy_percent
+from dpbench.tools.report.load import AuditRow
 from dpbench.tools.report.paper import ACCURACY_METRICS, PaperRef, paper_value
 
 APPROXIMATE_ACCOUNTANTS = {"gdp": "GDP (CLT approximation)"}
 FORMATS = ("rich", "markdown", "csv", "latex")
 # Columns right-aligned in the terminal.
-NUMERIC_COLUMNS = ("seeds", "steps", "peak MiB", "samples/s")
+NUMERIC_COLUMNS = ("seeds", "steps", "peak MiB", "samples/s", "audit ε≥", "ceiling")
+AUDIT_HEADER = ["folder", "algo", "model", "dataset", "claimed ε", "ε lower bound", "ceiling", "canaries",
+                "correct / guesses", "verdict"]
+AUDIT_NUMERIC = ("claimed ε", "ε lower bound", "ceiling", "canaries", "correct / guesses")
+AUDIT_TITLE = "Privacy audits (dpbench-audit: the accountant's ε beside the empirical lower bound)"
 
 
 def choose_metric(groups: list[Group], explicit: str | None) -> str:
@@ -37,13 +43,29 @@ def flags(g: Group) -> str:
         out.append("paper's σ (true ε shown)")
     if r.status not in (None, "completed"):
         out.append(str(r.status))
+    failed = sorted({name for row in g.rows if row.audit_passed is False for name in row.audit_failed_checks})
+    if any(row.audit_passed is False for row in g.rows):
+        out.append("audit FAILED" + (f": {', '.join(failed)}" if failed else ""))
     return "; ".join(out)
+
+
+def audit_cell(g: Group, name: str) -> str:
+    """An audit figure of the group's runs: one value, or the range over its audited seeds."""
+    values = g.values(name)
+    if not values:
+        return "—"
+    low, high = min(values), max(values)
+    return fmt_bound(low) if low == high else f"{fmt_bound(low)} – {fmt_bound(high)}"  # spaced: a narrow terminal wraps it
 
 
 def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple[list[str], list[list[str]]]:
     metric_name = next((g.first.metric_name for g in groups if g.first.metric_name), "accuracy")
     header = ["dataset", "model", "algo", "setting", "target ε", "ε spent", "seeds", "steps",
               f"{metric} {metric_name} %", "peak MiB", "samples/s"]
+    # the one-run audit's lower bound on ε and its ceiling, beside ε spent: only when some run has them
+    audited = any(r.audit_epsilon_lower_bound is not None or r.audit_ceiling is not None for g in groups for r in g.rows)
+    if audited:
+        header[6:6] = ["audit ε≥", "ceiling"]
     if ref is not None:
         header += [f"paper {ref.paper} {ref.table}", "Δ"]
     header.append("flags")
@@ -56,6 +78,7 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
                ", ".join(f"{k}={fmt_any(v)}" for k, v in g.setting.items()),
                fmt_eps(r.target_epsilon if r.private else None),
                fmt_eps(g.mean("epsilon") if r.private else None, ".2f"),
+               *([audit_cell(g, "audit_epsilon_lower_bound"), audit_cell(g, "audit_ceiling")] if audited else []),
                str(len(g.rows)), fmt_any(r.steps), ours,
                fmt(g.mean("peak_mib"), ".0f"), fmt(g.mean("samples_per_s"), ".1f")]
         if ref is not None:
@@ -63,6 +86,17 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
         row.append(flags(g))
         body.append(row)
     return header, body
+
+
+def build_audit_table(audits: list[AuditRow]) -> tuple[list[str], list[list[str]]]:
+    """One row per audit.json: the accountant's ε, the one-run lower bound and ceiling, the guesses,
+    the verdict (with the failed checks' names); a checks-only audit has its verdict only."""
+    body = []
+    for a in audits:
+        guesses = f"{a.correct}/{a.guesses}" if a.correct is not None and a.guesses is not None else "—"
+        body.append([a.path, fmt_any(a.algo), fmt_any(a.model), fmt_any(a.dataset), fmt(a.claimed_epsilon, ".2f"),
+                     fmt_bound(a.epsilon_lower_bound), fmt_bound(a.ceiling), fmt_any(a.canaries), guesses, a.verdict])
+    return list(AUDIT_HEADER), body
 
 
 def _paper_cells(g: Group, ref: PaperRef, ours: float | None) -> list[str]:
@@ -82,7 +116,8 @@ def _paper_cells(g: Group, ref: PaperRef, ours: float | None) -> list[str]:
 
 def latex_escape(text: str) -> str:
     return (text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
-            .replace("±", r"$\pm$").replace("ε", r"$\varepsilon$").replace("∞", r"$\infty$").replace("Δ", r"$\Delta$"))
+            .replace("±", r"$\pm$").replace("ε", r"$\varepsilon$").replace("∞", r"$\infty$").replace("Δ", r"$\Delta$")
+            .replace("≥", r"$\geq$"))
 
 
 def render(header: list[str], body: list[list[str]], fmt: str, title: str, numeric: tuple[str, ...] = NUMERIC_COLUMNS,
