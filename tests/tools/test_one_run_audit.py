@@ -13,12 +13,19 @@ import torch
 from helpers.cli import console_script_in_process
 from helpers.config import compose
 
+from dpbench.algorithms import ALGORITHMS, algorithm_class
 from dpbench.algorithms.base import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.tools.audit import run_audit
 from dpbench.tools.one_run import (
-    GradientCanaries, Guesses, ceiling, epsilon_lower_bound, one_run_p_value, one_run_options,
+    SITES,
+    Canaries,
+    Guesses,
+    ceiling,
+    epsilon_lower_bound,
+    one_run_options,
+    one_run_p_value,
 )
 
 # c = 0.05, delta = 1e-5 (the spec's reference values of the paper's bound)
@@ -81,34 +88,76 @@ def test_guesses_are_the_extremes_of_the_scores():
 
 
 def test_canaries_replace_their_coordinates_of_the_clipped_sum():
-    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
-    marks = GradientCanaries(params, count=10, norm=0.7, sample_rate=1.0, seed=0)
-    again = GradientCanaries(params, count=10, norm=0.7, sample_rate=1.0, seed=0)
+    space = [torch.Size([3, 4]), torch.Size([5])]
+    marks = Canaries(space, count=10, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove", seed=0)
+    again = Canaries(space, count=10, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove", seed=0)
     positions = [(k, tuple(i.tolist() for i in index)) for k, _, index in marks.placements]
     assert positions == [(k, tuple(i.tolist() for i in index)) for k, _, index in again.placements]  # public, seeded
+    marks.begin_step(0)  # q = 1: every included canary joins
     sums = [torch.full((3, 4), 5.0), torch.full((5,), 5.0)]
-    marks.insert(sums)  # q = 1: every included canary joins
+    marks.insert(sums, 0.7)
     flat = torch.cat([s.flatten() for s in sums])
     assert int((flat == 5.0).sum()) == 17 - 10  # the other coordinates are untouched
-    values = torch.cat([sums[k][index] for k, _, index in marks.placements])
-    ids = torch.cat([ids for _, ids, _ in marks.placements])
-    expected = torch.as_tensor(marks.included[ids.numpy()], dtype=torch.float32) * 0.7
-    assert torch.equal(values, expected)  # the real gradient is masked; +C exactly where a canary is in
+    values = torch.as_tensor(marks.read(sums), dtype=torch.float32)
+    expected = torch.as_tensor(marks.included, dtype=torch.float32) * 0.7
+    assert torch.allclose(values, expected)  # the real gradient is masked; +C exactly where a canary is in
     assert (marks.joins == marks.included).all() and marks.steps == 1
-    with pytest.raises(UserError, match="exceeds the 17 trained parameters"):
-        GradientCanaries(params, count=18, norm=1.0, sample_rate=0.5, seed=0)
+    with pytest.raises(RuntimeError, match="twice"):
+        marks.insert(sums, 0.7)  # one insertion per step
+    with pytest.raises(UserError, match="exceeds the 17 coordinates"):
+        Canaries(space, count=18, schedule_rate=0.5, steps_per_epoch=None, neighboring="add_remove", seed=0)
 
 
-def test_options_and_unsupported_algorithms_are_refused(tmp_path):
+def test_under_replace_one_every_canary_is_present_with_its_sign():
+    """S_i = +1 inserts +C, S_i = -1 inserts -C: the pair differs by 2C, the replace-one sensitivity."""
+    marks = Canaries([torch.Size([50])], count=40, schedule_rate=1.0, steps_per_epoch=None,
+                     neighboring="replace_one", seed=1)
+    marks.begin_step(0)
+    sums = [torch.zeros(50)]
+    marks.insert(sums, 2.0)
+    assert np.array_equal(marks.read(sums), np.where(marks.included, 2.0, -2.0))
+    assert (marks.joins == 1).all()
+
+
+def test_shuffled_canaries_join_one_step_per_epoch():
+    marks = Canaries([torch.Size([100])], count=60, schedule_rate=0.0, steps_per_epoch=4, neighboring="replace_one", seed=2)
+    for step in range(12):  # three epochs of four steps
+        marks.begin_step(step)
+        marks.insert([torch.zeros(100)], 1.0)
+        if step % 4 == 3:
+            assert (marks.joins == step // 4 + 1).all()  # exactly once in each epoch
+    marks = Canaries([torch.Size([100])], count=60, schedule_rate=0.3, steps_per_epoch=None, neighboring="replace_one", seed=2)
+    for step in range(200):
+        marks.begin_step(step)
+    assert abs(marks.joins.mean() / 200 - 0.3) < 0.03  # Poisson: each step with probability q
+
+
+def test_signed_canaries_add_their_signs_to_a_scalar():
+    marks = Canaries([torch.Size([])], count=30, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove",
+                     seed=3, signed=True)
+    marks.begin_step(0)
+    signs = marks._signs
+    total = marks.signed_total(0.5)
+    assert total == pytest.approx(float(np.dot(marks.included * 0.5, signs)))
+    assert np.array_equal(marks.read([torch.tensor(2.0)]), 2.0 * signs)  # scored along the signs
+    assert set(np.unique(signs)) <= {-1.0, 1.0}
+
+
+def test_every_private_algorithm_has_a_canary_site():
+    private = [name for name in ALGORITHMS.names() if algorithm_class(name).private]
+    assert sorted(SITES) == sorted(private)
+
+
+def test_options_and_unsupported_runs_are_refused(tmp_path):
     with pytest.raises(UserError, match="even"):
         one_run_options(compose(["audit.one_run=true", "audit.guesses=101"]))
     with pytest.raises(UserError, match="audit.canaries=100"):
         one_run_options(compose(["audit.one_run=true", "audit.canaries=100", "audit.guesses=200"]))
-    with pytest.raises(UserError, match="supports algo=dpsgd | dpadam.*algo=grape"):
-        run_audit(compose(["dataset=synthetic", "logger=none", "algo=grape", "audit.one_run=true"]), tmp_path)
-    with pytest.raises(UserError, match="poisson"):
-        run_audit(compose(["dataset=synthetic", "logger=none", "algo=dpsgd", "audit.one_run=true",
-                           "privacy.sampling=shuffle"]), tmp_path)
+    with pytest.raises(UserError, match="algo=adam is not private"):
+        run_audit(compose(["dataset=synthetic", "logger=none", "algo=adam", "audit.one_run=true"]), tmp_path)
+    with pytest.raises(UserError, match="T/10 = 10 signed canaries"):
+        run_audit(compose(["dataset=synthetic", "logger=none", "algo=dpzero", "train.steps=100", "audit.one_run=true",
+                           "audit.canaries=200", "audit.guesses=100"]), tmp_path)
 
 
 # 200 canaries, 100 guesses: the ceiling is 3.49, well above the claims audited below
@@ -154,3 +203,28 @@ def test_an_update_without_its_released_noise_fails(algo, tmp_path, monkeypatch)
     assert stored["passed"] is False and figures["claimed_epsilon"] == pytest.approx(1.0, abs=0.02)
     assert figures["correct"] >= 95 and figures["epsilon_lower_bound"] > 2.5
     assert figures["epsilon_lower_bound"] <= figures["ceiling"]
+
+
+# per algorithm: the overrides that make its one-run audit small (M canaries, r guesses)
+ALGORITHM_RUNS = {name: [] for name in SITES}
+ALGORITHM_RUNS["dplora"] = ["model=vit", "model.embed_dim=16", "model.depth=1", "model.num_heads=2"]  # LoRA needs Linear layers
+ALGORITHM_RUNS["dpzero"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]  # signed: M <= T/10; the other canaries interfere
+
+
+def _run_of(algo: str) -> list[str]:
+    own = ALGORITHM_RUNS[algo]
+    base = [r for r in RUN if not (r.startswith("model") and any(o.startswith("model=") for o in own))]
+    return base + [f"algo={algo}", "train.steps=200"] + own
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(SITES))
+def test_every_private_algorithm_passes_and_its_canaries_are_seen(algo, tmp_path):
+    """At its defaults and eps = 2 the audit passes; with almost no noise (eps in the thousands)
+    its canaries are found: every guess right, so the scores do read what the run learned."""
+    clean = run_audit(compose(_run_of(algo) + ["privacy.epsilon=2"]), tmp_path / "clean")
+    assert clean.passed and clean.result.claimed_epsilon == pytest.approx(2.0, abs=0.02)
+    loud = run_audit(compose(_run_of(algo) + ["privacy.noise_multiplier=0.02"]), tmp_path / "loud")
+    result = loud.result
+    assert result.correct == result.guesses and result.correct_release == result.guesses
+    assert result.epsilon_lower_bound == pytest.approx(result.ceiling)
