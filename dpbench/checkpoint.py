@@ -20,12 +20,31 @@ that no example is in two batches of one epoch (the bound of `ShuffledLedger` co
 Why a checkpoint also follows every evaluation: an evaluation published (console, W&B) after the
 last checkpoint depends on noisy releases that a resumed run would discard and redo, so its
 epsilon would be missing from the resumed ledger.
+
+Sharded runs (`train.sharding=fsdp`, dpbench/sharding.py) hold 1/K of the model and optimizer
+state on each rank, so rank 0 alone cannot write them. There the model and optimizer state go
+through `torch.distributed.checkpoint` (DCP: `get_state_dict` of the FSDP2 model and its
+optimizer, `dcp.save`) into a fresh folder `checkpoint-shards/step-<k>-<token>/`, each rank writing
+its own shards (`__<rank>_0.distcp`; rank 0 also writes DCP's `.metadata`). Once every rank has
+finished, rank 0 writes `checkpoint.pt` as for any run (step, ledger, history, sampler, every
+rank's generators and every rank's `checkpoint_attributes`) naming that folder, and only then
+deletes the other folders under `checkpoint-shards/`. `checkpoint.pt` is the one "latest": an
+interrupted save leaves at most an unreferenced folder (removed by the next save), never a
+`checkpoint.pt` naming incomplete shards. The ranks must share the run folder's file system.
+
+A sharded checkpoint resumes under another number of ranks too: DCP reads each rank's rows of
+every DTensor from whichever files hold them (resharding is the format's purpose, and nothing
+else in the run depends on K: each coordinate is released once with N(0, sigma^2 C^2) whatever
+the number of shards). The seeded generators and the per-rank attributes then come from rank 0,
+and the run's notes say so (`restore_rank_rng_states`).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import secrets
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -38,19 +57,18 @@ from dpbench.errors import UserError
 from dpbench.paths import atomic_write
 
 CHECKPOINT_FILE = "checkpoint.pt"
+SHARDS_DIR = "checkpoint-shards"  # train.sharding=fsdp: DCP folders (the one checkpoint.pt names is the latest)
 FORMAT = "dpbench-checkpoint"
 FORMAT_VERSION = 1
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, rerun the same command to resume
 
 
 class Preempted(Exception):
-    """The run stopped on SIGTERM/SIGUSR1 after writing its checkpoint (`path`; None: a sharded run,
-    which cannot write one yet, stopped without)."""
+    """The run stopped on SIGTERM/SIGUSR1 after writing its checkpoint (`path`), sharded or not."""
 
-    def __init__(self, signal_name: str, step: int, path: Path | None):
-        where = (f"with a checkpoint in {path}; rerun the same command to resume" if path is not None else
-                 "without a checkpoint (sharded checkpoints are not supported yet): a rerun starts over")
-        super().__init__(f"{signal_name} received: stopped after step {step} {where}")
+    def __init__(self, signal_name: str, step: int, path: Path):
+        super().__init__(f"{signal_name} received: stopped after step {step} with a checkpoint in {path}; "
+                         "rerun the same command to resume")
         self.step, self.path = step, path
 
 
@@ -65,8 +83,13 @@ def write_checkpoint(run_dir: Path, payload: dict) -> Path:
     return atomic_write(checkpoint_path(run_dir), lambda handle: torch.save(stamped, handle), binary=True)
 
 
+def shards_root(run_dir: Path) -> Path:
+    return Path(run_dir) / SHARDS_DIR
+
+
 def read_checkpoint(run_dir: Path) -> dict | None:
-    """The checkpoint in `run_dir` (None when there is none); a damaged one is a UserError."""
+    """The checkpoint in `run_dir` (None when there is none); a damaged one is a UserError. A
+    sharded one's algorithm state gets the absolute `path` of the DCP folder it names."""
     path = checkpoint_path(run_dir)
     if not path.is_file():
         return None
@@ -80,11 +103,19 @@ def read_checkpoint(run_dir: Path) -> dict | None:
     if payload.get("version") != FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format version {payload.get('version')}, this dpbench reads "
                         f"{FORMAT_VERSION}; {fix}")
+    algorithm = (payload.get("trainer") or {}).get("algorithm") or {}
+    if isinstance(algorithm, dict) and isinstance(algorithm.get("sharded"), dict):
+        folder = shards_root(run_dir) / str(algorithm["sharded"].get("folder"))
+        if not (folder / ".metadata").is_file():
+            raise UserError(f"checkpoint {path} names the sharded state {folder}, which is missing or incomplete; {fix}")
+        algorithm["sharded"]["path"] = str(folder)
     return payload
 
 
 def delete_checkpoint(run_dir: Path) -> None:
+    """checkpoint.pt first (so no checkpoint names a half-deleted folder), then any sharded state."""
     checkpoint_path(run_dir).unlink(missing_ok=True)
+    shutil.rmtree(shards_root(run_dir), ignore_errors=True)
 
 
 def incompatible(path: Path, what: str) -> UserError:
@@ -189,8 +220,11 @@ class StopSignals:
         self._restore()
 
     def chain(self, step: int, path: Path | None) -> None:
-        """After the checkpoint: let the previous handler act (submitit requeues and exits), then stop."""
+        """After the checkpoint: let the previous handler act (submitit requeues and exits), then stop.
+        Under torchrun a rank may stop on another rank's signal (the ranks agree to stop together)."""
         sig = self.received
+        if sig is None:
+            raise Preempted("a stop signal (on another rank)", step, path)
         previous = signal.getsignal(sig)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(sig, None)
@@ -206,7 +240,7 @@ class Checkpointer:
         self.run_dir, self.config, self.every = Path(run_dir), config, every
         self.signals = signals
         # Rank 0's state is the run's only where every rank holds the whole model; a sharded run
-        # (train.sharding=fsdp) refuses checkpoint_every and stops on a signal without writing.
+        # (train.sharding=fsdp) writes its model and optimizer state with torch.distributed.checkpoint.
         self.sharded = sharded
 
     @property
@@ -222,24 +256,40 @@ class Checkpointer:
         if step >= trainer.config.steps:
             return  # the run is complete: results.json follows
         periodic = self.every is not None and (step % self.every == 0 or evaluated)
-        if (stop or periodic) and not self.sharded:
+        if stop or periodic:
             self.save(trainer)
         if stop:
-            self.signals.chain(step, None if self.sharded else self.path)
+            self.signals.chain(step, self.path)
 
     def save(self, trainer) -> Path:
         """Rank 0 writes (the replicas are identical; the seeded generators are gathered from every
-        rank); the others wait until it is on disk, and all stop if it could not write."""
+        rank); the others wait until it is on disk, and all stop if it could not write. Sharded:
+        every rank first writes its shards of the model and optimizer state (`save_sharded_state`)."""
         generators = rank_rng_states()
+        algorithm = self._save_shards(trainer) if self.sharded else None
         error = None
         if distributed.is_main_process():
             try:
                 write_checkpoint(self.run_dir, {"config": self.config, "step": trainer.state.step,
-                                                "trainer": trainer.state_dict(generators)})
+                                                "trainer": trainer.state_dict(generators, algorithm)})
+                if algorithm is not None:  # the new checkpoint.pt is on disk: the older folders can go
+                    prune_shards(self.run_dir, keep=algorithm["sharded"]["folder"])
             except Exception as failure:  # noqa: BLE001 - every rank stops with it (raise_together)
                 error = failure
         distributed.raise_together(error, f"writing the checkpoint {self.path}")
         return self.path
+
+    def _save_shards(self, trainer) -> dict:
+        """Every rank's shards into a fresh folder (its name from rank 0), then the checkpoint.pt
+        entry that names it (a collective: every rank calls it)."""
+        name = distributed.broadcast_object(f"step-{trainer.state.step:08d}-{secrets.token_hex(4)}")
+        folder, error = shards_root(self.run_dir) / name, None
+        try:
+            save_sharded_state(trainer.algorithm, folder)
+        except Exception as failure:  # noqa: BLE001 - every rank stops with it (raise_together)
+            error = failure
+        distributed.raise_together(error, f"writing the sharded checkpoint {folder}")
+        return sharded_algorithm_entry(trainer.algorithm, name, trainer.config.log_private_stats)
 
 
 # --- algorithm state: attributes of any shape as plain containers ---------------------------------
@@ -252,6 +302,8 @@ def pack(value, names: dict[int, str]):
     by parameters keyed by parameter name (`names`: id -> name), containers recursively."""
     if isinstance(value, torch.Generator):
         return {"__kind__": "generator", "state": value.get_state()}
+    if hasattr(value, "to_local"):  # a DTensor (train.sharding=fsdp): only its rank's shard is here
+        raise TypeError("cannot checkpoint a sharded tensor (DTensor) as an attribute: keep it in the optimizer")
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
@@ -310,12 +362,28 @@ def _attribute(obj, dotted: str):
     return obj
 
 
+def _attributes_state(algorithm, log_private_stats: bool, names: dict[int, str]) -> dict:
+    withheld = set() if log_private_stats else algorithm.private_statistics()
+    return {a: None if a in withheld else pack(_attribute(algorithm, a), names) for a in algorithm.checkpointed_attributes()}
+
+
+def _load_attributes(algorithm, attributes: dict, device: torch.device, parameters: dict) -> None:
+    needed = algorithm.checkpointed_attributes()
+    if set(attributes) != set(needed):
+        raise CheckpointMismatch(f"it holds {sorted(attributes)}, {type(algorithm).__name__} needs {sorted(needed)}")
+    for dotted, saved in attributes.items():
+        if saved is None and dotted in algorithm.private_statistics():
+            continue  # withheld (privacy.log_private_stats=false): the fresh value stays
+        owner, _, name = dotted.rpartition(".")
+        target = _attribute(algorithm, owner) if owner else algorithm
+        setattr(target, name, unpack(saved, getattr(target, name), device, parameters))
+
+
 def algorithm_state(algorithm, log_private_stats: bool = True) -> dict:
     """What continuing a run needs of an `Algorithm`: trainable parameters and buffers (frozen
     parameters are rebuilt from config and seed; their fingerprint is kept), a torch `optimizer`'s
     state and the attributes its class lists in `checkpoint_attributes` (None for its un-noised
     private statistics unless `log_private_stats`: resuming does not need them)."""
-    withheld = set() if log_private_stats else algorithm.private_statistics()
     model = algorithm.model
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = getattr(algorithm, "optimizer", None)
@@ -326,13 +394,19 @@ def algorithm_state(algorithm, log_private_stats: bool = True) -> dict:
         "buffers": {n: pack(b, names) for n, b in model.named_buffers()},
         "frozen": algorithm._frozen_fingerprint,
         "optimizer": pack(optimizer.state_dict(), names) if isinstance(optimizer, torch.optim.Optimizer) else None,
-        "attributes": {a: None if a in withheld else pack(_attribute(algorithm, a), names)
-                       for a in algorithm.checkpointed_attributes()},
+        "attributes": _attributes_state(algorithm, log_private_stats, names),
     }
 
 
 def load_algorithm_state(algorithm, state: dict) -> None:
-    """Restore `algorithm_state()` into a freshly built algorithm (CheckpointMismatch if it does not fit)."""
+    """Restore `algorithm_state()` (or a sharded run's `sharded_algorithm_entry`) into a freshly
+    built algorithm (CheckpointMismatch if it does not fit)."""
+    sharded = getattr(algorithm, "sharded", False)
+    if isinstance(state.get("sharded"), dict) or sharded:
+        if not (isinstance(state.get("sharded"), dict) and sharded):
+            raise CheckpointMismatch("one of the checkpoint and this run is sharded (train.sharding=fsdp), the other not")
+        load_sharded_state(algorithm, state)
+        return
     model = algorithm.model
     parameters = dict(model.named_parameters())
     stored = {**state["parameters"], **state["buffers"]}
@@ -346,13 +420,72 @@ def load_algorithm_state(algorithm, state: dict) -> None:
     optimizer = getattr(algorithm, "optimizer", None)
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.load_state_dict(state["optimizer"])
-    needed = algorithm.checkpointed_attributes()
-    if set(state["attributes"]) != set(needed):
-        raise CheckpointMismatch(f"it holds {sorted(state['attributes'])}, {type(algorithm).__name__} needs {sorted(needed)}")
     device = next(iter(parameters.values())).device if parameters else torch.device("cpu")
-    for dotted, saved in state["attributes"].items():
-        if saved is None and dotted in algorithm.private_statistics():
-            continue  # withheld (privacy.log_private_stats=false): the fresh value stays
-        owner, _, name = dotted.rpartition(".")
-        target = _attribute(algorithm, owner) if owner else algorithm
-        setattr(target, name, unpack(saved, getattr(target, name), device, parameters))
+    _load_attributes(algorithm, state["attributes"], device, parameters)
+
+
+# --- sharded state (train.sharding=fsdp): torch.distributed.checkpoint ------------------------------
+def _dcp_state(algorithm) -> dict:
+    """The model's and optimizer's state dicts as DCP reads and writes them: DTensors holding this
+    rank's shards, keyed by parameter name (`get_state_dict`; a collective)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+
+    optimizer = getattr(algorithm, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        model_state, optimizer_state = dcp_state.get_state_dict(algorithm.model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+    return {"model": dcp_state.get_model_state_dict(algorithm.model)}
+
+
+def save_sharded_state(algorithm, folder: Path) -> None:
+    """Every rank writes its shards of the model and optimizer state into `folder` (`dcp.save`, a
+    collective; rank 0 adds DCP's .metadata once all have written)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(_dcp_state(algorithm), checkpoint_id=str(folder))
+
+
+def sharded_algorithm_entry(algorithm, folder_name: str, log_private_stats: bool = True) -> dict:
+    """checkpoint.pt's algorithm state of a sharded run: the DCP folder's name (relative to the
+    run folder's checkpoint-shards/, so a moved run folder still resumes), the world size that
+    wrote it and every rank's `checkpoint_attributes` (a collective: every rank calls it)."""
+    names = {id(p): n for n, p in algorithm.model.named_parameters()}
+    attributes = distributed.all_gather_object(_attributes_state(algorithm, log_private_stats, names))
+    return {"sharded": {"folder": folder_name, "world_size": distributed.world_size()}, "attributes": attributes}
+
+
+def load_sharded_state(algorithm, state: dict) -> None:
+    """Restore a sharded checkpoint into a freshly built sharded algorithm: each rank reads its
+    rows of every parameter and optimizer state from the DCP folder (`dcp.load`, resharding when
+    the checkpoint was written by another number of ranks), then this rank's attributes (rank 0's
+    under another world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_state
+
+    path = state["sharded"].get("path")
+    if path is None:
+        raise CheckpointMismatch("it does not say where its sharded state is (read it with read_checkpoint)")
+    target = _dcp_state(algorithm)
+    dcp.load(target, checkpoint_id=path)
+    if "optimizer" in target:
+        dcp_state.set_state_dict(algorithm.model, algorithm.optimizer, model_state_dict=target["model"],
+                                 optim_state_dict=target["optimizer"])
+    else:
+        dcp_state.set_model_state_dict(algorithm.model, target["model"])
+    per_rank = state["attributes"]
+    mine = per_rank[distributed.rank()] if len(per_rank) == distributed.world_size() else per_rank[0]
+    parameters = dict(algorithm.model.named_parameters())
+    device = next(iter(parameters.values())).device if parameters else torch.device("cpu")
+    _load_attributes(algorithm, mine, device, parameters)
+
+
+def prune_shards(run_dir: Path, keep: str) -> None:
+    """Delete every folder under checkpoint-shards/ but `keep` (older checkpoints, interrupted saves)."""
+    for entry in shards_root(run_dir).iterdir():
+        if entry.name == keep:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dpbench.checkpoint import CHECKPOINT_FILE, read_checkpoint
+from dpbench.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, read_checkpoint
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
@@ -51,8 +51,8 @@ def reusable_results(cfg: DictConfig, run_dir: Path) -> RunResults | None:
     return RunResults.from_json(existing)
 
 
-# what an attempt leaves in its folder (error.txt: dpbench.cli.ERROR_FILE, written for a failed grid job)
-EARLIER_ATTEMPT_FILES = (CHECKPOINT_FILE, "wandb", "error.txt", RESULTS_FILE)
+# what an attempt leaves in its folder (checkpoint-shards: a sharded run's; error.txt: dpbench.cli.ERROR_FILE, written for a failed grid job)
+EARLIER_ATTEMPT_FILES = (CHECKPOINT_FILE, SHARDS_DIR, "wandb", "error.txt", RESULTS_FILE)
 
 
 def earlier_attempt_note(run_dir: Path) -> str | None:

@@ -21,6 +21,12 @@ examples, as in one process:
   rank short of examples running empty ones): FSDP2's all-gathers and reduce-scatters are
   collectives, so a rank that skipped a chunk would leave the others waiting.
 
+* Checkpoints (`train.checkpoint_every`, SIGTERM/SIGUSR1 -> checkpoint -> exit 75) go through
+  `torch.distributed.checkpoint`: every rank writes its own shards of the model and optimizer
+  state into a fresh DCP folder, then rank 0 writes checkpoint.pt (step, ledger, sampler, every
+  rank's generators) naming it (dpbench/checkpoint.py). A resume under another number of ranks
+  is resharded by DCP, not refused: each rank reads its new rows from the files that hold them.
+
 Supported: `algo=dpsgd|dpadam` with `algo.per_sample=bk|ghost` (ghost's second backward goes through
 FSDP2's hooks again, all-gathering each block once more), fp32, a model family that names its
 blocks, under torchrun. Everything else is refused in one line (`check_supported`).
@@ -41,7 +47,7 @@ NONE, FSDP = "none", "fsdp"
 SUPPORTED_ALGORITHMS = ("dpsgd", "dpadam")
 SUPPORTED_ENGINES = ("bk", "ghost")
 SUPPORTED = (f"train.sharding=fsdp supports algo={'|'.join(SUPPORTED_ALGORITHMS)} with "
-             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)}, train.precision=fp32, no train.checkpoint_every, "
+             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)}, train.precision=fp32, "
              "on a model whose family names its transformer blocks (vit, opt, roberta), under torchrun "
              "with 2 or more processes")
 
@@ -66,8 +72,6 @@ def check_supported(cfg) -> None:
         problem = f"algo.per_sample={engine} is not supported"
     elif str(cfg.train.get("precision", "fp32")) != "fp32":
         problem = f"train.precision={cfg.train.precision} is not supported"
-    elif cfg.train.get("checkpoint_every"):
-        problem = "sharded checkpoints are not supported yet (train.checkpoint_every)"
     elif not block_patterns(str(cfg.model.name)):
         problem = f"model={cfg.model.name} names no transformer blocks to shard"
     if problem is not None:

@@ -189,10 +189,12 @@ class Trainer:
         return result, (self.evaluate() if self._due_for_eval() else None)
 
     # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------
-    def state_dict(self, generators: list[dict] | None = None) -> dict:
+    def state_dict(self, generators: list[dict] | None = None, algorithm: dict | None = None) -> dict:
         """Everything the loop needs to continue after this step, the algorithm's state included.
         `generators`: every rank's seeded RNG states (`checkpoint.rank_rng_states`, a collective
-        the checkpointer runs on all ranks); None gathers them here (one process)."""
+        the checkpointer runs on all ranks); None gathers them here (one process). `algorithm`:
+        the algorithm's entry when the checkpointer wrote it already (a sharded run's DCP folder,
+        `checkpoint.sharded_algorithm_entry`); None: `algorithm_state` here."""
         state, throughput = self.state, self.throughput
         return {
             "step": state.step,
@@ -206,7 +208,7 @@ class Trainer:
             if self.config.log_private_stats else None,
             "rng": rank_rng_states() if generators is None else generators,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
-            "algorithm": algorithm_state(self.algorithm, self.config.log_private_stats),
+            "algorithm": algorithm_state(self.algorithm, self.config.log_private_stats) if algorithm is None else algorithm,
         }
 
     def load_state_dict(self, saved: dict) -> None:

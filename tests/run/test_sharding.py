@@ -169,7 +169,6 @@ def test_fsdp_in_one_process_is_refused_in_one_line(monkeypatch):
     (_cfg("dcdpsgd"), "algo=dcdpsgd is not supported"),
     (_cfg(per_sample="materialize"), "algo.per_sample=materialize is not supported"),
     (_cfg(precision="bf16"), "train.precision=bf16 is not supported"),
-    (_cfg(checkpoint_every=2), "sharded checkpoints"),
     (_cfg(model="cnn"), "model=cnn names no transformer blocks"),
 ])
 def test_unsupported_combinations_are_refused_naming_what_is_supported(monkeypatch, cfg, problem):
@@ -182,6 +181,7 @@ def test_supported_combinations_and_the_default_pass(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     sharding.check_supported(_cfg("dpsgd"))
     sharding.check_supported(_cfg("dpadam", "ghost"))
+    sharding.check_supported(_cfg(checkpoint_every=2))  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
     none = _cfg("adam", None)
     none.train.sharding = "none"
     sharding.check_supported(none)  # train.sharding=none: nothing to check
@@ -203,17 +203,3 @@ def test_the_cli_refuses_fsdp_in_one_process_in_one_line(tiny_cfg):
 
     with pytest.raises(UserError, match="^it needs several processes.*train.sharding=fsdp supports"):
         setup(tiny_cfg("train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit"))
-
-
-def test_a_signalled_sharded_run_stops_without_writing_rank_zeros_shard_as_a_checkpoint(tmp_path):
-    import signal
-    import types
-
-    from dpbench.checkpoint import Checkpointer, Preempted, StopSignals
-
-    signals = StopSignals()
-    signals.received = signal.SIGUSR1
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(step=2), config=types.SimpleNamespace(steps=5))
-    with pytest.raises(Preempted, match="without a checkpoint") as stopped:
-        Checkpointer(tmp_path, {}, None, signals, sharded=True).after_step(trainer, evaluated=False)
-    assert stopped.value.path is None and not list(tmp_path.iterdir())
