@@ -46,6 +46,8 @@ Clipping = choice_of("Clipping", CLIP_FACTORS, __name__)
 AccountantName = choice_of("AccountantName", ACCOUNTANTS.names(), __name__)
 Neighboring = choice_of("Neighboring", NEIGHBORING_RELATIONS, __name__)
 PrecisionName = choice_of("PrecisionName", DTYPES, __name__)  # the forward's autocast dtype
+# dpbench-audit audit.one_run=true: white-box canaries in the clipped sum, or mislabeled input examples
+CanaryKind = choice_of("CanaryKind", ("gradient", "input"), __name__)
 
 
 # No registry to generate these from: members named as users type them.
@@ -123,6 +125,7 @@ class AuditOptions:
     canaries: int = 1000
     guesses: int = 800
     confidence: float = 0.95
+    canary: CanaryKind = CanaryKind.gradient
     seeded_bug: Optional[str] = None
 
 

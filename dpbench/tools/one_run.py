@@ -385,6 +385,67 @@ def _install(canaries: Canaries, algorithm, site: CanarySite) -> None:
     algorithm.train_step = step_with_canaries
 
 
+# ----------------------------------------------------------------------------- black-box canaries
+
+
+class InputCanaryTask:
+    """The run's image task with M mislabeled training images among its examples (audit.canary=input).
+
+    Canary i is a copy of a training image (a public choice from the config's seed) with a wrong
+    label. Under add/remove the included canaries are appended to the training set; under
+    replace-one every canary slot holds a record, the mislabeled image if included, else the same
+    image with its own label. They are sampled like every other example, at the planned q = B / n
+    (n, B and T stay the public, planned ones). The adversary sees only the final model: canary
+    i's score is minus its loss at the wrong label, so memorised canaries score high."""
+
+    def __init__(self, task, count: int, neighboring: str, seed: int):
+        from dpbench.tasks.image import ImageClassificationTask
+
+        if not isinstance(task, ImageClassificationTask):
+            raise UserError(f"audit.canary=input needs an image dataset; {type(task).__name__} has none: use "
+                            "audit.canary=gradient")
+        data, generator = task.data, torch.Generator().manual_seed(int(seed))
+        source = torch.randint(0, task.train_size, (count,), generator=generator)  # public
+        classes = int(data.num_classes)
+        self.images = data.train_images[source].clone()
+        self.true_labels = data.train_labels[source].clone()
+        self.labels = (self.true_labels + torch.randint(1, classes, (count,), generator=generator)) % classes
+        self.included = np.random.default_rng(secrets.randbits(128)).random(count) < 0.5  # secret
+        self.task, self.real = task, task.train_size
+        # the records at positions n, n + 1, ...: canary ids, each with its label in the training set
+        present = np.arange(count) if neighboring == "replace_one" else np.flatnonzero(self.included)
+        self.present = torch.as_tensor(present, dtype=torch.long)
+        in_set = torch.as_tensor(self.included[present], dtype=torch.bool)
+        self.present_labels = torch.where(in_set, self.labels[self.present], self.true_labels[self.present])
+        self.train_size = self.real + len(present)
+        self.planning_size = task.planning_size  # public: q, B and T stay as planned
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def batch(self, indices: list[int]):
+        real = [i for i in indices if i < self.real]
+        extra = torch.as_tensor([i - self.real for i in indices if i >= self.real], dtype=torch.long)
+        images, labels = self.task.batch(real)
+        if not len(extra):
+            return images, labels
+        device = images.device
+        return (torch.cat([images, self.images[self.present[extra]].to(device, images.dtype)]),
+                torch.cat([labels, self.present_labels[extra].to(device, labels.dtype)]))
+
+    @torch.no_grad()
+    def scores(self, model) -> np.ndarray:
+        """Minus each canary's loss at its wrong label under the final model (eval mode)."""
+        import torch.nn.functional as F
+
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        logits = model(self.images.to(device))
+        model.train(was_training)
+        return -F.cross_entropy(logits.float(), self.labels.to(device), reduction="none").double().cpu().numpy()
+
+
 # ----------------------------------------------------------------------------- the audit
 
 
@@ -404,9 +465,10 @@ class OneRunResult:
     sample_rate: float
     clip_norm: float
     # the same guesses from the scores at the optimizer's input (the releases), for comparison
-    epsilon_lower_bound_release: float = 0.0
-    correct_release: int = 0
-    canary_kind: str = "dirac"  # dirac | signed
+    # (None for input canaries, which only the final model shows)
+    epsilon_lower_bound_release: float | None = None
+    correct_release: int | None = None
+    canary_kind: str = "dirac"  # dirac | signed | input
     sampling: str = "poisson"
     neighboring: str = "add_remove"
 
@@ -450,47 +512,57 @@ def canary_site(cfg) -> CanarySite:
 
 
 def one_run_audit(cfg) -> OneRunReport:
-    """Train the configured run once with white-box canaries and bound its epsilon from below."""
+    """Train the configured run once with canaries and bound its epsilon from below."""
     from omegaconf import OmegaConf
 
     from dpbench.logging.wandb_logger import build_logger
     from dpbench.privacy.sampling import batches_per_epoch
     from dpbench.run import fit, setup
 
-    canaries_count, guesses, confidence = one_run_options(cfg)
+    count, guesses, confidence = one_run_options(cfg)
     site = canary_site(cfg)
     if cfg.get("threads"):  # as `dpbench` runs the job (run_job)
         torch.set_num_threads(int(cfg.threads))
     job = setup(cfg)
     setup_ = job.privacy.setup
-    if site.signed and canaries_count > max(2, job.steps // 10):
-        raise UserError(f"audit.canaries={canaries_count} is too many for algo={cfg.algo.name}'s one-dimensional release "
-                        f"over {job.steps} steps: at most about T/10 = {max(2, job.steps // 10)} signed canaries; lower it")
     neighboring = str(cfg.privacy.get("neighboring", "add_remove"))
-    per_epoch = batches_per_epoch(cfg, job.task.planning_size)
-    marks = Canaries(site.space(job.algorithm), canaries_count, setup_.sample_rate, per_epoch, neighboring,
-                     int(cfg.seed), signed=site.signed)
-    _install(marks, job.algorithm, site)
+    black_box = str(cfg.audit.get("canary", "gradient")) == "input"
+    if black_box:
+        marks = job.task = InputCanaryTask(job.task, count, neighboring, int(cfg.seed))
+        kind = "input"
+    else:
+        if site.signed and count > max(2, job.steps // 10):
+            raise UserError(f"audit.canaries={count} is too many for algo={cfg.algo.name}'s one-dimensional release "
+                            f"over {job.steps} steps: at most about T/10 = {max(2, job.steps // 10)} signed canaries; lower it")
+        marks = Canaries(site.space(job.algorithm), count, setup_.sample_rate, batches_per_epoch(cfg, job.task.planning_size),
+                         neighboring, int(cfg.seed), signed=site.signed)
+        _install(marks, job.algorithm, site)
+        kind = "signed" if site.signed else "dirac"
     trainer, _, failure = fit(job, build_logger(OmegaConf.create({"name": "none"}), None, "", {}), show_progress=False)
     if failure is not None:
         raise failure
-    # guesses fixed from the scores before the inclusions are looked at
-    correct = Guesses.from_scores(marks.iterate_scores, guesses).correct(marks.included)
-    correct_release = Guesses.from_scores(marks.release_scores, guesses).correct(marks.included)
     delta = float(job.privacy.delta)
+
+    def bound_of(scores: np.ndarray) -> tuple[float, int]:  # guesses fixed from the scores alone
+        correct = Guesses.from_scores(scores, guesses).correct(marks.included)
+        return epsilon_lower_bound(count, guesses, correct, delta, confidence), correct
+
+    bound, correct = bound_of(marks.scores(job.model) if black_box else marks.iterate_scores)
+    bound_release, correct_release = (None, None) if black_box else bound_of(marks.release_scores)
     claimed = float(job.privacy.epsilon(trainer.state.ledger))
-    bound = epsilon_lower_bound(canaries_count, guesses, correct, delta, confidence)
-    bound_release = epsilon_lower_bound(canaries_count, guesses, correct_release, delta, confidence)
-    top = ceiling(canaries_count, guesses, delta, confidence)
-    result = OneRunResult(claimed, bound, top, canaries_count, guesses, correct, confidence, delta,
+    top = ceiling(count, guesses, delta, confidence)
+    result = OneRunResult(claimed, bound, top, count, guesses, correct, confidence, delta,
                           int(marks.included.sum()), trainer.state.step, float(setup_.noise_multiplier),
                           float(setup_.sample_rate), float(setup_.clip_norm), bound_release, correct_release,
-                          "signed" if site.signed else "dirac", str(cfg.privacy.sampling), neighboring)
+                          kind, str(cfg.privacy.sampling), neighboring)
+    seen = ("from the final model's losses" if black_box else "from the iterates")
+    beside = "" if black_box else f"; at the optimizer's input {bound_release:.3f} ({correct_release}/{guesses})"
     check = Check(
-        "one_run", f"{canaries_count} {'signed' if site.signed else 'gradient'} canaries", bound, claimed, bound <= claimed,
-        f"eps lower bound {bound:.3f} from the iterates (ceiling {top:.3f} for m={canaries_count}, r={guesses}) vs "
-        f"the reported eps {claimed:.3f}: {correct}/{guesses} guesses right; at the optimizer's input {bound_release:.3f} "
-        f"({correct_release}/{guesses}); {marks.included.sum()} canaries included, {trainer.state.step} steps, "
-        f"q {setup_.sample_rate:.4g}, sigma {setup_.noise_multiplier:.4g}, confidence {confidence:g}, delta {delta:g}",
+        "one_run", f"{count} {dict(dirac='gradient', signed='signed', input='mislabeled input')[kind]} canaries",
+        bound, claimed, bound <= claimed,
+        f"eps lower bound {bound:.3f} {seen} (ceiling {top:.3f} for m={count}, r={guesses}) vs the reported eps "
+        f"{claimed:.3f}: {correct}/{guesses} guesses right{beside}; {marks.included.sum()} canaries included, "
+        f"{trainer.state.step} steps, q {setup_.sample_rate:.4g}, sigma {setup_.noise_multiplier:.4g}, "
+        f"confidence {confidence:g}, delta {delta:g}",
     )
     return OneRunReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, [check], result)

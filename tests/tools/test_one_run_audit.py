@@ -228,3 +228,39 @@ def test_every_private_algorithm_passes_and_its_canaries_are_seen(algo, tmp_path
     result = loud.result
     assert result.correct == result.guesses and result.correct_release == result.guesses
     assert result.epsilon_lower_bound == pytest.approx(result.ceiling)
+
+
+@pytest.mark.parametrize("neighboring", ["add_remove", "replace_one"])
+def test_input_canaries_are_mislabeled_training_records(neighboring):
+    """audit.canary=input: included canaries are extra records at their wrong labels (replace-one:
+    every slot is a record, the excluded ones at their own labels); q, B, T stay the planned ones."""
+    from dpbench.run import setup
+    from dpbench.tools.one_run import InputCanaryTask
+
+    job = setup(compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none",
+                         "algo=dpsgd", f"privacy.neighboring={neighboring}", "privacy.noise_multiplier=1"]))
+    task, n = job.task, job.task.train_size
+    marks = InputCanaryTask(task, 40, neighboring, seed=0)
+    assert marks.planning_size == task.planning_size == n
+    present = np.arange(40) if neighboring == "replace_one" else np.flatnonzero(marks.included)
+    assert marks.train_size == n + len(present)
+    assert (marks.labels != marks.true_labels).all()  # every canary is mislabeled
+    images, labels = marks.batch([0, 1] + [n + j for j in range(len(present))])
+    real_images, real_labels = task.batch([0, 1])
+    assert torch.equal(images[:2], real_images) and torch.equal(labels[:2], real_labels)
+    for row, j in enumerate(present, start=2):
+        assert torch.equal(images[row], marks.images[j].to(images.dtype))
+        assert labels[row] == (marks.labels[j] if marks.included[j] else marks.true_labels[j])
+    assert marks.scores(job.model).shape == (40,)
+
+
+@pytest.mark.slow
+def test_input_canaries_audit_an_image_run_and_refuse_other_tasks(tmp_path):
+    report = run_audit(compose(RUN + ["algo=dpsgd", "train.steps=30", "privacy.epsilon=2", "audit.canary=input"]),
+                       tmp_path)
+    figures = json.loads((tmp_path / "audit.json").read_text())["one_run"]
+    assert report.passed and figures["canary_kind"] == "input" and figures["epsilon_lower_bound_release"] is None
+    assert figures["epsilon_lower_bound"] == pytest.approx(epsilon_lower_bound(200, 100, figures["correct"], 1e-5))
+    with pytest.raises(UserError, match="audit.canary=input needs an image dataset"):
+        run_audit(compose(["dataset=quadratic", "model=quadratic", "algo=dpsgd", "logger=none", "train.steps=2",
+                           "audit.one_run=true", "audit.canary=input", "audit.canaries=10", "audit.guesses=4"]), tmp_path)
