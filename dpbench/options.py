@@ -48,6 +48,8 @@ Neighboring = choice_of("Neighboring", NEIGHBORING_RELATIONS, __name__)
 PrecisionName = choice_of("PrecisionName", DTYPES, __name__)  # the forward's autocast dtype
 # dpbench-audit audit.one_run=true: white-box canaries in the clipped sum, or mislabeled input examples
 CanaryKind = choice_of("CanaryKind", ("gradient", "input"), __name__)
+# report.selected_on: what a preset's hyperparameters were chosen on (test: flagged by dpbench-report)
+SelectedOn = choice_of("SelectedOn", ("test", "validation", "none"), __name__)
 
 
 # No registry to generate these from: members named as users type them.
@@ -137,6 +139,7 @@ class ReportOptions:
     compare_as: Dict[str, Any] = field(default_factory=dict)
     metric: ReportMetric = ReportMetric.final
     expect: List[str] = field(default_factory=list)
+    selected_on: Optional[SelectedOn] = None
 
 
 @dataclass

@@ -138,3 +138,18 @@ def test_runs_whose_epsilon_is_not_a_proven_bound_are_flagged():
         "algo.gradient_sensitivity=tail_clip: the paper's model, not a proven bound"]})
     sound = RunResults.from_json({"status": "completed", "notes": ["privacy.log_private_stats=true: ..."]})
     assert unproven_bound(paper) and not unproven_bound(sound)
+
+
+def test_rows_whose_hyperparameters_were_picked_on_test_are_flagged():
+    """A preset that declares report.selected_on=test (bench_mini: lrs picked on seed 0's test
+    accuracy) is flagged "selected on test"; one picked on validation data is not."""
+    from dpbench.api import compose
+    from dpbench.tools.report.groups import Group
+    from dpbench.tools.report.load import RunRow
+    from dpbench.tools.report.tables import flags
+
+    assert compose(["experiment=bench_mini", "algo=dpsgd"]).report.selected_on == "test"
+    on_test = RunRow(path="a", report={"selected_on": "test"})
+    on_validation = RunRow(path="b", report={"selected_on": "validation"})
+    assert "selected on test" in flags(Group([on_test], ()))
+    assert "selected on test" not in flags(Group([on_validation], ()))

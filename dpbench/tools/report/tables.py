@@ -41,6 +41,8 @@ def flags(g: Group) -> str:
         out.append(f"approximate accountant {APPROXIMATE_ACCOUNTANTS[r.accountant]}")
     if r.paper_accounting:
         out.append("paper's σ (true ε shown)")
+    if (r.report or {}).get("selected_on") == "test":
+        out.append("selected on test")  # hyperparameters picked on test accuracy: optimistic
     if r.status not in (None, "completed"):
         out.append(str(r.status))
     failed = sorted({name for row in g.rows if row.audit_passed is False for name in row.audit_failed_checks})
