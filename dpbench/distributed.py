@@ -46,7 +46,55 @@ from dpbench.errors import DivergedError, UserError
 
 def launched() -> bool:
     """Whether torchrun (or an equivalent launcher) started this process as one of several ranks."""
+    adopt_slurm_environment()
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+# --- SLURM tasks as ranks (conf/hydra/launcher/slurm_fsdp.yaml) ------------------------------------------
+SLURM_OPT_IN = "DPBENCH_RANKS_FROM_SLURM"  # set by the launcher config: each SLURM task is one rank
+MASTER_PORT_BASE = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (`gpu[03-05,9],cpu1` -> `gpu03`; `n1,n2` -> `n1`)."""
+    nodelist = nodelist.strip()
+    head = nodelist.split(",", 1)[0] if "[" not in nodelist.split(",", 1)[0] else nodelist.split("]", 1)[0] + "]"
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",", 1)[0].split("-", 1)[0]
+    return prefix + first
+
+
+def slurm_environment(env) -> dict[str, str]:
+    """What torchrun would set for this SLURM task, from SLURM's variables (srun, or submitit's
+    tasks): RANK = SLURM_PROCID, WORLD_SIZE = SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID,
+    LOCAL_WORLD_SIZE = the tasks on this node, MASTER_ADDR = the first host of SLURM_JOB_NODELIST
+    (where rank 0 runs: SLURM places tasks in node order), MASTER_PORT = MASTER_PORT_BASE + the job
+    id mod 1000 (one port per job, the same on every task). {} unless the launcher opted in
+    (DPBENCH_RANKS_FROM_SLURM=1) and this is a SLURM task; values already set (torchrun's) are kept."""
+    if env.get(SLURM_OPT_IN) != "1" or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(
+        int(env["SLURM_NTASKS"]) // max(int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1), 1))
+    derived = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": per_node,
+        "MASTER_ADDR": first_host(nodelist),
+        "MASTER_PORT": str(MASTER_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % 1000),
+    }
+    return {key: value for key, value in derived.items() if key not in env}
+
+
+def adopt_slurm_environment(environ=None) -> dict[str, str]:
+    """Set `slurm_environment`'s variables in `environ` (default: this process's); what was set."""
+    environ = os.environ if environ is None else environ
+    derived = slurm_environment(environ)
+    environ.update(derived)
+    return derived
 
 
 def is_distributed() -> bool:

@@ -9,6 +9,10 @@ Exit status 1 when any row failed.
 
 Zeroth-order algorithms evaluate in the model's dtype (no autocast) and train fp32 weights, so
 their bf16 rows read n/a.
+
+A last row checks sharded training (train.sharding=fsdp, docs/sharding.md) when the machine has 2 or
+more CUDA GPUs: torchrun starts one rank per GPU (nccl) and DP-Adam (bk) trains the micro ViT for a
+few steps under FSDP2. With fewer GPUs the row reads n/a and says why (`--no-fsdp` leaves it out).
 """
 
 from __future__ import annotations
@@ -119,6 +123,48 @@ def check(algo: str, precision: str, device: torch.device, steps: int) -> Row:
     return Row(algo, precision, "ok", trainer.throughput.step_seconds, own / MIB, counter.per_step)
 
 
+FSDP_TIMEOUT_S = 600
+
+
+def fsdp_command(gpus: int, steps: int, run_dir: str) -> list[str]:
+    """torchrun with one rank per GPU, training the tiny job sharded (FSDP2, nccl)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", "-m", "dpbench.cli",
+            *overrides("dpadam", "fp32", "cuda", steps), "algo.per_sample=bk", "train.sharding=fsdp",
+            f"hydra.run.dir={run_dir}"]
+
+
+def check_fsdp(steps: int, gpus: int | None = None, run=None) -> Row:
+    """The FSDP row: a sharded DP-Adam run across every GPU (n/a with fewer than 2). `gpus` and
+    `run` (subprocess.run's signature) are seams for tests."""
+    import json
+    import subprocess
+    import time
+
+    from dpbench import distributed
+
+    gpus = distributed.cuda_device_count() if gpus is None else gpus
+    if gpus < 2:
+        return Row("fsdp (dpadam bk)", "fp32", "n/a",
+                   note=f"skipped: train.sharding=fsdp across GPUs needs 2 or more CUDA GPUs, this machine has {gpus}")
+    run = subprocess.run if run is None else run
+    with tempfile.TemporaryDirectory(prefix="dpbench_doctor_fsdp_") as folder:
+        started = time.monotonic()
+        try:
+            done = run(fsdp_command(gpus, steps, folder), capture_output=True, text=True, timeout=FSDP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return Row("fsdp (dpadam bk)", "fp32", "error", note=f"{gpus} ranks: no result in {FSDP_TIMEOUT_S} s")
+        results = Path(folder) / "results.json"
+        if done.returncode != 0 or not results.exists():
+            lines = (done.stderr or done.stdout or "").strip().splitlines()
+            return Row("fsdp (dpadam bk)", "fp32", "error", note=f"{gpus} ranks, exit {done.returncode}: "
+                       f"{lines[-1] if lines else 'no output'}"[:160])
+        data = json.loads(results.read_text())
+    throughput, memory = data.get("throughput", {}), data.get("memory", {})
+    peak = memory.get("cuda_max_allocated") or memory.get("peak_bytes")
+    return Row("fsdp (dpadam bk)", "fp32", "ok", throughput.get("step_seconds") or (time.monotonic() - started) / steps,
+               None if peak is None else peak / MIB, None, note=f"{gpus} ranks, nccl, sharding: {throughput.get('sharding')}")
+
+
 def table(rows: list[Row], device: torch.device) -> Table:
     memory = "own peak MiB (allocated)" if device.type == "cuda" else "own peak RSS MiB"
     out = Table(title=f"dpbench-doctor · {describe(device)}")
@@ -155,6 +201,7 @@ def run_doctor(argv: list[str] | None = None, console: Console | None = None) ->
     parser.add_argument("--algos", default=None, help="comma-separated algorithms (default: every registered one)")
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated train.precision values")
     parser.add_argument("--steps", type=int, default=4, help="steps per algorithm (half are warm-up, untimed)")
+    parser.add_argument("--no-fsdp", action="store_true", help="leave out the sharded (FSDP2, 2+ GPUs) row")
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "disabled")
     if args.steps < 2:
@@ -169,6 +216,9 @@ def run_doctor(argv: list[str] | None = None, console: Console | None = None) ->
             for precision in args.precisions.split(","):
                 status.update(f"dpbench-doctor: {algo} {precision}")
                 rows.append(check(algo, precision, device, args.steps))
+        if not args.no_fsdp:
+            status.update("dpbench-doctor: fsdp across GPUs")
+            rows.append(check_fsdp(args.steps, gpus=None if device.type == "cuda" else 0))
     console.print(table(rows, device))
     failed = [r for r in rows if r.status == "error"]
     if failed:

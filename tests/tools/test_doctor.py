@@ -20,7 +20,7 @@ def _run(*argv: str):
 
 @pytest.mark.slow  # trains every algorithm end to end (the slow tier)
 def test_doctor_runs_each_algorithm_in_fp32_and_bf16():
-    code, rows, text = _run("--algos", "dpsgd,adam,dpzero")
+    code, rows, text = _run("--algos", "dpsgd,adam,dpzero", "--no-fsdp")
     assert code == 0
     assert [(r.algo, r.precision, r.status) for r in rows] == [
         ("dpsgd", "fp32", "ok"), ("dpsgd", "bf16", "ok"), ("adam", "fp32", "ok"), ("adam", "bf16", "ok"),
@@ -44,7 +44,7 @@ def test_a_failing_algorithm_makes_a_row_and_exit_status_1(monkeypatch):
         return setup(cfg)
 
     monkeypatch.setattr(dpbench.run, "setup", broken)
-    code, rows, text = _run("--algos", "adam,sgd", "--precisions", "fp32")
+    code, rows, text = _run("--algos", "adam,sgd", "--precisions", "fp32", "--no-fsdp")
     assert code == 1
     assert [(r.algo, r.status) for r in rows] == [("adam", "error"), ("sgd", "ok")]  # the others still run
     assert rows[0].note == "RuntimeError: CUDA error: no kernel image is available"
@@ -75,3 +75,30 @@ def test_host_syncs_are_counted_per_step():
     syncing = cpu.wrap(lambda: torch.ones(2).sum().item())
     assert syncing() == 2.0 and syncing() == 2.0
     assert cpu.per_step == 1.0  # the .item() each step would make on a GPU
+
+
+def test_fsdp_row_is_skipped_with_fewer_than_two_gpus_and_says_why():
+    code, rows, text = _run("--algos", "sgd", "--precisions", "fp32")
+    assert code == 0 and [(r.algo, r.status) for r in rows] == [("sgd", "ok"), ("fsdp (dpadam bk)", "n/a")]
+    assert "needs 2 or more CUDA GPUs, this machine has 0" in rows[-1].note and "fsdp (dpadam bk)" in text
+
+
+def test_fsdp_row_runs_one_rank_per_gpu_under_torchrun(tmp_path):
+    import json
+    import subprocess
+
+    seen = {}
+
+    def fake_run(command, **kwargs):  # what torchrun's rank 0 leaves: results.json in hydra.run.dir
+        seen["command"] = command
+        folder = next(a.split("=", 1)[1] for a in command if a.startswith("hydra.run.dir="))
+        with open(f"{folder}/results.json", "w") as out:
+            json.dump({"throughput": {"step_seconds": 0.5, "sharding": "fsdp"}, "memory": {"peak_bytes": 2**30}}, out)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    row = doctor.check_fsdp(2, gpus=4, run=fake_run)
+    assert (row.status, row.step_s, row.peak_mib) == ("ok", 0.5, 1024) and "4 ranks" in row.note
+    command = seen["command"]
+    assert "--nproc-per-node=4" in command and "train.sharding=fsdp" in command and "device=cuda" in command
+    failed = doctor.check_fsdp(2, gpus=2, run=lambda c, **k: subprocess.CompletedProcess(c, 1, "", "boom\nNCCL error"))
+    assert failed.status == "error" and failed.note.endswith("NCCL error")

@@ -174,8 +174,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.0, help="stop bisecting within this fraction")
     parser.add_argument("--steps", type=int, default=6, help="steps per probe (half, at most 3, are warm-up)")
     parser.add_argument("--capped-probe", action="store_true", help=argparse.SUPPRESS)  # a GPU probe's process
+    parser.add_argument("--sharding", action="store_true",
+                        help="print the memory model's per-rank table (no probes; dpbench/tools/benchmarks/memory_model.py)")
+    parser.add_argument("--world-size", type=int, nargs="+", default=[1], help="with --sharding: K ranks")
     parser.add_argument("overrides", nargs="*", help="dpbench overrides (after --)")
     args = parser.parse_args(argv)
+    if args.sharding:
+        from dpbench.tools.benchmarks import memory_model
+
+        for k in args.world_size:
+            print(memory_model.table(memory_model.estimate(args.overrides, k), args.budget_mib / 1024) + "\n")
+        return None
     if args.capped_probe:
         return run_capped_probe(args.budget_mib, args.overrides)
     if args.steps < 2:

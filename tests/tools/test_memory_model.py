@@ -1,0 +1,128 @@
+"""The memory model (dpbench/tools/benchmarks/memory_model.py) against hand counts on a tiny model,
+and OPT-6.7B's parameter and DP-Adam state bytes built on the meta device (no memory, offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpbench.algorithms.projected_adam import make_projection
+from dpbench.tools.benchmarks.memory_model import (
+    estimate_model,
+    main,
+    meta_model,
+    shard_numel,
+    sharded_bytes,
+)
+
+
+def tiny():
+    # 0: Linear(3, 4) 16 parameters, 1: LayerNorm(4) 8, 2: Linear(4, 2, no bias) 8: 32 in all
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False))
+
+
+def rows(est):
+    return {what.strip(): size for what, size, _ in est.rows}
+
+
+def inputs(batch=2, tokens=5):
+    return {"input": torch.zeros(batch, tokens, 3, device="meta")}
+
+
+def test_bk_one_rank_counts_every_byte_by_hand():
+    est = estimate_model(tiny(), inputs(), algo="dpadam", engine="bk", batch=2, tokens=5)
+    r = rows(est)
+    assert est.parameters == 32
+    assert r["parameters / K"] == 32 * 4 and r["gradients / K"] == 32 * 4
+    assert r["optimizer state / K"] == 2 * 32 * 4 and r["clipped-sum accumulators"] == 32 * 4
+    # Linear 1: a [2,5,3] + g [2,5,4]; Linear 2: a [2,5,4] + g [2,5,2] (fp32)
+    assert r["layer inputs + output grads"] == (30 + 40 + 40 + 20) * 4
+    assert r["instantiated (norms, others)"] == 2 * 8 * 4  # LayerNorm: B x (weight + bias) fp32
+    # Linear 1: T*T = 25 >= 3*4, instantiated B*4*3 + its bias B*4; Linear 2: 25 >= 8, B*2*4; LayerNorm 64
+    assert r["norm work (one layer)"] == 2 * 12 * 4 + 2 * 4 * 4
+    assert est.per_example_bytes == 520 + 64 + 128
+    assert est.total == 128 + 128 + 256 + 128 + 712
+    assert "gathered (FSDP2 all-gather)" not in r
+
+
+def test_ghost_keeps_every_input_but_one_output_gradient():
+    est = estimate_model(tiny(), inputs(), algo="dpsgd", engine="ghost", batch=2, tokens=5)
+    r = rows(est)
+    assert r["optimizer state / K"] == 0  # DP-SGD without momentum
+    assert r["layer inputs (all layers)"] == (30 + 40 + 40) * 4  # both Linears' and the LayerNorm's inputs
+    assert r["one layer's output grad + norm"] == 40 * 4 + 128  # Linear 1: g [2,5,4] + its instantiated norm work
+
+
+def test_materialize_keeps_b_gradients_of_every_parameter():
+    r = rows(estimate_model(tiny(), inputs(), algo="dpadam", engine="materialize", batch=2, tokens=5))
+    assert r["per-example gradients"] == 2 * 32 * 4
+
+
+def test_two_ranks_shard_rows_as_torch_chunk_and_gather_two_blocks_and_the_root():
+    est = estimate_model(tiny(), inputs(), algo="dpadam", engine="bk", batch=2, tokens=5, world_size=2,
+                         block_patterns=("0", "2"))
+    r = rows(est)
+    # rank 0: Linear 1 weight 2 of 4 rows (6) + bias 2, LayerNorm 2 + 2, Linear 2 weight 1 of 2 rows (4)
+    assert r["parameters / K"] == 16 * 4 and r["gradients / K"] == 16 * 4 and r["optimizer state / K"] == 2 * 16 * 4
+    assert r["clipped-sum accumulators"] == 32 * 4  # full size on every rank
+    assert r["gathered (FSDP2 all-gather)"] == 2 * 16 * 4 + 8 * 4  # 2 x the largest block + the LayerNorm (root)
+    assert r["per-example work (bk, B=2, T=5)"] == 712  # not sharded
+    assert shard_numel((5, 3), 2) == 9 and shard_numel((5, 3), 4) == 6 and shard_numel((), 8) == 1
+
+
+def test_grape_moments_and_sums_are_projected():
+    model = tiny()
+    projection = make_projection(0, "0", model[0].weight.shape, 1)  # [4, 3] -> (4, 1)
+    r = rows(estimate_model(model, inputs(), algo="grape", engine="bk", batch=2, tokens=5,
+                            projected={model[0].weight: projection}))
+    released = 4 + 4 + 8 + 8  # projected weight, bias, LayerNorm, Linear 2
+    assert r["clipped-sum accumulators"] == released * 4 and r["optimizer state / K"] == 2 * released * 4
+
+
+def test_max_batch_is_linear_in_the_batch():
+    est = estimate_model(tiny(), inputs(), algo="dpadam", engine="bk", batch=2, tokens=5)
+    fixed = est.total - est.per_example_bytes
+    assert est.max_batch(fixed + 10 * 356) == 10 and est.max_batch(fixed - 1) == 0
+
+
+@pytest.mark.slow  # builds OPT-6.7B on meta (a few seconds)
+def test_opt_6_7b_dp_adam_state_is_107_gb_and_an_eighth_per_gpu_at_k8():
+    from omegaconf import OmegaConf
+
+    model, info = meta_model(OmegaConf.create({"model": {"name": "opt", "size": "6.7b", "path": None}}))
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in model.parameters())
+    assert 6.6e9 < numel < 6.7e9 and info["vocab"] == 50272
+    weights_grads_moments = 4 * numel * 4  # fp32 weights, gradients and Adam's two moments
+    assert abs(weights_grads_moments / 1e9 - 107) < 1.0
+    per_gpu = 4 * sharded_bytes(shapes, 8, 4)
+    assert abs(per_gpu / 1e9 - 13.4) < 0.2
+
+
+def test_the_command_prints_the_table_and_the_verdict(capsys):
+    main(["--world-size", "1", "2", "--budget-gib", "1", "--seq-len", "16", "--", "model=opt", "model.size=tiny",
+          "dataset=squad", "algo=dpadam", "algo.per_sample=bk", "train.physical_batch_size=2"])
+    out = capsys.readouterr().out
+    assert out.count("parameters / K") == 2 and "K=2" in out and "gathered (FSDP2 all-gather)" in out
+    assert "fits in 1 GiB" in out and "B=2 examples of T=16 tokens" in out
+
+
+def test_max_batch_sharding_prints_the_same_table(capsys):
+    from dpbench.tools.benchmarks import max_batch
+
+    max_batch.main(["--sharding", "--world-size", "2", "--budget-mib", "1024", "--", "model=opt", "model.size=tiny",
+                    "dataset=squad", "algo=dpadam", "algo.per_sample=bk", "train.physical_batch_size=1"])
+    out = capsys.readouterr().out
+    assert "K=2" in out and "clipped-sum accumulators" in out and "fits in 1 GiB" in out
+
+
+def test_the_fsdp_launcher_runs_one_rank_per_gpu_and_opts_in_to_slurm_ranks():
+    from omegaconf import OmegaConf
+
+    from dpbench.paths import config_dir
+
+    launcher = OmegaConf.load(f"{config_dir()}/hydra/launcher/slurm_fsdp.yaml")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8 and launcher.nodes == 1
+    assert any("DPBENCH_RANKS_FROM_SLURM=1" in line for line in launcher.setup)
