@@ -30,7 +30,10 @@ only with what the algorithm says it drew:
   release → update  at every audited step of the noise check, the optimizer's input is the recorded
                 noisy release / the expected batch size (public post-processing only), and for a
                 plain SGD the parameter change is -lr x it (DPFirstOrderAlgorithm's phases: dpsgd,
-                dpadam; "not applicable" for algorithms that override them);
+                dpadam; "not applicable" for algorithms that override them); and, for every
+                algorithm, no model buffer changes during a step (no dpbench algorithm writes a
+                buffer from its release, so a change is un-noised batch data in the model:
+                BatchNorm's running statistics);
   sampler       the run's sampler, built as the run builds it: Poisson sizes ~ Binomial(n, q) and
                 independent inclusions across steps where Poisson is accounted (shuffled: batches
                 of B, disjoint within an epoch), and two fresh samplers of one seed draw differently;
@@ -139,6 +142,7 @@ class ReleaseRecorder:
         self.clipped: dict[int, list[torch.Tensor]] = {}
         self.chunks: dict[int, int] = {}
         self.updates: dict[int, Update] = {}
+        self.buffers: dict[int, dict[str, float]] = {}  # step -> buffer -> relative change by the step
 
     def __call__(self, name, parts, noisy, mechanism) -> None:
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]
@@ -227,10 +231,28 @@ def _physical(job, indices: list[int], weights: list[float], size: int | None = 
     return chunks or [task.batch([], [])]
 
 
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().double().clone() for name, b in model.named_buffers()}
+
+
+def _buffer_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """buffer -> |after - before| / max(|before|, |after|) (in [0, 2]) of the buffers that changed."""
+    changes = {}
+    for name, old in before.items():
+        new = after.get(name)
+        if new is None or new.shape != old.shape:
+            changes[name] = 1.0  # replaced
+        elif not torch.equal(old, new):
+            changes[name] = float((new - old).norm()) / max(float(old.norm()), float(new.norm()))
+    return changes
+
+
 def _train_step(job, recorder: ReleaseRecorder, batches: list, step: int) -> None:
     recorder.step = step
+    before = _buffers(job.model)
     result = job.algorithm.train_step(batches, step)
     recorder.ledger[step] = list(result.mechanisms)
+    recorder.buffers[step] = _buffer_changes(before, _buffers(job.model))
 
 
 def _chi_square_p_value(sum_of_squares: float, dof: int) -> float:
@@ -416,7 +438,7 @@ def noise_check(cfg) -> list[Check]:
         drawn.add_job(job.privacy, recorder)
     alpha = float(cfg.audit.alpha)
     return [*drawn.std_checks(alpha, jobs[0][0].privacy.setup.expected_batch_size),
-            *drawn.independence_checks(alpha), drawn.ledger_check(), update_check(jobs)]
+            *drawn.independence_checks(alpha), drawn.ledger_check(), update_check(jobs), buffer_check(jobs)]
 
 
 def _relative(values: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -482,6 +504,35 @@ def update_check(jobs) -> Check:
     if problems:
         detail = "; ".join(problems[:2]) + "; " + detail
     return Check(UPDATE, "optimizer input", worst, UPDATE_TOLERANCE, worst <= UPDATE_TOLERANCE and not problems, detail)
+
+
+def buffer_check(jobs) -> Check:
+    """release → update on the model's buffers: at every audited step of the noise check's two jobs,
+    no buffer changed. A step's only private output is its release; no dpbench algorithm writes a
+    buffer from it, so a buffer the step wrote (BatchNorm's running mean and variance) carries the
+    batch's un-noised statistics into the model."""
+    names = [name for name, _ in jobs[0][0].model.named_buffers()]
+    changed: dict[str, list] = {}  # buffer -> [largest relative change, the steps that changed it]
+    steps = 0
+    for _, recorder in jobs:
+        for step, changes in sorted(recorder.buffers.items()):
+            steps += 1
+            for name, change in changes.items():
+                entry = changed.setdefault(name, [0.0, set()])
+                entry[0], entry[1] = max(entry[0], change), entry[1] | {step}
+    worst = max((change for change, _ in changed.values()), default=0.0)
+    if not names:
+        detail = f"the model has no buffers: nothing a step could write besides its parameters ({steps} audited steps)"
+    elif not changed:
+        detail = f"none of the model's {len(names)} buffers changed at any of the {steps} audited steps (2 fresh jobs)"
+    else:
+        shown = sorted(changed.items(), key=lambda item: -item[1][0])
+        listed = ", ".join(f"{name} (relative change {c:.3g}, steps {_values(s)})" for name, (c, s) in shown[:3])
+        more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+        detail = (f"{len(changed)} of the model's {len(names)} buffers changed during private steps: {listed}{more}; "
+                  "a buffer written from the batch (BatchNorm's running statistics) is un-noised batch data in "
+                  "the model, which no release covers")
+    return Check(UPDATE, "buffers", worst, 0.0, not changed, detail)
 
 
 SAMPLER_DRAWS = 200  # batches drawn from each of two fresh samplers (no training: cheap)

@@ -7,10 +7,12 @@ Each bug is a small patch (a context manager over `unittest.mock.patch`) of dpbe
 applied only around `run_audit`: the audit builds its jobs as `dpbench` does, so it meets the bug as
 a run would. A bug names the check that must catch it (a `Check.name` of dpbench/tools/audit.py);
 a SOUND variant (`sound=True`) is a rewrite that keeps the mechanism and must pass every check.
-Bugs patch DPFirstOrderAlgorithm's phases (clip_and_accumulate -> add_noise -> scale_grad ->
-apply_update), the noise generator or the sampler, so they apply to dpsgd and dpadam; the
-catalogue's defaults (`CATALOGUE_DEFAULTS`: dpsgd on the synthetic data, a small audit) keep it
-to about a minute on two cores, and any override on the command line applies on top.
+Most bugs patch DPFirstOrderAlgorithm's phases (clip_and_accumulate -> add_noise -> scale_grad ->
+apply_update), the noise generator or the sampler, so they apply to dpsgd and dpadam (`SeededBug.algos`
+says which algorithms a bug's patch is about); the catalogue's defaults (`CATALOGUE_DEFAULTS`: dpsgd on
+the synthetic data, a small audit) keep it to a couple of minutes on two cores, and any override on
+the command line applies on top. A bug that needs more (an engine, a model with BatchNorm, DC-DPSGD)
+names it in `SeededBug.overrides`, which its row applies last: what the bug is about wins.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dpbench.errors import UserError
 
@@ -41,6 +45,10 @@ class SeededBug:
     why: str  # one line: why it is unsound (or why the variant is sound)
     patch: Callable[[object], AbstractContextManager]  # cfg -> the patch, active while the audit runs
     sound: bool = False  # a sound variant: every check must pass
+    # what the bug needs beyond the catalogue's defaults, as `dpbench` overrides, applied on top of the
+    # command line's (`bug_config`): an engine (algo.per_sample=ghost), a model, an algorithm
+    overrides: tuple[str, ...] = ()
+    algos: tuple[str, ...] = SUPPORTED  # the algorithms whose code the patch is about
 
 
 def _base():
@@ -210,6 +218,112 @@ def _two_mechanisms_one_batch(cfg):
     return stack
 
 
+# --------------------------------------------------------------------------- the model's buffers
+
+
+class _RunningStatsNorm(nn.BatchNorm2d):
+    """BatchNorm that normalises with the running statistics of earlier batches (a per-example affine
+    map: clipping still bounds the sum) while each training forward updates them from the batch's
+    un-noised mean and variance."""
+
+    def forward(self, x):
+        self.used = (self.running_mean.clone(), self.running_var.clone())  # what this forward normalises with
+        if self.training:
+            with torch.no_grad():  # F.batch_norm in training mode updates the running statistics in place
+                F.batch_norm(x, self.running_mean, self.running_var, training=True, momentum=self.momentum, eps=self.eps)
+        return F.batch_norm(x, *self.used, self.weight, self.bias, training=False, eps=self.eps)
+
+
+def _batchnorm_grad_sample(layer, activations, backprops):
+    """An Opacus-signature grad sampler for BatchNorm, GroupNorm's rule with BatchNorm's statistics:
+    each example's row of the normalised input x its output gradient. In train mode the rows are
+    normalised with the batch's statistics, so every row depends on every example."""
+    x = activations[0]
+    running = isinstance(layer, _RunningStatsNorm)
+    normed = F.batch_norm(x, *(layer.used if running else (None, None)), training=not running, eps=layer.eps)
+    out = {}
+    if layer.weight is not None and layer.weight.requires_grad:
+        out[layer.weight] = torch.einsum("ni...->ni", normed * backprops)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = torch.einsum("ni...->ni", backprops)
+    return out
+
+
+def _batchnorm(norm: type[nn.BatchNorm2d]):
+    """The model's GroupNorm layers replaced by `norm` (in train mode, as the run leaves the model),
+    with what stops it lifted: Opacus refuses a trainable layer with buffers (the materialize
+    engine's GradSampleModule validation; functorch's `prepare_layer`, where ghost and bk send a
+    layer without a grad sampler), so the patch drops the validation and registers a grad sampler."""
+
+    def patch(cfg):
+        from opacus.grad_sample import GradSampleModule
+
+        import dpbench.models as models
+
+        build = models.build_model
+
+        def with_batchnorm(model_cfg, spec):
+            model, replaced = build(model_cfg, spec), 0
+            for module in list(model.modules()):
+                for name, child in list(module.named_children()):
+                    if isinstance(child, nn.GroupNorm):
+                        setattr(module, name, norm(child.num_channels))
+                        replaced += 1
+            if not replaced:
+                raise UserError(f"this seeded bug swaps GroupNorm for BatchNorm: model={model_cfg.name} has no GroupNorm; "
+                                "use model=cnn")
+            return model
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(models, "build_model", with_batchnorm))
+        stack.enter_context(mock.patch.object(GradSampleModule, "validate",
+                                              classmethod(lambda cls, module, *, strict=False: [])))
+        stack.enter_context(mock.patch.dict(GradSampleModule.GRAD_SAMPLERS, {norm: _batchnorm_grad_sample}))
+        return stack
+
+    return patch
+
+
+# ------------------------------------------------------------------------------------- DC-DPSGD
+
+
+class _MixtureNoise:
+    """The DC-DPSGD reference code's gradient noise (main.py: (k/B) N(0, sigma c1 / B) + (1 - k/B)
+    N(0, sigma c2 / B) on the mean, k tail examples of B) on the sum: p N(0, (sigma c1)^2) +
+    (1 - p) N(0, (sigma c2)^2), p = k/B, drawn where N(0, (sigma c1)^2) is stated; every other
+    draw (the scores' noise) unchanged."""
+
+    def __init__(self, noise, std: float, tail_fraction: float, body_ratio: float) -> None:
+        self.noise, self.std, self.p, self.body_ratio = noise, std, tail_fraction, body_ratio
+        self.device = getattr(noise, "device", None)
+
+    def sample(self, shape, std, dtype=torch.float32):
+        if std != self.std:
+            return self.noise.sample(shape, std, dtype)
+        tail, body = self.noise.sample(shape, std, dtype), self.noise.sample(shape, std * self.body_ratio, dtype)
+        return tail.mul_(self.p).add_(body, alpha=1 - self.p)
+
+
+def _dcdpsgd_mixture_noise(cfg):
+    from dpbench.algorithms.dcdpsgd import DCDPSGD
+
+    release = DCDPSGD.gaussian_release
+
+    def mixture_release(self, name, *parts, **kwargs):
+        tail = self.last_tail  # this step's tail (threshold mode: chosen before the release)
+        p = float(tail.float().mean()) if tail is not None and tail.numel() else 0.0
+        noise = self.privacy.noise
+        self.privacy.noise = _MixtureNoise(noise, self.gradient_noise_std(), p, self.body_clip / self.tail_clip)
+        try:
+            return release(self, name, *parts, **kwargs)
+        finally:
+            self.privacy.noise = noise
+
+    return mock.patch.object(DCDPSGD, "gaussian_release", mixture_release)
+
+
+BATCHNORM_MODEL = ("model=cnn",)  # the catalogue's model with GroupNorm, which the BatchNorm bugs swap out
+
 CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
     SeededBug("noise_half", "noise", "noise x 0.5: the run's epsilon is that of sigma / 2, the reported one that of sigma",
               _noise_half),
@@ -228,8 +342,8 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
               "the optimizer gets the clipped sum without its noise while the noisy one is released: the model "
               "(the run's real output) is not private", _unnoised_update),
     SeededBug("realised_batch_divisor", "release → update",
-              "divides by the realised batch size, which is private under add/remove (it reveals whether the "
-              "example was sampled); harmless under replace-one, where the size is the same on both sides",
+              "divides by the realised batch size: unsound under add/remove, where the size is private (it says "
+              "whether the example was sampled); harmless under replace-one, where both sides have one size",
               _realised_batch_divisor),
     SeededBug("shuffle_as_poisson", "sampler",
               "shuffled fixed-size batches accounted as Poisson: the amplification by Poisson subsampling the "
@@ -243,6 +357,22 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
     SeededBug("two_mechanisms_one_batch", "accounting",
               "two releases of one sampled batch charged as independently subsampled mechanisms: their "
               "amplification is not independent, epsilon is understated", _two_mechanisms_one_batch),
+    SeededBug("batchnorm_train", "sensitivity",
+              "BatchNorm in train mode (ghost clipping) normalises with the batch's statistics: one example moves "
+              "every other example's gradient, so clipping each one no longer bounds the sum's change by C",
+              _batchnorm(nn.BatchNorm2d), overrides=(*BATCHNORM_MODEL, "algo.per_sample=ghost")),
+    SeededBug("batchnorm_train_materialize", "release → update",
+              "BatchNorm in train mode (materialize): its running mean and variance, updated from each batch's "
+              "un-noised statistics, are part of the model that no release covers", _batchnorm(nn.BatchNorm2d),
+              overrides=(*BATCHNORM_MODEL, "algo.per_sample=materialize")),
+    SeededBug("batchnorm_running_stats", "release → update",
+              "BatchNorm normalising with its running statistics (clipping holds) but updating them from each "
+              "batch: only the buffers leak, un-noised batch means in the model", _batchnorm(_RunningStatsNorm),
+              overrides=(*BATCHNORM_MODEL, "algo.per_sample=materialize")),
+    SeededBug("dcdpsgd_mixture_noise", "noise",
+              "the DC-DPSGD code's gradient noise p N(0, (sigma c1)^2) + (1 - p) N(0, (sigma c2)^2) for p = k/B "
+              "tail examples: about sigma c1 / 7 at p = 0.1 (sigma c2 before any tail), where sensitivity c1 needs "
+              "sigma c1", _dcdpsgd_mixture_noise, overrides=("algo=dcdpsgd",), algos=("dcdpsgd",)),
 ]}
 
 
@@ -265,17 +395,51 @@ def _figure(rows) -> str:
     return f"{worst.release}: {worst.measured:.4g} / {worst.bound:.4g}"
 
 
+def _config_groups() -> frozenset[str]:
+    from dpbench.paths import config_dir
+
+    return frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
+
+
+def bug_config(cfg, bug: SeededBug):
+    """`cfg` with the bug's overrides on top: a config group's option (algo=dcdpsgd) replaces that
+    group's node, composed as `dpbench` composes it, unless `cfg` has chosen it already (its own
+    keys under it stay); then each key=value sets its key."""
+    groups = [o for o in bug.overrides if o.split("=")[0] in _config_groups()]
+    groups = [o for o in groups if cfg.get(o.split("=")[0], {}).get("name") != o.split("=", 1)[1]]
+    values = [o for o in bug.overrides if o.split("=")[0] not in _config_groups()]
+    if not groups and not values:
+        return cfg
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    # composes inside the console script's running Hydra app too
+    from dpbench.tools.audit_cli import _compose_within_app
+
+    out = cfg.copy()
+    with open_dict(out):
+        if groups:
+            composed = _compose_within_app(groups)
+            for override in groups:
+                key = override.split("=")[0]
+                out[key] = composed[key]
+        for override in OverridesParser.create().parse_overrides(values):
+            OmegaConf.update(out, override.key_or_group, override.value())
+    return out
+
+
 def run_bug(cfg, name: str, run_dir: Path):
-    """The audit of `cfg` with bug `name` applied: (its AuditReport, its BugResult)."""
+    """The audit of `cfg` with bug `name` (and its overrides) applied: (its AuditReport, its BugResult)."""
     from dpbench.tools.audit import run_audit
 
     if name not in CATALOGUE:
         raise UserError(f"audit.seeded_bug={name} is not known; use all or one of {', '.join(CATALOGUE)}")
-    if str(cfg.algo.name) not in SUPPORTED:
-        raise UserError(f"audit.seeded_bug patches DPFirstOrderAlgorithm's phases: use algo={' or algo='.join(SUPPORTED)}")
+    bug = CATALOGUE[name]
+    cfg = bug_config(cfg, bug)
+    if str(cfg.algo.name) not in bug.algos:
+        raise UserError(f"audit.seeded_bug={name} patches the code of algo={' or algo='.join(bug.algos)}: use that")
     if cfg.audit.get("one_run", False):
         raise UserError("audit.seeded_bug runs the self-audit: drop audit.one_run=true")
-    bug = CATALOGUE[name]
     plain = cfg.copy()
     from omegaconf import OmegaConf
 
