@@ -43,6 +43,10 @@ only with what the algorithm says it drew:
                 the planned ledger's epsilon, recomputed with Google's dp-accounting (RDP and PLD)
                 apart from the configured accountant, is not above the epsilon the run reports.
 
+The statistical checks (noise, independence, noise across runs, sampler) are one family: each of
+its k tests passes when its p-value is above audit.alpha / k (Bonferroni, `family_corrected`), so
+a clean run fails one of them with probability at most audit.alpha.
+
 Prints a table, writes audit.json in the run folder, exits 0 when every check holds, else 1.
 `audit.seeded_bug=NAME|all` runs the audit under seeded bugs instead (dpbench/tools/seeded_bugs.py).
 The sensitivity check turns dropout layers off so that the two neighbouring runs differ only in
@@ -65,7 +69,7 @@ from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism, SeveralMechanismsPerBatchError, one_batch_mechanism, same_mechanisms,
 )
-from dpbench.tools.audit_report import CHECK_ORDER, UPDATE, AuditReport, Check
+from dpbench.tools.audit_report import CHECK_ORDER, UPDATE, AuditReport, Check, family_corrected
 from dpbench.tools.one_run import one_run_audit
 
 
@@ -309,11 +313,13 @@ def _independence_check(key: str, across: str, statistics: list[tuple[str, float
                      f"released at one step only: nothing to compare across {across} (raise audit.noise_steps)")
     what, corr, n = max(statistics, key=lambda s: abs(s[1]) * math.sqrt(s[2]))
     bound = z / math.sqrt(n)
+    p_value = min(1.0, len(statistics) * _two_sided_normal(abs(corr) * math.sqrt(n)))  # Bonferroni over them
     return Check(
         name, release, abs(corr), bound, abs(corr) <= bound,
         f"largest |corr| of the noise {what} = {abs(corr):.4f} over n = {n} coordinate pairs; independent noise "
         f"stays within z/sqrt(n) = {z:.2f}/sqrt({n}) = {bound:.4f} (z at alpha {alpha:g} over {len(statistics)} "
         f"correlations, Bonferroni)",
+        p_value=p_value,
     )
 
 
@@ -382,6 +388,7 @@ class DrawnNoise:
                 f"{measured}: std / planned std = {ratio:.4f} over {count} draws in 2 fresh jobs; planned std (the plan's "
                 f"noise multiplier x the stated sensitivity) {_values(planned)}, the release stated {_values(stated)} "
                 f"(update std {_values(s / expected_batch_size for s in planned)}); chi-square p = {p_value:.3g}",
+                p_value=p_value,
             ))
         return checks
 
@@ -571,14 +578,18 @@ def sampler_check(cfg, job) -> list[Check]:
         q = float(job.privacy.setup.sample_rate)
         sizes = torch.tensor([len(b) for b in first], dtype=torch.float64)
         mean, var, S = n * q, n * q * (1 - q), len(first)
-        z_mean = float(sizes.sum() - S * mean) / math.sqrt(S * var)
-        dispersion = float((sizes - mean).pow(2).sum()) / var  # ~ chi-square with S degrees of freedom
-        p_sizes = min(1.0, 3 * min(_two_sided_normal(z_mean), _chi_square_p_value(dispersion, S)))
+        if var == 0:  # q = 1: every batch is the whole set, a size off n is impossible
+            z_mean, dispersion = 0.0, float((sizes - mean).pow(2).sum())
+            p_sizes = 1.0 if dispersion == 0 else 0.0
+        else:
+            z_mean = float(sizes.sum() - S * mean) / math.sqrt(S * var)
+            dispersion = float((sizes - mean).pow(2).sum()) / var  # ~ chi-square with S degrees of freedom
+            p_sizes = min(1.0, 3 * min(_two_sided_normal(z_mean), _chi_square_p_value(dispersion, S)))
         checks.append(Check(
             "sampler", "batch sizes ~ Binomial(n, q)", dispersion / S, 1.0, p_sizes > alpha,
             f"{S} batches of the run's sampler: mean size {float(sizes.mean()):.2f} (n q = {mean:.2f}, z = {z_mean:.2f}), "
             f"variance / n q (1 - q) = {dispersion / S:.3f} (two-sided chi-square); p = {p_sizes:.3g} (Bonferroni over "
-            "3); fixed-size batches have variance 0"))
+            "3); fixed-size batches have variance 0", p_value=p_sizes))
         overlap = sum(len(set(a) & set(b)) for a, b in itertools.pairwise(first))
         expected = (S - 1) * n * q * q
         variance = (S - 1) * n * q * q * (1 - q * q) + 2 * (S - 2) * n * (q ** 3 - q ** 4)
@@ -587,7 +598,7 @@ def sampler_check(cfg, job) -> list[Check]:
         checks.append(Check(
             "sampler", "inclusions across steps", overlap / expected if expected else 0.0, 1.0, p_overlap > alpha,
             f"examples in both of two consecutive batches: {overlap} vs (S - 1) n q^2 = {expected:.1f} for independent "
-            f"inclusions (z = {z:.2f}, p = {p_overlap:.3g}); an epoch's disjoint batches give fewer"))
+            f"inclusions (z = {z:.2f}, p = {p_overlap:.3g}); an epoch's disjoint batches give fewer", p_value=p_overlap))
     else:  # shuffled batches, accounted per epoch
         per_epoch, size = job.privacy.batches_per_epoch, int(cfg.train.batch_size)
         bad = [t for t, b in enumerate(first) if len(b) != size or len(set(b)) != size]
@@ -804,6 +815,7 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
         for key, value in (derived.fixed_noise_options() if derived is not None else {}).items():
             OmegaConf.update(fixed, f"algo.{key}", value)
         checks = [*noise_check(fixed), *sensitivity_check(fixed), *sampler_check(fixed, job), *accounting]
+    family_corrected(checks, float(cfg.audit.alpha))  # the audit's false-alarm rate is at most audit.alpha
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
     return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks), run_dir)
 

@@ -15,6 +15,18 @@ class Check:
     bound: float
     passed: bool
     detail: str
+    # a statistical check's p-value (None: deterministic); `family_corrected` sets its verdict
+    p_value: float | None = None
+
+
+def family_corrected(checks: list[Check], alpha: float) -> list[Check]:
+    """Bonferroni over the audit's statistical checks: each of the k passes when its p-value is
+    above alpha / k, so that a clean run fails any of them with probability at most alpha."""
+    statistical = [c for c in checks if c.p_value is not None]
+    for c in statistical:
+        c.passed = c.p_value > alpha / len(statistical)
+        c.detail += f" [p = {c.p_value:.3g} vs alpha {alpha:g} / {len(statistical)} tests of this audit]"
+    return checks
 
 
 UPDATE = "release → update"  # the optimizer reads the noisy release after public post-processing only

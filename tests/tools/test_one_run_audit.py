@@ -28,6 +28,8 @@ from dpbench.tools.one_run import (
     one_run_p_value,
 )
 
+ORIGINAL_PRIVATIZE = DPFirstOrderAlgorithm.privatize
+
 # c = 0.05, delta = 1e-5 (the spec's reference values of the paper's bound)
 REFERENCE = [
     (1000, 1000, 1000, 5.78), (1000, 100, 100, 3.47), (1000, 10, 10, 1.01), (100, 100, 100, 3.49),
@@ -183,26 +185,24 @@ def test_a_clean_run_passes(algo, tmp_path):
 
 
 @pytest.mark.parametrize("algo", ["dpsgd", "dpadam"])
-def test_an_update_without_its_released_noise_fails(algo, tmp_path, monkeypatch):
-    """Seeded bug `unnoised_update`: the noisy sum is released (and charged) but the update uses the
-    clipped sum without noise. The ledger is unchanged, so only an audit of what the model learned
-    sees it: every guess is right and the bound reaches the ceiling, far above the claimed 1."""
+def test_an_update_without_its_released_noise_fails(algo, tmp_path):
+    """Seeded bug `unnoised_update` under the one-run audit: the noisy sum is released (and charged)
+    but the update uses the clipped sum without noise. The ledger is unchanged, so only an audit of
+    what the model learned sees it: every guess is right and the bound reaches the ceiling, far
+    above the claimed 1; the audit fails (exit 1) and the catalogue row says the one-run caught it."""
     from dpbench.tools.audit_cli import main
 
-    def unnoised_update(self, sums):
-        self.add_noise([s.clone() for s in sums])  # released and in the ledger, then ignored
-        return self.scale_grad(sums)
-
-    monkeypatch.setattr(DPFirstOrderAlgorithm, "privatize", unnoised_update)
     run = console_script_in_process(main, "dpbench-audit", *RUN, f"algo={algo}", "train.steps=150",
-                                    "privacy.epsilon=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+                                    "privacy.epsilon=1", "audit.seeded_bug=unnoised_update",
+                                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "FAIL" in run.stderr and "one_run" in run.stderr
+    assert "FAIL" in run.stderr and "one_run" in run.stderr and "caught" in run.stderr
     stored = json.loads((tmp_path / "run" / "audit.json").read_text())
     figures = stored["one_run"]
     assert stored["passed"] is False and figures["claimed_epsilon"] == pytest.approx(1.0, abs=0.02)
     assert figures["correct"] >= 95 and figures["epsilon_lower_bound"] > 2.5
     assert figures["epsilon_lower_bound"] <= figures["ceiling"]
+    assert DPFirstOrderAlgorithm.privatize is ORIGINAL_PRIVATIZE  # the patch lived only inside the audit
 
 
 # per algorithm: the overrides that make its one-run audit small (M canaries, r guesses)
