@@ -27,9 +27,16 @@ examples, as in one process:
   rank's generators) naming it (dpbench/checkpoint.py). A resume under another number of ranks
   is resharded by DCP, not refused: each rank reads its new rows from the files that hold them.
 
-Supported: `algo=dpsgd|dpadam` with `algo.per_sample=bk|ghost` (ghost's second backward goes through
-FSDP2's hooks again, all-gathering each block once more), fp32, a model family that names its
-blocks, under torchrun. Everything else is refused in one line (`check_supported`).
+* DP-GRAPE (`algo=grape`, bk or ghost) forms its projected clipped sums the same way, but
+  releases them REPLICATED (they are small): summed over the ranks, one draw on rank 0,
+  broadcast; every rank regenerates P from the shared seed and applies its rows of P·U to its
+  shard (`local_rows`). DPZero (`algo=dpzero`) releases its one scalar REPLICATED; each rank
+  perturbs and updates its shard with its rows of the direction z, generated whole from the
+  shared seed, and the forwards all-gather the perturbed shards.
+
+Supported: `algo=dpsgd|dpadam|grape` with `algo.per_sample=bk|ghost` (ghost's second backward goes
+through FSDP2's hooks again, all-gathering each block once more) and `algo=dpzero`, fp32, a model
+family that names its blocks, under torchrun. Everything else is refused in one line (`check_supported`).
 """
 
 from __future__ import annotations
@@ -44,10 +51,12 @@ from dpbench import distributed
 from dpbench.errors import UserError
 
 NONE, FSDP = "none", "fsdp"
-SUPPORTED_ALGORITHMS = ("dpsgd", "dpadam")
+FIRST_ORDER = ("dpsgd", "dpadam", "grape")  # per-example engines in their hooks: algo.per_sample must be one of ENGINES
+ZEROTH_ORDER = ("dpzero",)  # forwards only: no engine
+SUPPORTED_ALGORITHMS = FIRST_ORDER + ZEROTH_ORDER
 SUPPORTED_ENGINES = ("bk", "ghost")
-SUPPORTED = (f"train.sharding=fsdp supports algo={'|'.join(SUPPORTED_ALGORITHMS)} with "
-             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)}, train.precision=fp32, "
+SUPPORTED = (f"train.sharding=fsdp supports algo={'|'.join(FIRST_ORDER)} with "
+             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)} and algo={'|'.join(ZEROTH_ORDER)}, train.precision=fp32, "
              "on a model whose family names its transformer blocks (vit, opt, roberta), under torchrun "
              "with 2 or more processes")
 
@@ -68,7 +77,7 @@ def check_supported(cfg) -> None:
         problem = "it needs several processes (torchrun --nproc_per_node=K, K >= 2), this is one"
     elif algo not in SUPPORTED_ALGORITHMS:
         problem = f"algo={algo} is not supported"
-    elif engine not in SUPPORTED_ENGINES:
+    elif algo in FIRST_ORDER and engine not in SUPPORTED_ENGINES:
         problem = f"algo.per_sample={engine} is not supported"
     elif str(cfg.train.get("precision", "fp32")) != "fp32":
         problem = f"train.precision={cfg.train.precision} is not supported"
@@ -146,6 +155,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of `tensors` (a DTensor's shard, not its global size)."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def local_rows(param: torch.Tensor) -> slice:
+    """The rows (dim 0) of the whole `param` that this rank's shard holds (FSDP2's Shard(0),
+    `distributed.row_shard`); checked against the shard's own shape."""
+    rows = distributed.row_shard(param.shape[0])
+    if local(param).shape[0] != rows.stop - rows.start:
+        raise RuntimeError(f"this rank's shard of a {tuple(param.shape)} parameter holds {local(param).shape[0]} rows, "
+                           f"not torch.chunk's {rows.stop - rows.start}")
+    return rows
 
 
 def sharded_grad(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:

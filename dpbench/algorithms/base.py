@@ -197,11 +197,21 @@ class Algorithm(ABC):
 
     padding_chunk: bool = False  # the chunk `chunks` yields is padding (train.sharding=fsdp)
 
-    def _sharded_chunks(self, batches: list[Batch], tally: LossTally) -> Iterator[tuple[Batch, torch.Tensor]]:
+    def physical_batches(self, batches: list[Batch]) -> Iterator[tuple[Batch, bool]]:
+        """(chunk, is padding) for each physical chunk a step runs: the non-empty ones, and for a
+        sharded model as many as the rank with the most (padding: training example 0 alone, whose
+        contribution the caller must leave out). `chunks` reads them; an algorithm that runs its
+        own forwards (DPZero's two evaluations) follows the same rule through this."""
         kept = [batch for batch in batches if self.task.batch_size(batch) > 0]
-        for position in range(sharding.max_over_ranks(len(kept))):
-            self.padding_chunk = position >= len(kept)
-            batch = self.task.batch([0]) if self.padding_chunk else kept[position]
+        # FSDP2's forwards are collectives: every rank runs the busiest rank's count (agreed on
+        # before the first forward, so that no rank's agreement meets another's all-gather)
+        count = sharding.max_over_ranks(len(kept)) if self.sharded else len(kept)
+        for position in range(count):
+            yield (kept[position], False) if position < len(kept) else (self.task.batch([0]), True)
+
+    def _sharded_chunks(self, batches: list[Batch], tally: LossTally) -> Iterator[tuple[Batch, torch.Tensor]]:
+        for batch, padding in self.physical_batches(batches):
+            self.padding_chunk = padding
             losses = self.per_example_losses(batch)
             try:
                 yield batch, losses
@@ -389,11 +399,17 @@ class DPFirstOrderAlgorithm(Algorithm):
     def gradient_noise_std(self) -> float:
         return self.privacy.noise_multiplier * self.privacy.clip_norm
 
+    # The release's layout on a sharded model (train.sharding=fsdp): SHARDED (each rank its shard
+    # rows of each full-size sum, noised by this rank) or REPLICATED (sums small enough to hold
+    # whole on every rank: DP-GRAPE's projected ones, one draw on rank 0, broadcast).
+    sharded_layout: ClassVar[Layout] = SHARDED
+
     def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's noisy release of the clipped sum (a sharded model: this rank's shard rows of
-        each, sum-reduce-scattered over the ranks and noised by this rank, privacy/release.py)."""
+        """The step's noisy release of the clipped sum (a sharded model: `sharded_layout`, by
+        default this rank's shard rows of each, sum-reduce-scattered over the ranks and noised by
+        this rank, privacy/release.py)."""
         (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()),
-                                         layout=SHARDED if self.sharded else REPLICATED)
+                                         layout=self.sharded_layout if self.sharded else REPLICATED)
         return noisy
 
     def scale_grad(self, noisy_sums: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,6 +23,12 @@ restored in every dtype), and z_p is regenerated from (seed, parameter index), s
 which modules run does not matter. Requirement (the same as Opacus's grad samplers): a trainable
 parameter is only read inside the forward of a module that owns it; a check enforces that every
 trainable parameter was perturbed during each evaluation.
+
+Sharded (train.sharding=fsdp): the scalar release is REPLICATED (summed over the ranks, one draw
+on rank 0, broadcast), so every rank steps with the same g. z is generated whole from the shared
+seed (checked against rank 0's at start), as in one process, and each rank perturbs and updates
+its own shard with its rows of z; the forwards all-gather the perturbed shards. Every rank runs as
+many chunks as the busiest (`Algorithm.physical_batches`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpbench import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions, choice_of
@@ -88,7 +95,10 @@ class ZerothOrderAlgorithm(Algorithm):
         # Direction seeds are public: drawn from a generator seeded by the experiment seed (through
         # the global torch RNG), so runs are reproducible; the DP noise never depends on them.
         self.seed_generator = torch.Generator()
-        self.seed_generator.manual_seed(int(torch.randint(0, SEED_RANGE, ()).item()))
+        first_seed = int(torch.randint(0, SEED_RANGE, ()).item())
+        self.seed_generator.manual_seed(first_seed)
+        if self.sharded:  # every rank generates every direction whole: the seeds must be rank 0's
+            distributed.check_same_as_rank_zero("direction seed", {"direction_seed": first_seed})
         self.perturbation_bytes = 0  # largest fp32 working set one module's perturbation held
         self.nonfinite_examples: torch.Tensor | None = None  # private runs: examples dropped (a tensor: no sync)
 
@@ -110,9 +120,18 @@ class ZerothOrderAlgorithm(Algorithm):
         squared = float(torch.stack([self.direction_part(p, seed).double().pow(2).sum() for p in self.params]).sum())
         return math.sqrt(self.dimension / squared)
 
+    def shard_direction(self, p: nn.Parameter, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's shard of p, its rows of p's direction block): the block generated whole
+        from the seed, as in one process, then sliced (train.sharding=fsdp)."""
+        return sharding.local(p), self.direction_part(p, seed)[sharding.local_rows(p)]
+
     @contextmanager
     def perturbed(self, seed: int, coefficient: float):
         """Within the block, every forward sees theta + coefficient * draw(seed); theta is untouched."""
+        if self.sharded:
+            with self._perturbed_shards(seed, coefficient) as touched:
+                yield touched
+            return
         active: dict[int, list] = {}  # id(p) -> [original data, nesting depth]
         touched: set[int] = set()
 
@@ -150,6 +169,44 @@ class ZerothOrderAlgorithm(Algorithm):
                 if id(p) in active:
                     p.data = active.pop(id(p))[0]
 
+    @contextmanager
+    def _perturbed_shards(self, seed: int, coefficient: float):
+        """`perturbed` for a sharded model: each rank writes theta + coefficient * z into its own
+        shards (its rows of z) before the forward, whose all-gathers then carry the perturbed
+        weights, and copies the originals back after it (bit for bit: the originals are kept).
+        Hooks on the modules would see FSDP2's gathered copies, not the shards. FSDP2 keeps the
+        root's gathered parameters after a forward (for a backward): they are dropped on entry
+        and on exit, so that no forward reads weights gathered under another perturbation."""
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._reshard()
+        try:
+            with torch.no_grad():
+                largest = 0
+                for p in self.params:
+                    shard, z = self.shard_direction(p, seed)
+                    saved.append((shard, shard.clone()))
+                    shard.copy_(shard.float() + coefficient * z)  # one process's arithmetic, bit for bit
+                    largest = max(largest, self.direction_part_bytes(p))
+                self.perturbation_bytes = max(self.perturbation_bytes,
+                                              largest + sum(o.numel() * o.element_size() for _, o in saved))
+            yield {id(p) for p in self.params}
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                for shard, original in saved:
+                    shard.copy_(original)
+
+    @staticmethod
+    def direction_part_bytes(p: nn.Parameter) -> int:
+        return 4 * p.numel()  # one parameter's whole fp32 block of z
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def finite_differences(self, batch: Batch, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example s_i = (l_i(theta + lam z) - l_i(theta - lam z)) / (2 lam) and mean losses, fp32 [B]."""
         step = self.smoothing * scale
@@ -175,12 +232,15 @@ class ZerothOrderAlgorithm(Algorithm):
         totals, count = [], 0  # double-precision sums on the device, synced once
         was_training = self.model.training
         self.model.eval()  # dropout off for both evaluations, as in MeZO/DPZero
+        # a sharded model: no_grad (FSDP2's gathered parameters are reused outside inference mode)
         try:
-            with torch.inference_mode():
-                for batch in batches:
-                    if self.task.batch_size(batch) == 0:
-                        continue
+            with torch.no_grad() if self.sharded else torch.inference_mode():
+                # a sharded model runs as many chunks as the busiest rank (FSDP2's all-gathers are
+                # collectives); a padding chunk's forwards run and contribute nothing
+                for batch, padding in self.physical_batches(batches):
                     differences, losses = self.finite_differences(batch, seed, scale)
+                    if padding:
+                        continue
                     finite = torch.isfinite(losses)
                     if clip is not None:
                         kept = finite & torch.isfinite(differences)
@@ -200,14 +260,15 @@ class ZerothOrderAlgorithm(Algorithm):
         """theta <- theta - lr (g z + wd theta), parameter by parameter, in fp32 then cast."""
         with torch.no_grad():
             for p in self.params:
-                z = self.direction_part(p, seed)
+                # a sharded model: this rank's shard, with its rows of z (generated whole from the seed)
+                target, z = self.shard_direction(p, seed) if self.sharded else (p, self.direction_part(p, seed))
                 update = z.mul_(projected_gradient * scale)
                 if self.weight_decay and p.ndim >= 2:  # MeZO/OPT: no decay on biases and norms
-                    update.add_(p.float(), alpha=self.weight_decay)
-                if p.dtype == torch.float32:
-                    p.sub_(update, alpha=self.lr)
+                    update.add_(target.float(), alpha=self.weight_decay)
+                if target.dtype == torch.float32:
+                    target.sub_(update, alpha=self.lr)
                 else:
-                    p.copy_(p.float().sub_(update, alpha=self.lr))
+                    target.copy_(target.float().sub_(update, alpha=self.lr))
 
     def optimizer_state_bytes(self) -> int:
         return 0  # plain SGD along z: the only state is the next seed

@@ -27,6 +27,15 @@ a per-layer seed with a dedicated torch.Generator, never stored, regenerated bit
 the back-projection, and re-seeded every `update_interval` steps: steps [kF, (k+1)F) share window
 k's seeds. Seeds derive from `projection_seed` (default: drawn from the experiment-seeded global
 RNG at start). The privacy noise never touches these generators; it comes from PrivacySetup.noise.
+
+Sharded (train.sharding=fsdp, bk or ghost): the hooks see FSDP2's all-gathered weight and this
+rank's own activations and output gradients, so each rank forms its examples' projected clipped
+sums as one process does. The release is REPLICATED (the projected sums are small): summed over
+the ranks, one noise draw on rank 0, broadcast, so every rank holds the same noisy release,
+regenerates the same P from the shared seed (checked against rank 0's at start) and keeps the
+same projected moments; each applies only its own rows of the full-space update P·U to its
+shard. The parameters that are not projected (biases, norms, embeddings, head) go in the same
+release (one mechanism, one draw), whole on every rank: their moments are not sharded.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpbench import distributed
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, StepResult
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
@@ -50,6 +60,7 @@ from dpbench.algorithms.projected_adam import (
     projection_summary,
 )
 from dpbench.options import choice_of
+from dpbench.privacy.release import REPLICATED
 
 
 def gaussian_projector(rows: int, rank: int, generator: torch.Generator, device) -> torch.Tensor:
@@ -115,6 +126,11 @@ class ProjectedLinear:
 @ALGORITHMS.register("grape", options=GrapeOptions)
 class DPGrape(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "projection_seed")  # moments; projector seeds
+    # train.sharding=fsdp: the projected sums are small, so the whole release is replicated (summed
+    # over the ranks, one draw on rank 0, broadcast) and every rank holds the same noisy release
+    # and moments; each applies its rows of the full-space update (ProjectedAdam).
+    sharded_layout = REPLICATED
+
     def __init__(self, model, task, cfg, lr, privacy):
         self.rank = cfg.rank
         self.update_interval = cfg.update_interval
@@ -126,6 +142,8 @@ class DPGrape(DPFirstOrderAlgorithm):
         self.projection_seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
         self.window = 0  # index of the current F-step projector window
         super().__init__(model, task, cfg, lr, privacy)
+        if self.sharded:  # every rank regenerates every P itself: the seeds must be rank 0's
+            distributed.check_same_as_rank_zero("DP-GRAPE projection seed", {"projection_seed": self.projection_seed})
         if not modules:
             self.run_notes.append("grape found no layer matching algo.projected_modules; it ran as DP-Adam")
 

@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from dpbench import sharding
 from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
 from dpbench.models import default_projected_modules
@@ -101,11 +102,12 @@ def project(gradient: torch.Tensor, projector: torch.Tensor, side: str) -> torch
     return gradient @ projector
 
 
-def back_project(low: torch.Tensor, projector: torch.Tensor, side: str) -> torch.Tensor:
-    """(r, n) -> P N (m, n) or (m, r) -> N Pᵀ (m, n)."""
+def back_project(low: torch.Tensor, projector: torch.Tensor, side: str, rows: slice | None = None) -> torch.Tensor:
+    """(r, n) -> P N (m, n) or (m, r) -> N Pᵀ (m, n); with `rows`, only those rows of it (a
+    sharded weight's: P[rows] N or N[rows] Pᵀ, never the whole (m, n))."""
     if side == "left":
-        return projector @ low
-    return low @ projector.transpose(0, 1)
+        return (projector if rows is None else projector[rows]) @ low
+    return (low if rows is None else low[rows]) @ projector.transpose(0, 1)
 
 
 def adam_config(cfg) -> dict:
@@ -127,6 +129,11 @@ class ProjectedAdam:
     identity projector reproduces torch.optim.Adam exactly. Weight decay is decoupled (AdamW, as
     in GaLore and the DP-GRAPE reference code's DPAdamW), applied to the full weight. Moments are
     kept across subspace changes, as in GaLore and the reference code (the paper is silent).
+
+    A sharded parameter (train.sharding=fsdp, a DTensor holding this rank's rows): its gradient
+    and moments are whole (DP-GRAPE releases them replicated, identical on every rank), and only
+    this rank's rows of the update (P[rows] N, N[rows] Pᵀ, or the rows of a full-space direction)
+    are applied to its local shard.
     """
 
     def __init__(self, params: list[nn.Parameter], lr: float, betas, eps: float, weight_decay: float):
@@ -150,12 +157,17 @@ class ProjectedAdam:
             exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             direction = exp_avg / (exp_avg_sq.sqrt() / correction2_sqrt + self.eps)  # (r, n) or full
+            target, rows = sharding.local(p), None
+            if target is not p:  # a sharded parameter (train.sharding=fsdp): this rank's rows of the update
+                rows = sharding.local_rows(p)
             if p in projectors:
                 projector, side = projectors[p]
-                direction = back_project(direction, projector.to(direction.dtype), side)  # (m, n)
+                direction = back_project(direction, projector.to(direction.dtype), side, rows)  # (m, n) or its rows
+            elif rows is not None:
+                direction = direction[rows]
             if self.weight_decay:
-                p.mul_(1 - self.lr * self.weight_decay)
-            p.add_(direction.to(p.dtype), alpha=-self.lr / correction1)
+                target.mul_(1 - self.lr * self.weight_decay)
+            target.add_(direction.to(target.dtype), alpha=-self.lr / correction1)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.state.values() for t in pair)

@@ -319,6 +319,7 @@ class BookKeeping:
         from dpbench import distributed
 
         state, names = self._state, {p: n for n, p in self.model.named_parameters()}
+        maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}
         grads = [None if p.grad is None else p.grad.to_local().float() for p in self.params]
         (nonfinite,) = distributed.all_reduce_scalars(
             float(not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)))
@@ -327,8 +328,13 @@ class BookKeeping:
             return  # a non-finite example on some rank: compare on a later call
         rows = []
         for p, grad in zip(self.params, grads):
-            seen = state.summed.get(p)
-            seen = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if seen is None else seen.float().clone()
+            seen, shape = state.summed.get(p), p.shape
+            if p in maps and grad is not None:  # the hooks sum a map of the gradient (DP-GRAPE's projection):
+                # map autograd's whole gradient (gathered: a collective, alike on every rank, the same
+                # parameters in the same order) and compare this rank's rows of it
+                mapped = maps[p].map_gradient(p, p.grad.full_tensor().float())
+                grad, shape = mapped[distributed.row_shard(mapped.shape[0])], mapped.shape
+            seen = torch.zeros(shape, dtype=torch.float32, device=p.device) if seen is None else seen.float().clone()
             seen = distributed.reduce_scatter_rows(seen)
             grad = torch.zeros_like(seen) if grad is None else grad
             summed = state.norm_sq[p].sqrt().sum().double() if p in state.norm_sq else torch.zeros((), dtype=torch.float64)

@@ -153,7 +153,7 @@ def _refusal(monkeypatch, cfg, world: int = 2) -> str:
     with pytest.raises(UserError) as refused:
         sharding.check_supported(cfg)
     message = str(refused.value)
-    assert "\n" not in message and "supports algo=dpsgd|dpadam with algo.per_sample=bk|ghost" in message
+    assert "\n" not in message and "supports algo=dpsgd|dpadam|grape with algo.per_sample=bk|ghost and algo=dpzero" in message
     return message
 
 
@@ -163,8 +163,9 @@ def test_fsdp_in_one_process_is_refused_in_one_line(monkeypatch):
 
 @pytest.mark.parametrize("cfg, problem", [
     (_cfg("adam", None), "algo=adam is not supported"),
-    (_cfg("grape"), "algo=grape is not supported"),
-    (_cfg("dpzero", None), "algo=dpzero is not supported"),
+    (_cfg("galore"), "algo=galore is not supported"),
+    (_cfg("mezo", None), "algo=mezo is not supported"),
+    (_cfg("grape", "materialize"), "algo.per_sample=materialize is not supported"),
     (_cfg("dpdr"), "algo=dpdr is not supported"),
     (_cfg("dcdpsgd"), "algo=dcdpsgd is not supported"),
     (_cfg(per_sample="materialize"), "algo.per_sample=materialize is not supported"),
@@ -181,6 +182,9 @@ def test_supported_combinations_and_the_default_pass(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     sharding.check_supported(_cfg("dpsgd"))
     sharding.check_supported(_cfg("dpadam", "ghost"))
+    sharding.check_supported(_cfg("grape", "bk"))  # replicated releases: tests/run/test_sharded_replicated.py
+    sharding.check_supported(_cfg("grape", "ghost"))
+    sharding.check_supported(_cfg("dpzero", None))  # no engine: forwards only
     sharding.check_supported(_cfg(checkpoint_every=2))  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
     none = _cfg("adam", None)
     none.train.sharding = "none"

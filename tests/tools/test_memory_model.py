@@ -79,6 +79,11 @@ def test_grape_moments_and_sums_are_projected():
                             projected={model[0].weight: projection}))
     released = 4 + 4 + 8 + 8  # projected weight, bias, LayerNorm, Linear 2
     assert r["clipped-sum accumulators"] == released * 4 and r["optimizer state / K"] == 2 * released * 4
+    # train.sharding=fsdp: DP-GRAPE's release and moments are replicated, whole on every rank
+    r = rows(estimate_model(model, inputs(), algo="grape", engine="bk", batch=2, tokens=5, world_size=2,
+                            block_patterns=("0", "2"), projected={model[0].weight: projection}))
+    assert r["gradients / K"] == released * 4 and r["optimizer state / K"] == 2 * released * 4
+    assert r["parameters / K"] == 16 * 4  # the weights are sharded
 
 
 def test_max_batch_is_linear_in_the_batch():

@@ -17,7 +17,8 @@ most), the table gives rank 0's bytes of:
   end of the backward;
 * the released gradient / K (fp32: the noisy shard the optimizer reads) and the optimizer state / K
   (Adam: two fp32 moments; DP-GRAPE: its projected moments, r x n per projected layer, full moments
-  elsewhere; DP-SGD: a momentum buffer when algo.momentum > 0);
+  elsewhere, not sharded: its release is replicated, and so are they; DP-SGD: a momentum buffer
+  when algo.momentum > 0);
 * the clipped-sum accumulators: fp32, in the shapes of the privatised sums (DP-GRAPE: projected),
   FULL SIZE on every rank: the sum over the physical chunks is formed before the release
   reduce-scatters it (dpbench/algorithms/base.py, `clip_and_accumulate`), so it is not divided by K;
@@ -295,16 +296,22 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
         est.rows.append(("gathered (FSDP2 all-gather)", 2 * largest + root,
                          f"{len(blocks)} blocks: 2 gathered at a time, + the root's own parameters"))
     released = [projected[p].projected_shape if p in projected else p.shape for _, p in params]
-    est.rows.append(("gradients / K", sharded_bytes(released, K, 4), "the released noisy shard, fp32"))
+    # DP-GRAPE's release is replicated under sharding (docs/sharding.md): whole on every rank, as its moments
+    held = 1 if algo == "grape" else K
+    est.rows.append(("gradients / K", sharded_bytes(released, held, 4),
+                     "the released noisy values, fp32, whole on every rank (replicated release)" if algo == "grape"
+                     else "the released noisy shard, fp32"))
     if algo in ("dpadam", "grape"):
-        state = 2 * sharded_bytes(released, K, 4)
-        note = "Adam's two fp32 moments" + (" (projected layers: r x n)" if projected else "")
+        state = 2 * sharded_bytes(released, held, 4)
+        note = "Adam's two fp32 moments" + (" (projected layers: r x n)" if projected else "") + \
+            (", replicated" if algo == "grape" and K > 1 else "")
     else:
         state = sharded_bytes(released, K, 4) if momentum else 0
         note = "momentum buffer" if momentum else "none (algo.momentum=0)"
     est.rows.append(("optimizer state / K", state, note))
     est.rows.append(("clipped-sum accumulators", sum(math.prod(s) for s in released) * 4,
-                     "fp32, full size on every rank (summed before the reduce-scatter)"))
+                     "fp32, full size on every rank (summed before the " +
+                     ("all-reduce)" if algo == "grape" else "reduce-scatter)")))
     rows = per_example_rows(layer_calls(model, inputs, batch, act), engine, batch, numel)
     est.per_example_bytes = sum(b for _, b, _ in rows)
     est.rows.append((f"per-example work ({engine}, B={batch}, T={tokens})", est.per_example_bytes,
@@ -336,7 +343,7 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
     if world_size > 1:
         from dpbench.sharding import SUPPORTED_ALGORITHMS, SUPPORTED_ENGINES
 
-        if algo not in SUPPORTED_ALGORITHMS or engine not in SUPPORTED_ENGINES:
+        if algo not in SUPPORTED_ALGORITHMS or engine not in SUPPORTED_ENGINES:  # (the model covers first-order ones)
             est.notes.append(f"train.sharding=fsdp refuses algo={algo} algo.per_sample={engine} today: "
                              "the figures are what K-way sharding would take")
         if str(cfg.train.get("precision", "fp32")) != "fp32":
