@@ -39,12 +39,16 @@ def summary_table(results: RunResults) -> Table:
         title=f"dpbench · {results.algo} · {results.model} · {results.dataset} · {figures['status']}",
         caption=f"peak memory: {figures['memory/kind']}",
     )
-    for column in ("test acc", "best acc", "ε spent", "δ", "σ", "peak memory", "samples/s", "wall time"):
+    validated = figures["validation/score"] is not None  # a validation split: its noisy score, beside test
+    columns = ("test acc", "best acc", *(("validation (noisy)",) if validated else ()), "ε spent", "δ", "σ",
+               "peak memory", "samples/s", "wall time")
+    for column in columns:
         table.add_column(column, justify="right")
     peak, wall = figures["memory/peak_bytes"], figures["throughput/wall_s"]
     table.add_row(
         _fmt(figures["test/accuracy"], ".4f"),
         _fmt(figures["test/best_accuracy"], ".4f"),
+        *((_fmt(figures["validation/score"], ".4f"),) if validated else ()),
         _fmt(figures["privacy/epsilon"], ".3f") if private else "∞",
         _fmt(figures["privacy/delta"], ".0e") if private else "—",
         _fmt(figures["privacy/noise_multiplier"], ".4f"),

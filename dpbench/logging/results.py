@@ -172,6 +172,7 @@ SUMMARY_KEYS = {
     "test/accuracy": ("metrics", "test_accuracy"),
     "test/best_accuracy": ("metrics", "best_test_accuracy"),
     "test/loss": ("metrics", "test_loss"),
+    "validation/score": ("metrics", "validation_score"),  # noisy, once on the final model (a validation split)
     "train/loss": ("metrics", "train_loss"),
     "privacy/epsilon": ("privacy", "epsilon"),
     "privacy/epsilon_is_upper_bound": ("privacy", "epsilon_is_upper_bound"),

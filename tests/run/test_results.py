@@ -108,6 +108,13 @@ def test_console_table_shows_the_summary(runs):
             assert figures["privacy/private"] and f"{figures['privacy/epsilon']:.3f}" in text
         else:
             assert not figures["privacy/private"] and "∞" in text
+        assert "validation" not in text  # no validation split: no column
+    scored = RunResults.from_json({**runs["dpsgd"][1], "metrics": {**runs["dpsgd"][1]["metrics"], "validation_score": 0.4321}})
+    console = Console(width=200, record=True)
+    console.print(summary_table(scored))
+    text = console.export_text()
+    assert "validation (noisy)" in text and "0.4321" in text
+    assert scored.summary()["validation/score"] == 0.4321  # W&B's run summary carries it too
 
 
 def test_report_rows_hold_the_summary_figures(runs):

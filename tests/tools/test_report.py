@@ -153,3 +153,17 @@ def test_rows_whose_hyperparameters_were_picked_on_test_are_flagged():
     on_validation = RunRow(path="b", report={"selected_on": "validation"})
     assert "selected on test" in flags(Group([on_test], ()))
     assert "selected on test" not in flags(Group([on_validation], ()))
+
+
+def test_the_noisy_validation_score_is_a_column_only_when_a_run_has_one(tmp_path: Path):
+    from dpbench.tools.report.groups import group_runs
+    from dpbench.tools.report.tables import build_table
+
+    with_split = fake_results("dpsgd", 32, 500.0, 10, 100.0, 3.0, accuracy=0.6)
+    with_split["metrics"]["validation_score"] = 0.5731
+    write_results(tmp_path / "validated" / "a", with_split)
+    write_results(tmp_path / "plain" / "a", fake_results("dpsgd", 32, 500.0, 10, 100.0, 3.0, accuracy=0.6))
+    header, body = build_table(group_runs(load_rows(tmp_path / "validated"))[0], "final", None)
+    assert "validation % (noisy)" in header and body[0][header.index("validation % (noisy)")] == "57.3"
+    header, _ = build_table(group_runs(load_rows(tmp_path / "plain"))[0], "final", None)
+    assert "validation % (noisy)" not in header

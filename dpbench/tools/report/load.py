@@ -83,6 +83,7 @@ class RunRow:
     samples_per_s: float | None = None
     device: str | None = None
     paper_accounting: bool = False
+    validation: float | None = None  # noisy validation score (dataset.validation_fraction > 0), a fraction
     # the audit.json of the run's folder (None: not audited; the bounds also None for a checks-only audit)
     audit_claimed_epsilon: float | None = None      # the accountant's ε as the one-run audit read it
     audit_epsilon_lower_bound: float | None = None  # the one-run audit's empirical lower bound on ε
@@ -228,6 +229,7 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
         clipping=(config.get("privacy") or {}).get("clipping"),
         metric_name=results.metrics.metric or "accuracy",
         final=figures["test/accuracy"],
+        validation=results.metrics.validation_score,  # the final model's noisy validation score (schema 5)
         best=figures["test/best_accuracy"],
         batch_size=(config.get("train") or {}).get("batch_size"),
         train_size=round(privacy.expected_batch_size / privacy.sample_rate) if privacy.expected_batch_size and privacy.sample_rate else None,

@@ -17,7 +17,7 @@ from dpbench.tools.report.paper import ACCURACY_METRICS, PaperRef, paper_value
 APPROXIMATE_ACCOUNTANTS = {"gdp": "GDP (CLT approximation)"}
 FORMATS = ("rich", "markdown", "csv", "latex")
 # Columns right-aligned in the terminal.
-NUMERIC_COLUMNS = ("seeds", "steps", "peak MiB", "samples/s", "audit ε≥", "ceiling")
+NUMERIC_COLUMNS = ("seeds", "steps", "peak MiB", "samples/s", "audit ε≥", "ceiling", "validation % (noisy)")
 AUDIT_HEADER = ["folder", "algo", "model", "dataset", "claimed ε", "ε lower bound", "ceiling", "canaries",
                 "correct / guesses", "verdict"]
 AUDIT_NUMERIC = ("claimed ε", "ε lower bound", "ceiling", "canaries", "correct / guesses")
@@ -68,6 +68,10 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
     audited = any(r.audit_epsilon_lower_bound is not None or r.audit_ceiling is not None for g in groups for r in g.rows)
     if audited:
         header[6:6] = ["audit ε≥", "ceiling"]
+    # the noisy validation score (what a private study selects on), beside the test metric: only when some run has one
+    validated = any(r.validation is not None for g in groups for r in g.rows)
+    if validated:
+        header.insert(header.index(f"{metric} {metric_name} %") + 1, "validation % (noisy)")
     if ref is not None:
         header += [f"paper {ref.paper} {ref.table}", "Δ"]
     header.append("flags")
@@ -82,6 +86,7 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
                fmt_eps(g.mean("epsilon") if r.private else None, ".2f"),
                *([audit_cell(g, "audit_epsilon_lower_bound"), audit_cell(g, "audit_ceiling")] if audited else []),
                str(len(g.rows)), fmt_any(r.steps), ours,
+               *([fmt(None if g.mean("validation") is None else 100 * g.mean("validation"), ".1f")] if validated else []),
                fmt(g.mean("peak_mib"), ".0f"), fmt(g.mean("samples_per_s"), ".1f")]
         if ref is not None:
             row += _paper_cells(g, ref, mean)
