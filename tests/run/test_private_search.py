@@ -15,6 +15,7 @@ from pathlib import Path
 import dp_accounting as dpa
 import numpy as np
 import pytest
+import torch
 from dp_accounting import dp_event
 from omegaconf import OmegaConf
 
@@ -22,7 +23,10 @@ from dpbench import study
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from hydra_plugins.dpbench_private_search import private_search
-from hydra_plugins.dpbench_private_search.private_search import PrivateSearchSweeper, parse_search_space
+from hydra_plugins.dpbench_private_search.private_search import (
+    PrivateSearchSweeper,
+    parse_search_space,
+)
 
 DELTA = 1e-5
 
@@ -109,7 +113,9 @@ def test_trial_count_follows_dp_accountings_distribution(shape):
 
 
 def test_gamma_is_dp_accountings():
-    from dp_accounting.rdp.rdp_privacy_accountant import _gamma_truncated_negative_binomial
+    from dp_accounting.rdp.rdp_privacy_accountant import (
+        _gamma_truncated_negative_binomial,
+    )
 
     for shape in (0, 0.5, 1, 3):
         for mean in (1.5, 10, 100):
@@ -286,6 +292,7 @@ def test_an_objective_other_than_the_noisy_validation_score_is_refused(tmp_path,
 
 def test_a_study_without_a_validation_split_is_refused_in_one_line():
     from helpers.config import TINY, compose
+
     from hydra_plugins.dpbench_private_search.private_search import TrialPlanner
 
     with pytest.raises(UserError, match="dataset.validation_fraction") as error:
@@ -354,3 +361,49 @@ def test_an_uncharged_sweeper_over_private_runs_is_refused_in_one_line():
     check_sweeper(compose([*TINY, "algo=adam"]), optuna)  # non-private runs: any sweeper
     for accounted in ACCOUNTED_SWEEPERS:
         check_sweeper(compose([*TINY, "algo=dpsgd"]), accounted)
+
+
+@pytest.mark.slow
+def test_selection_is_unchanged_when_the_test_labels_are_permuted(tmp_path, monkeypatch):
+    """Two studies with the same entropy (patched to a fixed sequence) select the same trial with the
+    same noisy validation scores whether or not the test labels are permuted: no trial reads the
+    test set. The selected model's one test evaluation does see the permutation."""
+    import itertools
+
+    from helpers.cli import dpbench_in_process
+
+    import dpbench.data as data
+    import dpbench.privacy.noise as noise
+    import dpbench.privacy.sampling as sampling
+    import dpbench.tasks.image as image
+
+    load = data.load_dataset
+
+    def run(folder: Path, permute: bool) -> dict:
+        counter = itertools.count(12345)
+        for module in (noise, sampling):  # every generator that is seeded from entropy, the same twice
+            monkeypatch.setattr(module, "entropy_seed", lambda: next(counter))
+        monkeypatch.setattr(study, "entropy_rng", lambda: np.random.default_rng(7))
+
+        def loaded(*args, **kwargs):
+            dataset = load(*args, **kwargs)
+            if permute:
+                dataset.test_labels = dataset.test_labels[torch.randperm(len(dataset.test_labels),
+                                                                         generator=torch.Generator().manual_seed(0))]
+            return dataset
+
+        monkeypatch.setattr(image, "load_dataset", loaded)
+        folder.mkdir()
+        done = dpbench_in_process("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=3", "hydra.sweeper.shape=1",
+                                  "train.lr=tag(log, interval(0.003, 0.3))", "privacy.epsilon=3", "train.steps=5",
+                                  "dataset=synthetic", "dataset.validation_fraction=0.3", "train.batch_size=64",
+                                  "model=cnn", "model.width=8", "model.groups=4", "logger=none", "name=study", cwd=folder)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((folder / "outputs" / "multirun" / "study" / "study.json").read_text())
+
+    plain, permuted = run(tmp_path / "plain", False), run(tmp_path / "permuted", True)
+    assert plain["trials"] == permuted["trials"] >= 1
+    assert [o["score"] for o in plain["outcomes"]] == [o["score"] for o in permuted["outcomes"]]
+    assert plain["selected"]["index"] == permuted["selected"]["index"]
+    assert plain["selected"]["overrides"] and plain["selected"]["overrides"] == permuted["selected"]["overrides"]
+    assert plain["selected"]["test"] != permuted["selected"]["test"]  # the one test evaluation saw the labels
