@@ -69,6 +69,7 @@ def test_shuffled_batches_accounted_as_poisson_fail_the_sampler_check():
     assert not sizes.passed and sizes.measured == 0.0
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 @pytest.mark.parametrize("engine", ["ghost", "bk"])
 def test_batchnorm_in_train_mode_is_caught_by_sensitivity(engine, tmp_path):
     """Batch statistics mix the examples: one added example moves the others' clipped gradients, so
@@ -86,6 +87,7 @@ def test_batchnorm_in_train_mode_is_caught_by_sensitivity(engine, tmp_path):
     assert all(c.passed for c in rows(report, "noise") + rows(report, UPDATE, "optimizer input"))
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 @pytest.mark.parametrize("name", ["batchnorm_train_materialize", "batchnorm_running_stats"])
 def test_batchnorm_running_statistics_are_caught_on_the_buffers(name, tmp_path):
     """Under materialize the running statistics, written from each batch's un-noised statistics,
@@ -116,6 +118,7 @@ def test_dcdpsgd_mixture_noise_is_caught_by_the_noise_check(tmp_path):
     assert result.also_failed == [], [c for c in report.checks if not c.passed]
 
 
+@pytest.mark.slow  # the fast tier's budget
 def test_clean_dcdpsgd_passes_the_extended_checks(tmp_path):
     report = run_audit(compose(DCDPSGD), tmp_path)
     assert report.passed, [c for c in report.checks if not c.passed]
