@@ -11,22 +11,8 @@ from pathlib import Path
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.tools import seeded_bugs
+from dpbench.tools.seeded_bugs import compose_within_app as _compose_within_app
 from dpbench.tools.audit import audit_table, run_audit
-
-
-def _compose_within_app(overrides: list[str]):
-    """The config `dpbench <overrides>` would run, composed inside the running Hydra app."""
-    from hydra import compose
-    from hydra.core.global_hydra import GlobalHydra
-
-    from dpbench.schema import checked_composition
-
-    if not GlobalHydra.instance().is_initialized():
-        from dpbench.api import compose as api_compose
-
-        return api_compose(overrides)
-    with checked_composition():
-        return compose(config_name="config", overrides=overrides)
 
 
 def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:

@@ -401,6 +401,21 @@ def _config_groups() -> frozenset[str]:
     return frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
 
 
+def compose_within_app(overrides: list[str]):
+    """The config `dpbench <overrides>` would run, composed inside the running Hydra app."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dpbench.schema import checked_composition
+
+    if not GlobalHydra.instance().is_initialized():
+        from dpbench.api import compose as api_compose
+
+        return api_compose(overrides)
+    with checked_composition():
+        return compose(config_name="config", overrides=overrides)
+
+
 def bug_config(cfg, bug: SeededBug):
     """`cfg` with the bug's overrides on top: a config group's option (algo=dcdpsgd) replaces that
     group's node, composed as `dpbench` composes it, unless `cfg` has chosen it already (its own
@@ -413,13 +428,10 @@ def bug_config(cfg, bug: SeededBug):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf, open_dict
 
-    # composes inside the console script's running Hydra app too
-    from dpbench.tools.audit_cli import _compose_within_app
-
     out = cfg.copy()
     with open_dict(out):
         if groups:
-            composed = _compose_within_app(groups)
+            composed = compose_within_app(groups)  # inside the console script's running Hydra app too
             for override in groups:
                 key = override.split("=")[0]
                 out[key] = composed[key]
