@@ -216,6 +216,19 @@ def row_shard(rows: int, index: int | None = None, count: int | None = None) -> 
     return slice(min(index * per_rank, rows), min((index + 1) * per_rank, rows))
 
 
+def row_shard_shape(shape) -> torch.Size:
+    """The shape of this rank's rows (`row_shard`) of a tensor of `shape`: what
+    `reduce_scatter_rows` returns for it (a 0-dim tensor counts as one row, held by rank 0; one
+    process: `shape` itself)."""
+    shape = torch.Size(shape)
+    if not is_distributed():
+        return shape
+    mine = row_shard(shape[0] if shape else 1)
+    if not shape:
+        return shape if mine.stop > mine.start else torch.Size([0])
+    return torch.Size([mine.stop - mine.start, *shape[1:]])
+
+
 _NO_REDUCE_SCATTER: set[str] = set()  # backends whose build turned out to lack reduce-scatter
 
 
@@ -226,7 +239,7 @@ def reduce_scatter_rows(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
     mine, world = row_shard(rows.shape[0]), world_size()
-    shape = tensor.shape if tensor.dim() == 0 and mine.stop > mine.start else (mine.stop - mine.start, *rows.shape[1:])
+    shape = row_shard_shape(tensor.shape)
     group = _group_of(tensor)
     backend = dist.get_backend(group)
     if backend not in _NO_REDUCE_SCATTER:

@@ -28,7 +28,9 @@ from dpbench.privacy.engines import (
 )
 from dpbench.privacy.per_sample import GradSampler
 # The release lives in dpbench/privacy/release.py; its names stay importable from here.
-from dpbench.privacy.release import REPLICATED, SHARDED, Layout, ReleaseObserver, ReleasePart, gaussian_release
+from dpbench.privacy.release import (
+    REPLICATED, SHARDED, SUMMED_SHARDS, Layout, ReleaseObserver, ReleasePart, gaussian_release,
+)
 from dpbench.registry import Registry
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
@@ -269,6 +271,36 @@ class Algorithm(ABC):
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
 
 
+class _IntoShards:
+    """The engine's `reduce` under train.sharding=fsdp (`DPFirstOrderAlgorithm.accumulates_shards`):
+    each parameter's full-size clipped sum of a chunk, handed over in the order of the engine's
+    `params`, is sum-reduce-scattered over the ranks (`distributed.reduce_scatter_rows`) and added
+    into this rank's shard rows of the step's running sum, which it returns; so neither a full-size
+    accumulator nor a second shard-size copy of a chunk's sums is held."""
+
+    def __init__(self, count: int):
+        self.count, self.calls = count, 0
+        self.sums: list[torch.Tensor] = []  # this rank's rows of each parameter's running sum
+
+    def __call__(self, summed: torch.Tensor) -> torch.Tensor:
+        shard = distributed.reduce_scatter_rows(summed)
+        del summed  # the full-size sum is the engine's to drop now
+        index, self.calls = self.calls % self.count, self.calls + 1
+        if index == len(self.sums):  # the first chunk
+            self.sums.append(shard)
+        else:
+            self.sums[index].add_(shard)
+        return self.sums[index]
+
+    def check(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The running sums, after the engine returned `returned` for one chunk: it must have
+        reduced every parameter once, in order (every rank then ran the same reduce-scatters)."""
+        if self.calls % self.count or len(returned) != self.count or \
+                any(got is not kept for got, kept in zip(returned, self.sums)):
+            raise RuntimeError("the engine did not reduce each parameter's clipped sum once, in order")
+        return self.sums
+
+
 def _zero_factors(norms: torch.Tensor) -> torch.Tensor:
     """Clip factor 0 for every example (a padding chunk of train.sharding=fsdp)."""
     return torch.zeros_like(norms, dtype=torch.float32)
@@ -370,13 +402,26 @@ class DPFirstOrderAlgorithm(Algorithm):
 
     # Opacus's DPOptimizer phases; a variant overrides one at a time.
     def clip_and_accumulate(self, batches: list[Batch]) -> tuple[list[torch.Tensor], LossTally]:
-        """Sum over the logical batch of clipped per-example gradients (fp32)."""
+        """Sum over the logical batch of clipped per-example gradients (fp32).
+
+        Where `accumulates_shards` (a sharded model releasing SHARDED): this rank's shard rows of
+        the sum over every rank's examples. Each physical chunk's sum of each parameter is
+        sum-reduce-scattered over the ranks as the engine forms it (bk: one parameter's full-size
+        sum at a time; ghost: the chunk's, one by one) and added into this rank's rows, so no
+        full-size accumulator is held. Every rank runs as many chunks (`chunks`; padding ones
+        contribute exact zeros), hence as many reduce-scatters, in the same order."""
         tally, sums = LossTally(), None
+        shards = _IntoShards(len(self.engine.params)) if self.accumulates_shards else None
+        reduce = {} if shards is None else {"reduce": shards}
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
             factors = _zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
-            contribution = self.engine.clipped_sum(losses, factors)
-            sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
+            contribution = self.engine.clipped_sum(losses, factors, **reduce)
+            if shards is not None:  # the engine handed every sum to `shards`, which added it up
+                sums = shards.check(contribution)
+            else:
+                sums = contribution if sums is None else [s.add_(c) for s, c in zip(sums, contribution)]
+            del contribution
         return (self.zero_sums() if sums is None else sums), tally  # an empty batch releases pure noise
 
     def example_factors(self, norms: torch.Tensor, clip: float | torch.Tensor | None = None,
@@ -404,12 +449,27 @@ class DPFirstOrderAlgorithm(Algorithm):
     # whole on every rank: DP-GRAPE's projected ones, one draw on rank 0, broadcast).
     sharded_layout: ClassVar[Layout] = SHARDED
 
+    @property
+    def accumulates_shards(self) -> bool:
+        """Whether `clip_and_accumulate` keeps only this rank's shard rows of the summed clipped
+        sums (a sharded model releasing SHARDED), which `add_noise` then releases as
+        SUMMED_SHARDS: no second reduce-scatter."""
+        return self.sharded and self.sharded_layout is SHARDED
+
     def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's noisy release of the clipped sum (a sharded model: `sharded_layout`, by
-        default this rank's shard rows of each, sum-reduce-scattered over the ranks and noised by
-        this rank, privacy/release.py)."""
+        """The step's noisy release of the clipped sum (a sharded model: `sharded_layout`; by
+        default the sums are already this rank's shard rows of the sum over the ranks,
+        `clip_and_accumulate`, and this rank noises them, privacy/release.py's SUMMED_SHARDS)."""
+        layout = self.sharded_layout if self.sharded else REPLICATED
+        if self.accumulates_shards:
+            shapes = [distributed.row_shard_shape(shape) for shape in self.noise_shapes()]
+            if [s.shape for s in sums] != shapes:  # e.g. an override of clip_and_accumulate that sums full size
+                raise RuntimeError("train.sharding=fsdp releases this rank's summed shard rows of each clipped sum "
+                                   f"(clip_and_accumulate), shapes {[tuple(x) for x in shapes]}, not "
+                                   f"{[tuple(s.shape) for s in sums]}")
+            layout = SUMMED_SHARDS
         (noisy,) = self.gaussian_release("gradient", ReleasePart(sums, self.gradient_sensitivity(), self.gradient_noise_std()),
-                                         layout=self.sharded_layout if self.sharded else REPLICATED)
+                                         layout=layout)
         return noisy
 
     def scale_grad(self, noisy_sums: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -431,9 +491,12 @@ class DPFirstOrderAlgorithm(Algorithm):
         return tally.result()
 
     def zero_sums(self) -> list[torch.Tensor]:
-        """fp32 accumulators in the shapes of the privatised sums."""
+        """fp32 accumulators in the shapes of the privatised sums (`accumulates_shards`: of this
+        rank's shard rows of them)."""
         device = self.params[0].device
-        return [torch.zeros(shape, device=device, dtype=torch.float32) for shape in self.noise_shapes()]
+        shapes = [distributed.row_shard_shape(s) for s in self.noise_shapes()] if self.accumulates_shards \
+            else self.noise_shapes()
+        return [torch.zeros(shape, device=device, dtype=torch.float32) for shape in shapes]
 
     @property
     def per_sample_grad_bytes(self) -> int:

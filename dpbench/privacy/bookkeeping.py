@@ -36,6 +36,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from dpbench.errors import UserError
+from dpbench.privacy.clipping import Reduce, reduce_each
 
 # LinearGradientMap, is_layer_norm and the piece forms moved to layers.py and pieces.py; they stay
 # importable from here for one release.
@@ -240,9 +241,13 @@ class BookKeeping:
         return sum(piece.nbytes() for piece in self._state.open.values())
 
     # --- the engine interface -----------------------------------------------------------------
-    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn) -> list[torch.Tensor]:
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn, reduce: Reduce | None = None) -> list[torch.Tensor]:
         """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B]; `peak_bytes`
-        meters the per-example working bytes held at the peak."""
+        meters the per-example working bytes held at the peak. `reduce` (train.sharding=fsdp:
+        `distributed.reduce_scatter_rows`): applied to each parameter's sum in the order of
+        `params` (zeros for a parameter no hook reached), so that every rank enters it alike; bk
+        reduces each sum as soon as it is formed (one parameter's full-size sum at a time), ghost
+        once its second backward has formed them all."""
         self._examples = losses.shape[0]
         self.working_bytes = self._state.held_bytes = 0
         try:
@@ -258,7 +263,8 @@ class BookKeeping:
             self._drop_grads()
             norms = self._norms(losses)
             factors = factors_fn(norms)
-            sums = self._book_kept_sums(factors) if self.passes == 1 else self._reweighted_sums(losses, factors)
+            sums = self._book_kept_sums(factors, reduce) if self.passes == 1 else \
+                reduce_each(self._reweighted_sums(losses, factors), reduce)
         finally:
             self._reset()
         self.peak_bytes = max(self.peak_bytes, self.working_bytes)
@@ -362,9 +368,11 @@ class BookKeeping:
             norm_sq = norm_sq + value.double()
         return round_up_fp32((norm_sq.clamp(min=0) * fp64_slack(len(self._state.norm_sq) + 4)).sqrt() * fp64_slack(2))
 
-    def _book_kept_sums(self, factors: torch.Tensor) -> list[torch.Tensor]:
+    def _book_kept_sums(self, factors: torch.Tensor, reduce: Reduce | None = None) -> list[torch.Tensor]:
         """Each parameter's clipped sum, its kept pieces released as soon as it is formed (the
-        next layer's temporaries reuse their memory)."""
+        next layer's temporaries reuse their memory). `reduce`: each sum reduced as soon as it is
+        formed, in the order of `params` (a collective: the same order on every rank), so that
+        one full-size sum exists at a time."""
         # One host sync per step: when no clip factor is 0, no example's norm was non-finite, so
         # none of its pieces holds an inf or a NaN (either would make its norm non-finite) and the
         # sums skip zeroing dropped rows: a copy of every kept input and a pass over every output
@@ -374,13 +382,19 @@ class BookKeeping:
         # else: the last of them may scale it in place (one g can reach several layers, e.g. the
         # summed word and position embeddings, so pieces are counted by storage).
         readers = Counter(_storage(t) for piece in self._state.kept.values() for t in piece.tensors())
-        sums = {}
-        for p in list(self._state.kept):
+
+        def formed(p: nn.Parameter) -> torch.Tensor:
             piece = self._state.kept.pop(p)
             own_g = isinstance(piece, OuterProduct) and readers[_storage(piece.g)] == 1
             with exact_arithmetic(piece_device(piece)):
-                sums[p] = piece.clipped_sum(factors, all_finite, own_g=own_g)
+                summed = piece.clipped_sum(factors, all_finite, own_g=own_g)
             readers.subtract(_storage(t) for t in piece.tensors())
+            return summed
+
+        if reduce is not None:
+            return [reduce(formed(p) if p in self._state.kept else torch.zeros(p.shape, device=p.device))
+                    for p in self.params]
+        sums = {p: formed(p) for p in list(self._state.kept)}  # in the backward's order
         return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 
     def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:

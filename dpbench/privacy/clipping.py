@@ -84,3 +84,19 @@ def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor, overwrite
             torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
         sums.append(torch.einsum("b,b...->...", factors, finite))
     return sums
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # one parameter's full-size clipped sum -> what is kept of it
+
+
+def reduce_each(sums: list[torch.Tensor], reduce: Reduce | None) -> list[torch.Tensor]:
+    """`reduce` applied to each sum in order (train.sharding=fsdp: `distributed.reduce_scatter_rows`,
+    a collective every rank enters alike), each full-size sum dropped from `sums` once reduced.
+    `reduce` None: `sums` itself."""
+    if reduce is None:
+        return sums
+    kept = []
+    while sums:
+        kept.append(reduce(sums.pop(0)))
+    return kept
+

@@ -18,7 +18,7 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.clipping import clipped_sum, per_sample_norms, sum_rows_per_example
+from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
 from dpbench.privacy.layers import is_layer_norm
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
@@ -139,10 +139,13 @@ class PerSampleGradients:
         self.meter(sum(g.numel() * g.element_size() for g in per_sample))
         return per_sample
 
-    def clipped_sum(self, losses: torch.Tensor, factors_fn) -> list[torch.Tensor]:
-        """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms)."""
+    def clipped_sum(self, losses: torch.Tensor, factors_fn, reduce: Reduce | None = None) -> list[torch.Tensor]:
+        """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms); `reduce` (the engine
+        protocol's) applied to each, in the order of `params`, after they are all formed."""
         per_sample = self.backward_per_sample(losses)
-        return clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
+        sums = clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
+        del per_sample
+        return reduce_each(sums, reduce)
 
     def detach(self) -> None:
         for handle in self._handles:

@@ -30,6 +30,16 @@ Layouts over torchrun ranks (dpbench/distributed.py):
   noise to its shard from its own entropy-seeded generator. Generators of different processes are
   independent, so the shards together are the global sum plus N(0, std^2) on every coordinate,
   drawn once: the same Gaussian mechanism as REPLICATED. The noisy values returned are the shards.
+* SUMMED_SHARDS (SHARDED with the reduce-scatter already done by the caller): the values are this
+  rank's shard rows (`distributed.row_shard`, `distributed.row_shard_shape`) of the global sums,
+  summed over the ranks before the release, e.g. chunk by chunk and layer by layer as they are
+  formed (`DPFirstOrderAlgorithm.clip_and_accumulate` under train.sharding=fsdp, so that no rank
+  holds a full-size accumulator). The release runs no collective on them: each rank adds noise
+  to its rows from its own generator, as in SHARDED, whose invariants hold unchanged (every
+  coordinate is in one rank's rows and gets one N(0, std^2) draw; the observer sees the global
+  sums' rows the noise was added to; the ranks agree on the finiteness check). The sensitivity is
+  that of the global sum: the caller's reduce-scatter must be a SUM over every rank, each rank
+  entering it alike (the same tensors in the same order).
 """
 
 from __future__ import annotations
@@ -51,10 +61,12 @@ class Layout(str, Enum):
 
     replicated = "replicated"
     sharded = "sharded"
+    summed_shards = "summed_shards"
 
 
 REPLICATED = Layout.replicated
 SHARDED = Layout.sharded
+SUMMED_SHARDS = Layout.summed_shards
 
 
 @dataclass
@@ -91,7 +103,8 @@ def gaussian_release(
     """(noisy values per part, the mechanism that ran): N(0, part.noise_std^2) added to every
     coordinate of each part's values, over `layout` (see the module docstring).
 
-    REPLICATED sums the parts' values over the ranks in place. `noise` draws (an entropy-seeded
+    REPLICATED sums the parts' values over the ranks in place; SHARDED reduce-scatters them;
+    SUMMED_SHARDS takes them as this rank's rows of the global sums. `noise` draws (an entropy-seeded
     `GaussianNoise`); `sample_rate` and `neighboring` state the mechanism (1.0 for a value read
     from a fixed, not subsampled, set). Raises DivergedError, on every rank alike, when a noisy
     value is not finite."""
@@ -100,14 +113,15 @@ def gaussian_release(
     if layout is Layout.replicated:
         released, noisy = parts, _replicated(parts, noise)
     else:
-        released = [ReleasePart([distributed.reduce_scatter_rows(v) for v in part.values], part.sensitivity,
-                                part.noise_std) for part in parts]
+        released = parts if layout is Layout.summed_shards else [  # summed_shards: reduce-scattered already
+            ReleasePart([distributed.reduce_scatter_rows(v) for v in part.values], part.sensitivity, part.noise_std)
+            for part in parts]
         noisy = _noised(released, noise)  # each rank its own shard, from its own generator
     mechanism = release_mechanism(parts, sample_rate, neighboring)
     if charge is not None:
         charge(mechanism)  # first: a release that halts the run ran too
     # replicated: every rank checks rank 0's values alike; sharded: the ranks agree on their shards
-    _halt_unless_finite(name, noisy, agree=layout is Layout.sharded)
+    _halt_unless_finite(name, noisy, agree=layout is not Layout.replicated)
     if observer is not None:
         observer(name, released, noisy, mechanism)
     return noisy, mechanism

@@ -1,6 +1,7 @@
 """One rank of the sharded-release test (tests/privacy/test_release.py), started by torch.multiprocessing
 with the gloo backend on the CPU. Each rank releases its own local sums in the SHARDED layout,
-once through reduce-scatter and once through the all-reduce fallback, and saves what it saw to
+once through reduce-scatter and once through the all-reduce fallback, and their reduce-scattered
+rows in the SUMMED_SHARDS layout, and saves what it saw to
 <out>/rank<r>.pt for the test to compare."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from dpbench import distributed
 from dpbench.privacy.noise import GaussianNoise
-from dpbench.privacy.release import SHARDED, ReleasePart, gaussian_release
+from dpbench.privacy.release import SHARDED, SUMMED_SHARDS, ReleasePart, gaussian_release
 
 # Shapes released together: rows that split unevenly over 2 and 3 ranks, a vector, a scalar.
 SHAPES = [(2_001, 20), (20_003,), ()]
@@ -26,11 +27,16 @@ def local_values(rank: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) * (rank + 1) for shape in SHAPES]
 
 
-def release(rank: int) -> dict:
+def release(rank: int, layout=SHARDED) -> dict:
+    """SHARDED: this rank's local sums; SUMMED_SHARDS: this rank's rows of their sum over the ranks
+    (reduce-scattered before the release, as DP-SGD's clip_and_accumulate does chunk by chunk)."""
     seen = []
+    values = local_values(rank)
+    if layout is SUMMED_SHARDS:
+        values = [distributed.reduce_scatter_rows(v) for v in values]
     noisy, mechanism = gaussian_release(
-        "gradient", [ReleasePart(local_values(rank), SENSITIVITY, STD)], noise=GaussianNoise("cpu"),
-        sample_rate=SAMPLE_RATE, neighboring="add_remove", layout=SHARDED,
+        "gradient", [ReleasePart(values, SENSITIVITY, STD)], noise=GaussianNoise("cpu"),
+        sample_rate=SAMPLE_RATE, neighboring="add_remove", layout=layout,
         observer=lambda name, parts, values, m: seen.append([v.clone() for v in parts[0].values]),
     )
     return {"noisy": [v.clone() for v in noisy[0]], "observed": seen[0],
@@ -42,7 +48,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     distributed.init_from_environment()
-    results = {"reduce_scatter": release(rank)}
+    results = {"reduce_scatter": release(rank), "summed_shards": release(rank, SUMMED_SHARDS)}
     results["fell_back"] = sorted(distributed._NO_REDUCE_SCATTER)  # gloo builds without reduce-scatter
     distributed._NO_REDUCE_SCATTER.add(distributed.backend())  # as a build without reduce-scatter
     results["all_reduce"] = release(rank)

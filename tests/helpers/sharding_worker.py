@@ -83,6 +83,7 @@ def train(rank: int, world: int, sigma: float = 0.0, teacher: bool = False, mode
     algorithm.release_observer = lambda name, parts, noisy, mechanism: releases.append(
         ([v.detach().clone() for v in parts[0].values], [v.detach().clone() for v in noisy[0]]))
     steps = []
+    accumulated = AccumulatorMeter(algorithm) if world > 1 else []
     for step, indices in enumerate(MODELS[model_name][1]):
         # the reference (one process) runs the ranks' physical chunks one after the other: the same
         # per-example arithmetic, so that what differs is only the order of the sums
@@ -95,8 +96,11 @@ def train(rank: int, world: int, sigma: float = 0.0, teacher: bool = False, mode
                 everything = [c for r in range(world) for c in chunks(indices[r::world], task)]
                 taught.append([t.clone() for t in reference.clip_and_accumulate(everything)[0]])
         result = algorithm.train_step(physical, step)
+        if accumulated:  # reduce-scatters after clip_and_accumulate returned: the release's
+            accumulated[-1]["in_release"] = len(accumulated.calls)
         steps.append((result.loss, result.batch_size, [m.noise_multiplier for m in result.mechanisms]))
     if world > 1:  # whole tensors from the ranks' rows (the same collectives on every rank)
+        accumulated.restore()
         releases = [([gathered(v) for v in sums], [gathered(v) for v in noisy]) for sums, noisy in releases]
     local_noise = None
     if sigma and world > 1:  # this rank's own shard of the last release's noise (before gathering)
@@ -111,7 +115,50 @@ def train(rank: int, world: int, sigma: float = 0.0, teacher: bool = False, mode
         "parameter_bytes": sharding.local_bytes(algorithm.model.parameters()),
         "optimizer_state_bytes": algorithm.optimizer_state_bytes(),
         "peak_bytes": algorithm.per_sample_grad_bytes,
+        "accumulated": list(accumulated),
+        "full_shapes": [tuple(p.shape) for p in algorithm.params],
+        "local_shapes": [tuple(sharding.local(p).shape) for p in algorithm.params],
     }
+
+
+class AccumulatorMeter(list):
+    """Per step of a sharded run, what `clip_and_accumulate` held and ran: the shapes of the sums
+    it returned, the physical chunks (engine calls), and the shapes of the tensors it handed to
+    `distributed.reduce_scatter_rows` (each one parameter's full-size clipped sum of one chunk;
+    the first step also the coverage check's); `in_release`: those run after it, in the step's
+    release. `restore()` undoes the instrumentation."""
+
+    def __init__(self, algorithm):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.chunks = 0
+        self.algorithm, self.original = algorithm, distributed.reduce_scatter_rows
+        clip, engine_sum = algorithm.clip_and_accumulate, algorithm.engine.clipped_sum
+
+        def counted(tensor):
+            self.calls.append(tuple(tensor.shape))
+            return self.original(tensor)
+
+        def chunk(*args, **kwargs):
+            self.chunks += 1
+            return engine_sum(*args, **kwargs)
+
+        def recorded(batches):
+            self.calls.clear()
+            self.chunks = 0
+            sums, tally = clip(batches)
+            self.append({"sums": [tuple(v.shape) for v in sums], "reduce_scatters": list(self.calls),
+                         "chunks": self.chunks})
+            self.calls.clear()
+            return sums, tally
+
+        distributed.reduce_scatter_rows = counted
+        algorithm.engine.clipped_sum = chunk
+        algorithm.clip_and_accumulate = recorded
+
+    def restore(self) -> None:
+        distributed.reduce_scatter_rows = self.original
+        del self.algorithm.clip_and_accumulate, self.algorithm.engine.clipped_sum  # the instance's own
 
 
 def last_local_release(algorithm, task, rank: int, world: int):

@@ -485,3 +485,31 @@ def test_a_layer_called_on_data_and_on_a_hidden_state_gets_each_calls_inputs(mod
     assert len(seen) == 3
     for norms in seen:
         torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk", "materialize"])
+def test_reduce_sees_each_parameters_sum_once_in_order_and_its_results_are_returned(mode):
+    """The engines' `reduce` (train.sharding=fsdp: each chunk's sums reduce-scattered as formed):
+    every parameter's clipped sum once, in the order of `params` (a collective's order on every
+    rank), zeros for one the loss did not reach, and the list returned is what it returned."""
+    torch.manual_seed(0)
+    model = NormedHead()
+    model.unused = nn.Linear(3, 2)  # never called: its sums are zeros, reduced all the same
+    ids, targets = torch.randint(0, 50, (6, 5)), torch.randint(0, 50, (6, 5))
+
+    def losses():
+        return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="none").view(6, -1).sum(1)
+
+    def factors(norms):
+        return (1.0 / norms.clamp(min=1.0)).float()
+
+    first = build_engine(mode, model)
+    plain = first.clipped_sum(losses(), factors)
+    first.detach()
+    engine, seen = build_engine(mode, model), []
+    reduced = engine.clipped_sum(losses(), factors, reduce=lambda s: seen.append(s.clone()) or s[:1] * 2)
+    assert [s.shape for s in seen] == [p.shape for p in engine.params]
+    for want, got, out in zip(plain, seen, reduced):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out, want[:1] * 2, rtol=1e-6, atol=1e-7)
+    assert not seen[-1].any() and not seen[-2].any()  # the unused Linear's weight and bias

@@ -1,6 +1,7 @@
-"""dpbench.privacy.release: the one noisy release, without an Algorithm, in both layouts.
+"""dpbench.privacy.release: the one noisy release, without an Algorithm, in every layout.
 
-The SHARDED layout runs on spawned gloo ranks (2 and 3 processes, CPU): the noisy shards put
+The SHARDED layout runs on spawned gloo ranks (2 and 3 processes, CPU), and SUMMED_SHARDS on the
+rows reduce-scattered before it (no second reduce-scatter): the noisy shards put
 together are the global sum plus N(0, std^2) per coordinate, the ranks' noise is independent, and
 the mechanism is the replicated one. One process, it is the REPLICATED release."""
 
@@ -15,7 +16,7 @@ from dpbench import distributed
 from dpbench.errors import DivergedError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.noise import GaussianNoise
-from dpbench.privacy.release import REPLICATED, SHARDED, ReleasePart, gaussian_release
+from dpbench.privacy.release import REPLICATED, SHARDED, SUMMED_SHARDS, ReleasePart, gaussian_release
 
 
 def seeded_noise(seed: int) -> GaussianNoise:
@@ -42,14 +43,14 @@ def test_a_scalar_released_without_an_algorithm_under_its_own_mechanism():
 def test_one_process_sharded_is_the_replicated_release():
     values = [torch.randn(7, 3), torch.randn(5), torch.tensor(2.0)]
     releases = {}
-    for layout in (REPLICATED, SHARDED):
+    for layout in (REPLICATED, SHARDED, SUMMED_SHARDS):
         parts = [ReleasePart([v.clone() for v in values[:2]], 1.0, 2.0), ReleasePart([values[2].clone()], 0.5, 4.0)]
         releases[layout] = gaussian_release("gradient", parts, noise=seeded_noise(7), sample_rate=0.1,
                                             neighboring="add_remove", layout=layout)
     (replicated, m_replicated), (sharded, m_sharded) = releases[REPLICATED], releases[SHARDED]
-    assert m_replicated == m_sharded
-    for a, b in zip(replicated, sharded):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert m_replicated == m_sharded == releases[SUMMED_SHARDS][1]
+    for a, b, c in zip(replicated, sharded, releases[SUMMED_SHARDS][0]):
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
 
 
 def test_a_release_that_halts_is_charged_and_not_observed():
@@ -81,7 +82,7 @@ def ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 
 @pytest.mark.slow  # starts processes
-@pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce", "summed_shards"])
 def test_sharded_release_is_the_global_sum_plus_independent_noise_of_the_stated_std(ranks, path):
     from helpers.release_worker import (
         SAMPLE_RATE,

@@ -82,6 +82,27 @@ def test_five_dp_adam_steps_end_where_one_process_does(ranks, model):
 
 
 @pytest.mark.slow  # starts processes
+@pytest.mark.parametrize("run_name", ["sharded", "opt", "ghost", "noisy"])
+def test_the_accumulators_are_this_ranks_shard_rows_reduce_scattered_chunk_by_chunk(ranks, run_name):
+    """Each step's clipped sums are held as this rank's shard rows (half of each weight's rows),
+    each physical chunk's per-parameter full-size sum reduce-scattered as it is formed, the same
+    number of times on both ranks (padding chunks too), and the release reduce-scatters nothing."""
+    parameters = len(ranks[0][run_name]["full_shapes"])
+    for rank in ranks:
+        measured = rank[run_name]
+        assert len(measured["accumulated"]) == len(LOGICAL_BATCHES)
+        assert any(local[0] < full[0] for local, full in zip(measured["local_shapes"], measured["full_shapes"]))
+        for step, held in enumerate(measured["accumulated"]):
+            assert held["sums"] == measured["local_shapes"]  # shard rows, not full size
+            coverage = measured["full_shapes"] if step == 0 else []  # the engine's one-time coverage check
+            assert held["reduce_scatters"] == coverage + measured["full_shapes"] * held["chunks"]
+            assert held["in_release"] == 0
+    # several physical chunks a step, as many on both ranks (rank 1 pads where it has fewer or none)
+    chunks = [[held["chunks"] for held in rank[run_name]["accumulated"]] for rank in ranks]
+    assert chunks[0] == chunks[1] and max(chunks[0]) >= 2 and parameters
+
+
+@pytest.mark.slow  # starts processes
 def test_each_coordinate_gets_sigma_c_noise_once(ranks):
     noisy = ranks[0]["noisy"]
     noise = torch.cat([(n - s).flatten().double() for sums, noises in noisy["releases"] for s, n in zip(sums, noises)])

@@ -10,8 +10,10 @@ from torch import nn
 from dpbench.algorithms.projected_adam import make_projection
 from dpbench.tools.benchmarks.memory_model import (
     estimate_model,
+    estimate,
     main,
     meta_model,
+    reduce_scatter_bytes,
     shard_numel,
     sharded_bytes,
 )
@@ -66,10 +68,27 @@ def test_two_ranks_shard_rows_as_torch_chunk_and_gather_two_blocks_and_the_root(
     r = rows(est)
     # rank 0: Linear 1 weight 2 of 4 rows (6) + bias 2, LayerNorm 2 + 2, Linear 2 weight 1 of 2 rows (4)
     assert r["parameters / K"] == 16 * 4 and r["gradients / K"] == 16 * 4 and r["optimizer state / K"] == 2 * 16 * 4
-    assert r["clipped-sum accumulators"] == 32 * 4  # full size on every rank
+    # this rank's rows of the sums, and one parameter's full-size sum at a time (bk): the largest,
+    # Linear 1's [4, 3] weight, with its reduce-scatter's output rows (2 of 4; 4 rows need no padding)
+    assert r["clipped-sum accumulators / K"] == 16 * 4 and "clipped-sum accumulators" not in r
+    assert r["clipped-sum working sum"] == 12 * 4 + 6 * 4
     assert r["gathered (FSDP2 all-gather)"] == 2 * 16 * 4 + 8 * 4  # 2 x the largest block + the LayerNorm (root)
     assert r["per-example work (bk, B=2, T=5)"] == 712  # not sharded
     assert shard_numel((5, 3), 2) == 9 and shard_numel((5, 3), 4) == 6 and shard_numel((), 8) == 1
+
+
+def test_ghost_and_materialize_hold_one_chunks_full_size_sums_before_reduce_scattering_them():
+    for engine in ("ghost", "materialize"):
+        r = rows(estimate_model(tiny(), inputs(), algo="dpsgd", engine=engine, batch=2, tokens=5, world_size=2,
+                                block_patterns=("0", "2")))
+        assert r["clipped-sum accumulators / K"] == 16 * 4
+        assert r["clipped-sum working sum"] == 32 * 4 + 6 * 4  # every parameter's sum + the largest output rows
+
+
+def test_reduce_scatter_buffers_pad_rows_to_a_multiple_of_k():
+    assert reduce_scatter_bytes((4, 3), 2) == 6 * 4  # output rows only
+    assert reduce_scatter_bytes((4, 3), 3) == (6 * 3 + 2 * 3) * 4  # a padded [6, 3] copy + 2 rows
+    assert reduce_scatter_bytes((), 2) == (2 + 1) * 4  # one row padded to 2, + its output row
 
 
 def test_grape_moments_and_sums_are_projected():
@@ -83,6 +102,7 @@ def test_grape_moments_and_sums_are_projected():
     r = rows(estimate_model(model, inputs(), algo="grape", engine="bk", batch=2, tokens=5, world_size=2,
                             block_patterns=("0", "2"), projected={model[0].weight: projection}))
     assert r["gradients / K"] == released * 4 and r["optimizer state / K"] == 2 * released * 4
+    assert r["clipped-sum accumulators"] == released * 4  # summed before the all-reduce, whole
     assert r["parameters / K"] == 16 * 4  # the weights are sharded
 
 
@@ -104,6 +124,18 @@ def test_opt_6_7b_dp_adam_state_is_107_gb_and_an_eighth_per_gpu_at_k8():
     assert abs(weights_grads_moments / 1e9 - 107) < 1.0
     per_gpu = 4 * sharded_bytes(shapes, 8, 4)
     assert abs(per_gpu / 1e9 - 13.4) < 0.2
+
+
+@pytest.mark.slow  # composes the config and runs OPT-6.7B's forward on meta (a few seconds)
+def test_opt_6_7b_dp_adam_bk_at_k8_shards_its_accumulators():
+    overrides = ["model=opt", "model.size=6.7b", "dataset=squad", "algo=dpadam", "algo.per_sample=bk",
+                 "train.physical_batch_size=1", "train.precision=fp32"]
+    est = estimate(overrides, 8, 1, 512)
+    r = rows(est)
+    assert r["clipped-sum accumulators / K"] == r["gradients / K"]  # the released shard's rows
+    # one parameter's full-size sum: the [50272, 4096] embedding tied to the head, 0.77 GiB + 1/8
+    assert r["clipped-sum working sum"] == 50272 * 4096 * 4 * 9 // 8
+    assert 23.2 * 2**30 < est.total < 23.4 * 2**30  # 44.1 GiB with full-size accumulators
 
 
 def test_the_command_prints_the_table_and_the_verdict(capsys):

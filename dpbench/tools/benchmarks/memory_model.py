@@ -19,9 +19,16 @@ most), the table gives rank 0's bytes of:
   (Adam: two fp32 moments; DP-GRAPE: its projected moments, r x n per projected layer, full moments
   elsewhere, not sharded: its release is replicated, and so are they; DP-SGD: a momentum buffer
   when algo.momentum > 0);
-* the clipped-sum accumulators: fp32, in the shapes of the privatised sums (DP-GRAPE: projected),
-  FULL SIZE on every rank: the sum over the physical chunks is formed before the release
-  reduce-scatters it (dpbench/algorithms/base.py, `clip_and_accumulate`), so it is not divided by K;
+* the clipped-sum accumulators: fp32, in the shapes of the privatised sums (DP-GRAPE: projected).
+  One process, and DP-GRAPE (its release is replicated: summed before the all-reduce): full size.
+  DP-SGD and DP-Adam at K > 1: this rank's shard rows / K, since each physical chunk's sum of each
+  parameter is sum-reduce-scattered into them as it is formed (dpbench/algorithms/base.py,
+  `clip_and_accumulate`), plus the full-size working sum that exists before its reduce-scatter
+  (row "clipped-sum working sum"): with bk ONE PARAMETER's (the largest; they are formed one at a
+  time after the backward), with ghost and materialize ONE CHUNK's (every parameter's: the
+  second backward, or the per-example gradients, form them all before the first is reduced),
+  each with the reduce-scatter's zero-padded copy where the rows are not a multiple of K and its
+  output rows;
 * per-example work, not sharded either: every rank holds its own physical batch's (B examples of T
   tokens) activations of the layer being processed, gathered to full width (FSDP2 gathers the
   weights, not the examples). By engine (dpbench/privacy/bookkeeping.py, per_sample.py):
@@ -134,6 +141,16 @@ def shard_numel(shape, world_size: int) -> int:
 
 def sharded_bytes(shapes, world_size: int, element_bytes: int) -> int:
     return sum(shard_numel(s, world_size) for s in shapes) * element_bytes
+
+
+def reduce_scatter_bytes(shape, world_size: int) -> int:
+    """fp32 bytes `distributed.reduce_scatter_rows` allocates for one tensor of `shape` beside it:
+    a zero-padded copy where the rows are not a multiple of K, and the output's ceil(rows / K) rows."""
+    shape = tuple(shape) or (1,)
+    rows, rest = shape[0], math.prod(shape[1:])
+    per_rank = -(-rows // world_size)
+    padded = per_rank * world_size * rest if rows % world_size else 0
+    return (padded + per_rank * rest) * 4
 
 
 # --- the model, on meta ---------------------------------------------------------------------------------------
@@ -309,9 +326,21 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
         state = sharded_bytes(released, K, 4) if momentum else 0
         note = "momentum buffer" if momentum else "none (algo.momentum=0)"
     est.rows.append(("optimizer state / K", state, note))
-    est.rows.append(("clipped-sum accumulators", sum(math.prod(s) for s in released) * 4,
-                     "fp32, full size on every rank (summed before the " +
-                     ("all-reduce)" if algo == "grape" else "reduce-scatter)")))
+    if K > 1 and algo != "grape":  # each chunk's sums reduce-scattered into this rank's rows as formed
+        est.rows.append(("clipped-sum accumulators / K", sharded_bytes(released, K, 4),
+                         "fp32, this rank's shard rows (each chunk's sums reduce-scattered into them)"))
+        scatter = max(reduce_scatter_bytes(shape, K) for shape in released)
+        if engine == "bk":
+            working = max(math.prod(shape) * 4 + reduce_scatter_bytes(shape, K) for shape in released)
+            note = "fp32, one parameter's full-size sum (the largest) + its reduce-scatter buffers"
+        else:
+            working = sum(math.prod(shape) for shape in released) * 4 + scatter
+            note = f"fp32, one chunk's full-size sums ({engine}: all formed before the first reduce-scatter)"
+        est.rows.append(("clipped-sum working sum", working, note))
+    else:
+        est.rows.append(("clipped-sum accumulators", sum(math.prod(s) for s in released) * 4,
+                         "fp32, full size on every rank (summed before the all-reduce)" if algo == "grape" and K > 1
+                         else "fp32, full size"))
     rows = per_example_rows(layer_calls(model, inputs, batch, act), engine, batch, numel)
     est.per_example_bytes = sum(b for _, b, _ in rows)
     est.rows.append((f"per-example work ({engine}, B={batch}, T={tokens})", est.per_example_bytes,
