@@ -175,6 +175,7 @@ def test_drw_changes_nothing_before_its_epoch_and_weights_each_loss_after():
     assert not torch.allclose(expected, plain)
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_drw_switches_on_in_a_run_at_its_epoch(tmp_path):
     from dpbench.logging.wandb_logger import build_logger
     from dpbench.run import fit, setup

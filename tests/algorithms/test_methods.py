@@ -270,6 +270,7 @@ def test_opt_13b_preset_names_its_checkpoint():
 
 
 # --- DPZero Figs. 1-2: error vs d --------------------------------------------------------------------
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_synthetic_plot_keeps_the_best_run_per_method_and_dimension(tmp_path):
     from dpbench.tools.plots_synthetic import best_errors, main
 

@@ -74,6 +74,7 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.delattr(dpbench.algorithms, "toy", raising=False)
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_a_toy_algorithm_from_one_py_and_one_yaml_runs_end_to_end_and_passes_the_audit(toy, tmp_path):
     from dpbench.tools.audit import run_audit
     from dpbench.run import run_job

@@ -124,6 +124,7 @@ def test_toy_image_model_is_built_projected_and_adapted():
     assert {"head.weight", "head.bias"} <= names
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 @pytest.mark.parametrize("algo", ["grape", "dplora"])
 def test_toy_families_train_end_to_end(algo, sst2, tmp_path):
     from dpbench.run import run_job

@@ -150,6 +150,7 @@ def test_lora_adapter_per_sample_grads(workspace, model_name, dataset):
     "model_name,dataset,algo",
     [(m, d, a) for m, d in (("roberta", "sst2"), ("opt", "squad")) for a in ("dpadam", "dplora", "grape", "dpzero")],
 )
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_language_runs_end_to_end(workspace, tmp_path, model_name, dataset, algo):
     from dpbench.run import run_job
 

@@ -99,6 +99,7 @@ def test_dpgrape_t3_carries_the_paper_settings():
         assert job["dataset"]["data_seed"] == job["seed"] and job["dataset"]["k_shot"] == s["k_shot"]
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 @pytest.mark.parametrize("name, quantity_table", [("dpgrape_t4", "T4"), ("dpgrape_t12", "T12")])
 def test_dpgrape_opt_presets_carry_table_11_and_the_per_size_settings(name, quantity_table):
     s = table("dpgrape", "T4").settings
@@ -115,6 +116,7 @@ def test_dpgrape_opt_presets_carry_table_11_and_the_per_size_settings(name, quan
         assert any(e.match.get("dataset") == dataset for e in table("dpgrape", quantity_table).entries)
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_dpgrape_t6_carries_table_5_and_delta_one_over_n():
     s = table("dpgrape", "T6").settings
     _, grid = compose("experiment=dpgrape_t6")

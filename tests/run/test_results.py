@@ -168,6 +168,7 @@ def test_written_file_is_json_with_nan_as_null(tmp_path):
     ["algo=dpdr", "algo.paper_accounting=true", "algo.sigma_perp=0.59", "algo.sigma_alpha=0.8",
      "algo.claimed_epsilon=8", "privacy.noise_multiplier=0.59"],
 ])
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_algorithm_facts_are_values_and_their_meaning_is_in_the_notes(overrides):
     """results.json `algorithm` holds numbers, flags and names; an explanation of what a figure
     means goes to the run's notes (DPDR's claimed epsilon, DC-DPSGD's epsilon split)."""

@@ -187,6 +187,7 @@ def test_audit_flags_the_approximate_gdp_accountant(tmp_path):
     assert accounting.measured < accounting.bound and not accounting.passed
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_console_script_exit_codes(tmp_path):
     from dpbench.tools.audit_cli import main
 

@@ -4,6 +4,7 @@ worker measurement on a tiny model. Nothing here is timed: the benchmark is run 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dpbench.tools.benchmarks import engines
@@ -55,6 +56,7 @@ def test_methods_alternate_and_the_freed_peak_runs_once_per_method_with_the_fixe
     assert [r["own_peak_bytes"] for r in results["adam"]] == [300 * MIB, 300 * MIB]
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_a_worker_measures_speed_and_both_peaks_on_a_tiny_vit(monkeypatch):
     monkeypatch.setitem(engines.SHAPES, "vit", engines.Shape("vit", width=16, depth=1, heads=2))
     for method in ("adam", "dpadam:bk"):

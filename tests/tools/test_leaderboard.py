@@ -159,6 +159,7 @@ def test_html_page_is_self_contained_with_every_method_epsilon_and_figure(bench,
         assert (out / f"leaderboard_digits_vit-micro_{figure}.svg").read_text().lstrip().startswith("<?xml")
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_figures_of_every_task_are_written_even_when_its_name_has_a_dot(bench, tmp_path):
     for seed in (0, 1):
         for method in ("adam", "grape"):

@@ -168,6 +168,7 @@ RUN = ["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "log
        "train.batch_size=32", "train.eval_every=0", "audit.one_run=true", "audit.canaries=200", "audit.guesses=100"]
 
 
+@pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 @pytest.mark.parametrize("algo", ["dpsgd", "dpadam"])
 def test_a_clean_run_passes(algo, tmp_path):
     report = run_audit(compose(RUN + [f"algo={algo}", "train.steps=200", "privacy.epsilon=2"]), tmp_path)
