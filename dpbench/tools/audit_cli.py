@@ -11,8 +11,8 @@ from pathlib import Path
 
 from dpbench.errors import DivergedError, UserError
 from dpbench.tools import seeded_bugs
-from dpbench.tools.seeded_bugs import compose_within_app as _compose_within_app
 from dpbench.tools.audit import audit_table, run_audit
+from dpbench.tools.seeded_bugs import compose_within_app as _compose_within_app
 
 
 def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
