@@ -2,9 +2,11 @@
 tests/run/test_sharded_replicated.py), started by torch.multiprocessing.
 
 Rank 0 first trains each algorithm in one process (the reference, before any process group),
-then both ranks shard the same micro ViT (`sharding.shard_model`) and train the same logical
-batches, each on its indices[r::K] in physical chunks (the batches are fixed here, as in
-tests/helpers/sharding_worker.py). Both runs draw their privacy noise from a generator seeded
+then both ranks shard the same model (`sharding.shard_model`: the micro ViT; for the `_opt` runs
+the tiny OPT with its LM head tied to the input embedding, left to the root, on the offline boolq
+fixture of tests/helpers/sharding_worker.py) and train the same logical batches, each on its
+indices[r::K] in physical chunks (the batches are fixed here, as in
+tests/helpers/sharding_worker.py, per model). Both runs draw their privacy noise from a generator seeded
 with the same test-only seed: a replicated release is drawn by rank 0 alone, in the order one
 process draws, so the two runs add the same noise and must end at the same parameters.
 Everything a rank measured is saved to <out>/rank<r>.pt.
@@ -22,7 +24,7 @@ from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.tasks import build_task
 from helpers.config import OFFLINE, compose
-from helpers.sharding_worker import BATCH, CLIP, LOGICAL_BATCHES, WORLD, chunks, whole
+from helpers.sharding_worker import BATCH, CLIP, MODELS, TEXT, WORLD, chunks, whole
 
 SIGMA = 2.0
 NOISE_SEED = 1234  # test-only: the same noise on both sides (a run's noise is entropy-seeded)
@@ -36,18 +38,33 @@ RUNS = {
     "grape": ([*GRAPE, "algo.per_sample=bk"], 1e-2, CLIP),
     "grape_ghost": ([*GRAPE, "algo.per_sample=ghost"], 1e-2, CLIP),
     "dpzero": (["algo=dpzero"], 1e-5, 100.0),
+    # the tiny OPT (tied head): DP-GRAPE bk projects the decoder layers' Linears; the tied
+    # embedding/head, the position embedding, biases and norms are released full-size
+    "grape_opt": ([*GRAPE, "algo.per_sample=bk"], 1e-2, CLIP),
+    "dpzero_opt": (["algo=dpzero"], 1e-5, 100.0),
 }
+
+
+def model_of(run_name: str) -> str:
+    return "opt" if run_name.endswith("_opt") else "vit"
+
+
+def logical_batches(run_name: str) -> list[list[int]]:
+    """The logical batches of the run's 5 steps (sharding_worker's, per model)."""
+    return MODELS[model_of(run_name)][1]
 
 
 def build(run_name: str, sharded: bool):
     overrides, lr, clip = RUNS[run_name]
-    cfg = compose([*OFFLINE, "dataset=synthetic", "model=vit", *overrides])
+    name = model_of(run_name)
+    text = [f"dataset.path={TEXT['path'] / 'boolq'}"] if name == "opt" else []
+    cfg = compose([*OFFLINE, *MODELS[name][0], *text, *overrides])
     task = build_task(cfg, torch.device("cpu"))
     torch.manual_seed(0)
     model = task.build_model(cfg.model)
     model.train()
     if sharded:
-        sharding.shard_model(model, sharding.block_patterns("vit"), torch.device("cpu"))
+        sharding.shard_model(model, sharding.block_patterns(name), torch.device("cpu"))
     noise = GaussianNoise("cpu")
     noise.generator.manual_seed(NOISE_SEED)
     privacy = PrivacySetup(noise_multiplier=SIGMA, clip_norm=clip, expected_batch_size=BATCH,
@@ -61,7 +78,7 @@ def train(run_name: str, rank: int, world: int) -> dict:
     algorithm.release_observer = lambda name, parts, noisy, mechanism: releases.append(
         ([v.detach().clone() for v in parts[0].values], [v.detach().clone() for v in noisy[0]]))
     steps = []
-    for step, indices in enumerate(LOGICAL_BATCHES):
+    for step, indices in enumerate(logical_batches(run_name)):
         # the reference runs the ranks' physical chunks one after the other: the same per-example
         # arithmetic, so that what differs is only the order of the sums
         physical = chunks(indices[rank::world], task) if world > 1 else \
@@ -72,10 +89,12 @@ def train(run_name: str, rank: int, world: int) -> dict:
         steps.append((result.loss, result.batch_size, [(m.noise_multiplier, m.sample_rate) for m in result.mechanisms],
                       [(m.noise_multiplier, m.sample_rate) for m in planned]))
     sharded_params = [p for p in algorithm.model.parameters() if hasattr(p, "to_local")]
+    heads = [module for name, module in algorithm.model.named_modules() if name.endswith("lm_head")]
     return {
         "steps": steps, "releases": releases, "clip": algorithm.privacy.clip_norm,
         "params": {name: whole(p).detach().clone() for name, p in algorithm.model.named_parameters()},
         "sharded": len(sharded_params),
+        "tied": bool(heads) and all(h.weight is algorithm.model.get_input_embeddings().weight for h in heads),
         "seed": algorithm.projection_seed if run_name.startswith("grape") else next_seed(algorithm.seed_generator),
         "moments": {name: [t.clone() for t in algorithm.optimizer.state[p]] for name, p in algorithm.model.named_parameters()
                     if hasattr(algorithm, "optimizer") and p in algorithm.optimizer.state},
@@ -94,6 +113,9 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     results: dict = {}
+    from helpers.text_data import write_dataset
+
+    TEXT["path"] = write_dataset(Path(out) / f"text{rank}", "boolq", n_train=32, n_test=8).parent
     if rank == 0:  # one process, before any process group exists
         for name in RUNS:
             results[f"{name}_reference"] = train(name, 0, 1)

@@ -174,3 +174,90 @@ def run_three(rank: int, world: int, port: int, out: str) -> None:
         undo()
     torch.save(results, out / f"rank{rank}.pt")
     distributed.shutdown()
+
+
+# --- noise off: a resumed run ends where the uninterrupted one does --------------------------------
+NOISELESS_AT = 3  # the killed run's checkpoint: after step 3 of STEPS
+NOISELESS = OVERRIDES + ["privacy.sampling=shuffle", f"train.checkpoint_every={NOISELESS_AT}"]
+SAMPLER_SEED = 1234  # test-only: the shuffled order (a private run's is entropy-seeded)
+
+
+def _noise_off_and_a_fixed_order() -> None:
+    """The test-only seams (as in tests/run/test_checkpoint.py and tests/tools/test_audit.py):
+    every noise draw is exact zeros (not a small sigma), and the shuffled sampler's permutation
+    comes from a fixed seed. STEPS batches of 16 lie in the first epoch (15 of the 256 synthetic
+    examples'), whose order the checkpoint stores; rank 0 draws it and broadcasts the indices."""
+    from dpbench.privacy import sampling
+    from dpbench.privacy.noise import GaussianNoise
+
+    GaussianNoise.sample = lambda self, shape, std, dtype=torch.float32: torch.zeros(shape, device=self.device, dtype=dtype)
+    sampling.entropy_seed = lambda: SAMPLER_SEED
+
+
+def _watch_fit(finals: list) -> None:
+    """Snapshot the model and Adam state when `Trainer.fit` returns (a collective: every rank)."""
+    original_fit = Trainer.fit
+
+    def fit(self):
+        from torch.distributed.fsdp import FSDPModule
+
+        state = original_fit(self)
+        # the final evaluation's forward (no backward) leaves the root's parameters unsharded
+        # (FSDP2 does not reshard the root after a forward): put the shards back to read them
+        for module in self.algorithm.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        finals.append({"step": self.state.step, **snapshot(self.algorithm)})
+        return state
+
+    Trainer.fit = fit
+
+
+def run_noiseless(rank: int, world: int, port: int, out: str) -> None:
+    """The first spawn: STEPS uninterrupted steps, then a run killed when step NOISELESS_AT + 1
+    starts (its checkpoint is the one after step NOISELESS_AT). `resume_noiseless` (fresh
+    processes) finishes it."""
+    from dpbench.run import run_job
+
+    _setup(rank, world, port)
+    _noise_off_and_a_fixed_order()
+    out = Path(out)
+    results: dict = {"saved": {}, "loaded": [], "finals": []}
+    watch([], results["saved"], results["loaded"])
+    _watch_fit(results["finals"])
+    cfg = compose(NOISELESS)
+    results["whole"] = summary(run_job(cfg, out / "whole", show_progress=False))
+    original_step = Algorithm.train_step
+
+    def train_step(self, batches, step_index):
+        if step_index == NOISELESS_AT:
+            raise Killed
+        return original_step(self, batches, step_index)
+
+    Algorithm.train_step = train_step
+    results["saved"].clear()
+    try:
+        run_job(cfg, out / "killed", show_progress=False)
+    except Killed:
+        results["killed"] = "Killed"
+    finally:
+        Algorithm.train_step = original_step
+    results["stored_step"] = checkpoint.read_checkpoint(out / "killed")["step"]
+    torch.save(results, out / f"rank{rank}.pt")
+    distributed.shutdown()
+
+
+def resume_noiseless(rank: int, world: int, port: int, out: str) -> None:
+    """The second spawn (fresh processes): resume <out>/killed (a copy of the first spawn's) to
+    step STEPS."""
+    from dpbench.run import run_job
+
+    _setup(rank, world, port)
+    _noise_off_and_a_fixed_order()
+    out = Path(out)
+    results: dict = {"saved": {}, "loaded": [], "finals": []}
+    watch([], results["saved"], results["loaded"])
+    _watch_fit(results["finals"])
+    results["resumed"] = summary(run_job(compose(NOISELESS), out / "killed", show_progress=False))
+    torch.save(results, out / f"rank{rank}.pt")
+    distributed.shutdown()
