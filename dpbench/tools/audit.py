@@ -66,21 +66,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dpbench.privacy.mechanisms import (
-    SeveralMechanismsPerBatchError,
-)
+from dpbench.privacy.mechanisms import SeveralMechanismsPerBatchError
 from dpbench.tools.audit_accounting import accounting_check, several_mechanisms_check
-from dpbench.tools.audit_harness import (
-    ZeroNoise,  # noqa: F401  (re-exported)
-    audited_job,
-)
+from dpbench.tools.audit_harness import audited_job
 from dpbench.tools.audit_noise import noise_check
-from dpbench.tools.audit_report import (
-    CHECK_ORDER,  # noqa: F401  (re-exported)
-    AuditReport,
-    family_corrected,
-)
-from dpbench.tools.audit_sampler import sampler_check  # noqa: F401  (re-exported)
+from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, family_corrected
+from dpbench.tools.audit_sampler import sampler_check
 from dpbench.tools.audit_sensitivity import sensitivity_check
 from dpbench.tools.one_run import one_run_audit
 

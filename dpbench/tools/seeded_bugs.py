@@ -93,7 +93,7 @@ def _chunk_noise(per_chunk: Callable[[int], float]):
 
     def patch(cfg):
         from dpbench.algorithms.base import LossTally
-        from dpbench.tools.audit import ZeroNoise
+        from dpbench.tools.audit_harness import ZeroNoise
 
         base = _base()
         add_noise = base.add_noise

@@ -10,15 +10,13 @@ group)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-import torch
-from helpers.algorithms import build_algorithm
 
 from dpbench import distributed
 from dpbench.privacy.sampling import ShardedBatches, ShuffledBatches
 from dpbench.trainer import Callback, Trainer, TrainerConfig
+from helpers.algorithms import build_algorithm
+from helpers.ranks import become_rank
 
 FAILING_STEP = 2  # 1-based: the second step
 
@@ -36,9 +34,7 @@ class RecordPublished(Callback):
 
 
 def run(rank: int, world: int, port: int, out: str, where: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
     distributed.init_from_environment()
     distributed.STEP_PATIENCE_S = 5.0  # rank 1's wait for rank 0 (stuck inside the step in "inside_step")
     algorithm, task, _ = build_algorithm("dpsgd", sigma=1.0, clip=1.0, batch=32.0)

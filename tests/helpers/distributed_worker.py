@@ -7,11 +7,9 @@ Everything a rank measured is saved to <out>/rank<r>.pt for the test to compare.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from helpers.algorithms import build_algorithm
 
 from dpbench import distributed
 from dpbench.algorithms import ALGORITHMS
@@ -19,6 +17,8 @@ from dpbench.algorithms.base import ReleasePart
 from dpbench.checkpoint import rank_rng_states, restore_rank_rng_states
 from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.sampling import PoissonBatches, ShardedBatches
+from helpers.algorithms import build_algorithm
+from helpers.ranks import become_rank
 
 # Algorithms compared with the one-process step (noise off). Overrides make every part do work on
 # the tiny model: DP-GRAPE projects both Linears, DPDR decomposes from step 1.
@@ -119,9 +119,7 @@ def generators(rank: int) -> dict:
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
     results: dict = {}
     if rank == 0:  # one process, before any process group exists
         results["reference"] = {algo: train(algo, 0, 1) for algo in ALGORITHMS_COMPARED}

@@ -6,7 +6,6 @@ rows in the SUMMED_SHARDS layout, and saves what it saw to
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from dpbench import distributed
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.release import SHARDED, SUMMED_SHARDS, ReleasePart, gaussian_release
+from helpers.ranks import become_rank
 
 # Shapes released together: rows that split unevenly over 2 and 3 ranks, a vector, a scalar.
 SHAPES = [(2_001, 20), (20_003,), ()]
@@ -44,9 +44,7 @@ def release(rank: int, layout=SHARDED) -> dict:
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
     distributed.init_from_environment()
     results = {"reduce_scatter": release(rank), "summed_shards": release(rank, SUMMED_SHARDS)}
     results["fell_back"] = sorted(distributed._NO_REDUCE_SCATTER)  # gloo builds without reduce-scatter

@@ -14,7 +14,6 @@ Everything a rank measured is saved to <out>/rank<r>.pt.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.tasks import build_task
 from helpers.config import OFFLINE, compose
+from helpers.ranks import become_rank
 from helpers.sharding_worker import BATCH, CLIP, MODELS, TEXT, WORLD, chunks, whole
 
 SIGMA = 2.0
@@ -109,9 +109,7 @@ def next_seed(generator: torch.Generator) -> int:
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
     results: dict = {}
     from helpers.text_data import write_dataset
 

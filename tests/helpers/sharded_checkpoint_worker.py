@@ -23,6 +23,7 @@ from dpbench import checkpoint, distributed
 from dpbench.algorithms import Algorithm
 from dpbench.trainer import Trainer
 from helpers.config import FIXED_SIGMA, OFFLINE, compose
+from helpers.ranks import become_rank
 
 STEPS, KILL_AT, SIGNAL_AT = 6, 5, 3
 OVERRIDES = [*OFFLINE, *FIXED_SIGMA, "algo=dpadam", "algo.per_sample=bk", "dataset=synthetic", "model=vit",
@@ -84,9 +85,29 @@ def summary(results) -> dict:
 
 
 def _setup(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
+
+
+def run_killed_at(cfg, folder: Path, step: int, results: dict) -> None:
+    """`run_job` in `folder`, killed (Killed raised) when step `step` starts: its latest checkpoint
+    is the one before; results["killed"] records that it was killed."""
+    from dpbench.run import run_job
+
+    original_step = Algorithm.train_step
+
+    def train_step(self, batches, step_index):
+        if step_index == step:
+            raise Killed
+        return original_step(self, batches, step_index)
+
+    Algorithm.train_step = train_step
+    results["saved"].clear()
+    try:
+        run_job(cfg, folder, show_progress=False)
+    except Killed:
+        results["killed"] = "Killed"
+    finally:
+        Algorithm.train_step = original_step
 
 
 def run_two(rank: int, world: int, port: int, out: str) -> None:
@@ -103,21 +124,7 @@ def run_two(rank: int, world: int, port: int, out: str) -> None:
 
     # killed when step KILL_AT starts: the checkpoint of step 4 is the latest
     killed = out / "killed"
-    original_step = Algorithm.train_step
-
-    def train_step(self, batches, step_index):
-        if step_index == KILL_AT:
-            raise Killed
-        return original_step(self, batches, step_index)
-
-    Algorithm.train_step = train_step
-    results["saved"].clear()
-    try:
-        run_job(cfg, killed, show_progress=False)
-    except Killed:
-        results["killed"] = "Killed"
-    finally:
-        Algorithm.train_step = original_step
+    run_killed_at(cfg, killed, KILL_AT, results)
     results["after_kill"] = {"files": sorted(p.name for p in killed.iterdir()),
                              "folders": sorted(p.name for p in checkpoint.shards_root(killed).iterdir()),
                              "stored_step": checkpoint.read_checkpoint(killed)["step"]}
@@ -227,21 +234,7 @@ def run_noiseless(rank: int, world: int, port: int, out: str) -> None:
     _watch_fit(results["finals"])
     cfg = compose(NOISELESS)
     results["whole"] = summary(run_job(cfg, out / "whole", show_progress=False))
-    original_step = Algorithm.train_step
-
-    def train_step(self, batches, step_index):
-        if step_index == NOISELESS_AT:
-            raise Killed
-        return original_step(self, batches, step_index)
-
-    Algorithm.train_step = train_step
-    results["saved"].clear()
-    try:
-        run_job(cfg, out / "killed", show_progress=False)
-    except Killed:
-        results["killed"] = "Killed"
-    finally:
-        Algorithm.train_step = original_step
+    run_killed_at(cfg, out / "killed", NOISELESS_AT, results)
     results["stored_step"] = checkpoint.read_checkpoint(out / "killed")["step"]
     torch.save(results, out / f"rank{rank}.pt")
     distributed.shutdown()

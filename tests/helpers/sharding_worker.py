@@ -10,7 +10,6 @@ examples. Everything a rank measured is saved to <out>/rank<r>.pt for the test t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.tasks import build_task
 from helpers.config import OFFLINE, compose
+from helpers.ranks import become_rank
 
 # Logical batches of the 5 compared steps (sizes 13, 7, 19, 1, 11): the ranks' shards and chunk
 # counts differ (13 -> 7 + 6 examples, 3 + 2 chunks of 3), and in step 4 rank 1 has no example.
@@ -189,9 +189,7 @@ def sum_semantics(rank: int, world: int) -> dict:
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    become_rank(rank, world, port)
     results: dict = {}
     from helpers.text_data import write_dataset
 

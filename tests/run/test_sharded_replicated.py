@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from helpers.config import REPO
-from helpers.ranks import free_port, spawn_ranks
+from helpers.ranks import free_port, relative, spawn_ranks
 from helpers.replicated_worker import RUNS, SIGMA, logical_batches, run
 
 WORLD = 2
@@ -26,10 +26,6 @@ WORLD = 2
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' measurements (one spawn for the whole module)."""
     return spawn_ranks(run, WORLD, tmp_path_factory.mktemp("replicated_ranks"))
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
 def release_relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from helpers.config import REPO
-from helpers.ranks import free_port, spawn_ranks
+from helpers.ranks import free_port, relative, spawn_ranks
 from helpers.sharding_worker import CLIP, LOGICAL_BATCHES, NOISY_SIGMA, run
 from scipy import stats
 
@@ -29,10 +29,6 @@ WORLD = 2
 def ranks(tmp_path_factory) -> list[dict]:
     """Both ranks' measurements (one spawn for the whole module)."""
     return spawn_ranks(run, WORLD, tmp_path_factory.mktemp("sharded_ranks"))
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
 # model -> (sharded run, one process): DP-Adam with bk, and with ghost on the ViT

@@ -15,7 +15,8 @@ from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.tools.audit import CHECK_ORDER, run_audit
+from dpbench.tools.audit import run_audit
+from dpbench.tools.audit_report import CHECK_ORDER
 
 import_all()
 # dplora needs a language model (its adapters target attention projections): audited in

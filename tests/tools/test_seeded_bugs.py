@@ -14,7 +14,8 @@ import torch
 from helpers.cli import console_script_in_process
 from helpers.config import compose
 
-from dpbench.tools.audit import run_audit, sampler_check
+from dpbench.tools.audit import run_audit
+from dpbench.tools.audit_sampler import sampler_check
 from dpbench.tools.audit_report import CHECK_ORDER, UPDATE
 from dpbench.tools.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, bug_config, run_bug
 

@@ -86,7 +86,7 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
                fmt_eps(g.mean("epsilon") if r.private else None, ".2f"),
                *([audit_cell(g, "audit_epsilon_lower_bound"), audit_cell(g, "audit_ceiling")] if audited else []),
                str(len(g.rows)), fmt_any(r.steps), ours,
-               *([fmt(None if g.mean("validation") is None else 100 * g.mean("validation"), ".1f")] if validated else []),
+               *([fmt(accuracy_percent(g, "validation")[0], ".1f")] if validated else []),
                fmt(g.mean("peak_mib"), ".0f"), fmt(g.mean("samples_per_s"), ".1f")]
         if ref is not None:
             row += _paper_cells(g, ref, mean)
