@@ -140,6 +140,9 @@ class ReportOptions:
     metric: ReportMetric = ReportMetric.final
     expect: List[str] = field(default_factory=list)
     selected_on: Optional[SelectedOn] = None
+    # a tuned benchmark's paper-hyperparameter counterpart (its multirun folder): the leaderboard of
+    # private studies shows each method's rank there beside its tuned rank
+    compare_with: Optional[str] = None
 
 
 @dataclass
@@ -188,3 +191,6 @@ class Config:
     accountant: AccountantOptions = MISSING
     logger: LoggerOptions = MISSING
     paper_setting: Any = None  # lookup tables of paper presets (conf/experiment), read by interpolation
+    # a private study's search space, {key: "tag(log, interval(a, b))" | "choice(a, b)" | ...}, read by
+    # hydra/sweeper=private_search beside its params and the command line (a tuned preset: one per algo)
+    search_space: Any = None

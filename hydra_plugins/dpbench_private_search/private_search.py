@@ -21,6 +21,13 @@ What it does, in order (dpbench/study.py holds the privacy arithmetic and says w
      (dpbench.cli.objective: the metric `optimize` names).
   5. Selects the best (dpbench.study.selected_trial) and writes <sweep dir>/study.json.
 
+A benchmark runs many studies in one sweep: `hydra.sweeper.grid` ({key: "a,b"}, e.g. algo and
+seed) fixes each combination for one study, `hydra.sweeper.studies` repeats each; every study has
+its own K, draws, state and study.json in <sweep dir>/<key-value_...>/[study_<s>], and
+<sweep dir>/studies.json indexes them. A config's `search_space` ({key: spec}, e.g. a tuned
+preset's per-algo table: `search_space: ${paper_setting.tuned_space.${algo.name}}`) joins the
+command line's space, read per combination.
+
 The objective is each trial's noisy validation score (dataset.validation_fraction > 0 is required;
 a test metric is never a private search's objective): every trial trains on the training part,
 releases its score once on its final model (noise std privacy.validation_noise_multiplier, part
@@ -68,6 +75,8 @@ class PrivateSearchConf:
     score_share: float = 0.0  # share of privacy.epsilon a noisy validation score would cost alone (budget mode)
     max_batch_size: Optional[int] = None  # trials per launcher call (None: all at once)
     params: Optional[Dict[str, str]] = None  # search space from a config file: {key: "interval(0.1, 1)"}
+    grid: Optional[Dict[str, str]] = None  # fixed axes, {key: "a,b"}: one study per combination (a benchmark)
+    studies: int = 1  # independent studies per combination, each with its own K and draws
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="private_search", node=PrivateSearchConf, provider="dpbench")
@@ -251,6 +260,52 @@ def trial_outcome(index: int, overrides: list[str], run_dir: Path, returned=None
 
 
 # ---------------------------------------------------------------------------------------------
+# Several studies in one sweep: a benchmark's grid of methods, S studies each
+# ---------------------------------------------------------------------------------------------
+
+INDEX_FILE = "studies.json"
+STUDIES_NOTE = ("each study is charged its own epsilon_study; S studies on the same data together cost their "
+                "composition (at most S x epsilon_study): publish one per method, or state the total")
+
+
+def study_folders(grid: Dict[str, str], studies: int) -> list[tuple[str, list[str]]]:
+    """(folder, fixed overrides) of every study of a sweep: the product of the grid's values (Hydra's
+    `a,b` grammar), `studies` repetitions each. No grid and one study: [("", [])], the sweep folder."""
+    import itertools
+
+    axes = []
+    for key, values in grid.items():
+        override = OverridesParser.create().parse_overrides([f"{key}={values}"])[0]
+        choices = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.get_value_element_as_str()]
+        axes.append([f"{override.get_key_element()}={value}" for value in choices])
+    if not axes and studies == 1:
+        return [("", [])]
+    plan = []
+    for combination in itertools.product(*axes):
+        # a folder name Hydra's override grammar reads unquoted (no '=' or ','): algo-grape_seed-0
+        label = "_".join(f"{o.lstrip('+~').split('=', 1)[0].rsplit('.', 1)[-1]}-{o.split('=', 1)[1]}" for o in combination)
+        for s in range(studies):
+            plan.append(("/".join(p for p in (label, f"study_{s}" if studies > 1 else "") if p) or f"study_{s}", list(combination)))
+    return plan
+
+
+def with_config_space(space, fixed: list[str], dimensions: list[Dimension]) -> tuple[list[str], list[Dimension]]:
+    """The search space a config declares (`search_space`: {key: spec}, e.g. a tuned preset's per-algo
+    table), added to the sweep's: its sweeps are drawn, its plain values fixed. A key declared twice is
+    refused: which one holds would be a guess."""
+    if not space:
+        return fixed, dimensions
+    entries = space.items() if hasattr(space, "items") else []
+    more_fixed, more = parse_search_space([f"{k}={v}" for k, v in entries])
+    named = {o.split("=", 1)[0].lstrip("+~") for o in fixed} | {d.key.lstrip("+~") for d in dimensions}
+    for key in [o.split("=", 1)[0].lstrip("+~") for o in more_fixed] + [d.key.lstrip("+~") for d in more]:
+        if key in named:
+            raise UserError(f"{key} is in the config's search_space and on the command line (or the sweeper's params): "
+                            "name it once")
+    return [*fixed, *more_fixed], [*dimensions, *more]
+
+
+# ---------------------------------------------------------------------------------------------
 # The sweeper
 # ---------------------------------------------------------------------------------------------
 
@@ -259,13 +314,16 @@ class PrivateSearchSweeper(Sweeper):
     """Hydra sweeper for dpbench/study.py's private random search (see the module docstring)."""
 
     def __init__(self, mean_trials: float = 10.0, shape: Any = 1.0, score_share: float = 0.0,
-                 max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None) -> None:
+                 max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
+                 grid: Optional[Dict[str, str]] = None, studies: int = 1) -> None:
         super().__init__()
         self.mean_trials = float(mean_trials)
         self.shape = study.parse_shape(shape)
         self.score_share = float(score_share)
         self.max_batch_size = max_batch_size
         self.params = dict(params or {})
+        self.grid = {str(k): str(v) for k, v in (grid or {}).items()}
+        self.studies = int(studies)
         self.hydra_context: Optional[HydraContext] = None
         self.config: Optional[DictConfig] = None
         self.launcher: Optional[Launcher] = None
@@ -300,15 +358,40 @@ class PrivateSearchSweeper(Sweeper):
     def _planner(self, base: DictConfig) -> TrialPlanner:
         return TrialPlanner(base)
 
-    def _sweep(self, arguments: List[str]) -> dict:
+    def _sweep(self, arguments: List[str]) -> Any:
+        """One study in the sweep folder; with `grid` or `studies` > 1, one study per combination
+        and repetition, each in <sweep dir>/<key=value,...>/study_<s>, run one after another (each
+        draws its own K and values; each is resumed alone), and an index, studies.json."""
+        import logging
+
         assert self.config is not None and self.launcher is not None
+        logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
         study._check_distribution(self.mean_trials, self.shape)
+        if self.studies < 1:
+            raise UserError(f"hydra.sweeper.studies must be at least 1, got {self.studies}")
         fixed, dimensions = parse_search_space([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        plan = study_folders(self.grid, self.studies)
+        if plan == [("", [])]:
+            return self._study(sweep_dir, "", fixed, dimensions)
+        index = []
+        for folder, combination in plan:
+            summary = self._study(sweep_dir / folder, folder, [*fixed, *combination], dimensions)
+            index.append({"folder": folder, "overrides": combination, "study_id": summary["study_id"],
+                          "epsilon_study": summary["epsilon_study"]})
+            write_json(sweep_dir / INDEX_FILE, {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape),
+                                               "studies_per_combination": self.studies, "grid": self.grid,
+                                               "studies": index, "note": STUDIES_NOTE})
+        return index
 
+    def _study(self, sweep_dir: Path, folder: str, fixed: list[str], dimensions: list[Dimension]) -> dict:
+        """One study: K trials of `fixed` overrides and `dimensions` drawn, in `sweep_dir` (`folder`
+        below the sweep folder)."""
+        sweep_dir.mkdir(parents=True, exist_ok=True)
         base = self._compose(fixed)
+        fixed, dimensions = with_config_space(base.get("search_space"), fixed, dimensions)
         from dpbench.run_config import DEFAULT_OPTIMIZE
 
         optimize = str(base.get("optimize") or DEFAULT_OPTIMIZE)
@@ -329,14 +412,14 @@ class PrivateSearchSweeper(Sweeper):
         sigma, score_sigma = float(state["noise_multiplier"]), state["score_noise_multiplier"]
         trials = [dict(t) for t in state["draws"]]
         for trial in trials:
-            trial["launch"] = self._trial_overrides(fixed, trial, sigma, score_sigma, budget)
+            trial["launch"] = self._trial_overrides(fixed, trial, sigma, score_sigma, budget, folder)
 
         planned = planner.ledger(base, sigma, score_sigma)
         if "checked" not in state:  # a new study: refused before its K and draws are stored or any trial runs
             self._check_events(planner, planned, trials, sigma)
             state["checked"] = True
             write_json(sweep_dir / STATE_FILE, state)  # K and the draws, before any trial runs
-        self._run_trials(sweep_dir, state, trials)
+        self._run_trials(sweep_dir, state, trials, folder)
 
         outcomes = [study.TrialOutcome.from_json(state["outcomes"][str(t["index"])]) for t in trials]
         summary = self._summary(state, base, planned, outcomes, delta)
@@ -366,13 +449,13 @@ class PrivateSearchSweeper(Sweeper):
                 "noise_multiplier": sigma, "score_noise_multiplier": score_sigma, "draws": draws, "outcomes": {}}
 
     @staticmethod
-    def _trial_overrides(fixed, trial, sigma, score_sigma, budget) -> list[str]:
+    def _trial_overrides(fixed, trial, sigma, score_sigma, budget, folder: str = "") -> list[str]:
         # Each trial in its own folder: two trials that drew equal values are still two runs, and a
         # rerun finds each trial's results.json where it left it (dpbench's resume skips it).
         # No trial reads the test set: it saves its final model, and only the selected one is evaluated.
         return [*fixed, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}"] if budget else []),
                 *([f"privacy.validation_noise_multiplier={score_sigma!r}"] if score_sigma is not None else []),
-                "train.evaluate_test=false", f"hydra.sweep.subdir=trial_{trial['index']}"]
+                "train.evaluate_test=false", f"hydra.sweep.subdir={folder + '/' if folder else ''}trial_{trial['index']}"]
 
     def _check_events(self, planner, planned, trials, sigma) -> None:
         """Every trial's composed config (also the launcher's composition check) plans the
@@ -383,7 +466,7 @@ class PrivateSearchSweeper(Sweeper):
                 raise UserError(f"trial {trial['index']} ({' '.join(trial['values'])}) plans another privacy ledger than "
                                 "the study's; sweep only keys that leave the ledger alone (noise, sample rate, steps)")
 
-    def _run_trials(self, sweep_dir: Path, state: dict, trials: list[dict]) -> None:
+    def _run_trials(self, sweep_dir: Path, state: dict, trials: list[dict], folder: str = "") -> None:
         assert self.launcher is not None
         pending = []
         for trial in trials:
@@ -429,6 +512,8 @@ class PrivateSearchSweeper(Sweeper):
                 notes.append(f"the selected trial's saved model could not be evaluated on the test set: {error}")
         return {
             "study_id": state["study_id"],
+            "task": {"algo": OmegaConf.select(base, "algo.name"), "dataset": OmegaConf.select(base, "dataset.name"),
+                     "model": _model_label(base)},
             "epsilon_trial": study.rdp_epsilon(event, delta),
             "epsilon_study": study.study_epsilon(event, self.mean_trials, self.shape, delta),
             "epsilon_naive": study.naive_epsilon(event, k, delta),
@@ -479,6 +564,12 @@ class PrivateSearchSweeper(Sweeper):
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
         console.print(f"[dim]study: {sweep_dir / STUDY_FILE} (publish only the selected trial; K is not covered)[/]",
                       soft_wrap=True)
+
+
+def _model_label(cfg: DictConfig) -> str:
+    """The model as dpbench-report names it: 'vit-micro', 'opt-1.3b', 'cnn'."""
+    name, size = OmegaConf.select(cfg, "model.name"), OmegaConf.select(cfg, "model.size")
+    return f"{name}-{size}" if name and size else name
 
 
 def _is_float(text: str) -> bool:

@@ -23,6 +23,7 @@ from dpbench import study
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from hydra_plugins.dpbench_private_search import private_search
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra_plugins.dpbench_private_search.private_search import (
     PrivateSearchSweeper,
     parse_search_space,
@@ -407,3 +408,88 @@ def test_selection_is_unchanged_when_the_test_labels_are_permuted(tmp_path, monk
     assert plain["selected"]["index"] == permuted["selected"]["index"]
     assert plain["selected"]["overrides"] and plain["selected"]["overrides"] == permuted["selected"]["overrides"]
     assert plain["selected"]["test"] != permuted["selected"]["test"]  # the one test evaluation saw the labels
+
+
+# ------------------------------------------------------------------ several studies: a tuned benchmark
+
+
+def test_study_folders_are_the_grids_product_times_the_repetitions():
+    assert private_search.study_folders({}, 1) == [("", [])]
+    assert private_search.study_folders({}, 2) == [("study_0", []), ("study_1", [])]
+    plan = private_search.study_folders({"algo": "dpsgd,grape", "seed": "0"}, 2)
+    assert [folder for folder, _ in plan] == ["algo-dpsgd_seed-0/study_0", "algo-dpsgd_seed-0/study_1",
+                                               "algo-grape_seed-0/study_0", "algo-grape_seed-0/study_1"]
+    assert plan[2][1] == ["algo=grape", "seed=0"]
+    for folder, _ in plan:  # a folder Hydra's override grammar reads unquoted
+        OverridesParser.create().parse_overrides([f"hydra.sweep.subdir={folder}/trial_0"])
+
+
+def test_a_configs_search_space_joins_the_sweeps_and_a_key_named_twice_is_refused():
+    fixed, dims = parse_search_space(["logger=none", "train.lr=interval(0.1, 1)"])
+    more_fixed, more = private_search.with_config_space({"algo.rank": "choice(4, 8)", "model.width": "8"}, fixed, dims)
+    assert more_fixed == ["logger=none", "model.width=8"]
+    assert [d.key for d in more] == ["train.lr", "algo.rank"] and more[1].choices == ("4", "8")
+    with pytest.raises(UserError, match="name it once") as error:
+        private_search.with_config_space({"train.lr": "interval(0.2, 2)"}, fixed, dims)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="changes each trial's privacy event"):
+        private_search.with_config_space({"train.batch_size": "choice(32, 64)"}, fixed, dims)
+
+
+class _GridLauncher(_Launcher):
+    """Writes each trial where its hydra.sweep.subdir says (a study's folder below the sweep's)."""
+
+    def launch(self, batch, initial_job_idx):
+        returns = []
+        for overrides in batch:
+            subdir = [o for o in overrides if o.startswith("hydra.sweep.subdir=")][0].split("=", 1)[1]
+            self.calls.append((subdir, list(overrides)))
+            folder = self.sweep_dir / subdir
+            folder.mkdir(parents=True, exist_ok=True)
+            results = {"status": "completed", "privacy": {"ledger": _ledger(1.0, 0.02, 5).as_records()}, "metrics": {}}
+            (folder / "results.json").write_text(json.dumps(results))
+            returns.append(types.SimpleNamespace(return_value=0.5))
+        return returns
+
+
+def test_a_grid_runs_one_independent_study_per_combination_and_repetition(tmp_path, monkeypatch):
+    draws = iter([1, 2, 1, 3])
+    monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: next(draws))
+    launcher = _GridLauncher(tmp_path)
+    index = _Sweeper(tmp_path, launcher, grid={"algo": "dpsgd,grape"}, studies=2)._sweep(["train.lr=interval(0.1, 1)"])
+    folders = ["algo-dpsgd/study_0", "algo-dpsgd/study_1", "algo-grape/study_0", "algo-grape/study_1"]
+    assert [s["folder"] for s in index] == folders
+    assert len({s["study_id"] for s in index}) == 4  # each its own study, K and draws
+    assert [json.loads((tmp_path / f / "study.json").read_text())["trials"] for f in folders] == [1, 2, 1, 3]
+    assert sorted(subdir for subdir, _ in launcher.calls) == sorted(
+        f"{f}/trial_{i}" for f, k in zip(folders, [1, 2, 1, 3]) for i in range(k))
+    for subdir, overrides in launcher.calls:  # the combination is fixed for every trial of its study
+        assert f"algo={subdir.split('/')[0].split('-', 1)[1]}" in overrides
+    stored = json.loads((tmp_path / "studies.json").read_text())
+    assert stored["studies_per_combination"] == 2 and "S x epsilon_study" in stored["note"]
+
+
+@pytest.mark.parametrize("preset, methods", [("bench_mini_tuned", 8), ("bench_vit_tuned", 8),
+                                             ("bench_roberta_tuned", 6), ("bench_opt_tuned", 6)])
+def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, methods):
+    """Every method of a tuned preset's grid has a search space the sweeper accepts (no key that
+    changes the privacy event), in budget mode, with a validation split."""
+    from helpers.config import compose
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dpbench.paths import config_dir
+    from dpbench.schema import checked_composition
+
+    with checked_composition(), initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        sweeper = hydra_compose("config", [f"experiment={preset}"], return_hydra_config=True).hydra.sweeper
+    assert sweeper._target_.endswith("PrivateSearchSweeper") and sweeper.params is None
+    assert sweeper.mean_trials == 4 and len(str(sweeper.grid.seed).split(",")) == 3
+    names = sweeper.grid.algo.split(",")
+    assert "adam" not in names and len(names) == methods
+    for method in names:
+        job = compose([f"experiment={preset}", f"algo={method}"])
+        _, dims = private_search.with_config_space(job.search_space, [], [])
+        assert "privacy.clip_norm" in {d.key for d in dims}, method
+        assert job.dataset.validation_fraction == 0.2 and job.privacy.noise_multiplier is None
+        assert job.report.compare_with == f"outputs/multirun/{preset.removesuffix('_tuned')}"

@@ -5,6 +5,7 @@ number beside ours), the ordering check of a mini table, and plots.
     dpbench-report outputs/multirun/x --paper dpgrape:T6 --metric best --format markdown
     dpbench-report outputs/multirun/dpgrape_t6_mini --check               # exit 1 if report.expect fails
     dpbench-report outputs/multirun/bench_mini --leaderboard --format html   # dpbench's own benchmark
+    dpbench-report outputs/multirun/bench_mini_tuned --leaderboard          # methods tuned by private studies
 
 Runs are averaged only when their resolved configs differ in nothing but the seed (`seed`,
 `dataset.data_seed`) and ran the same number of steps; otherwise they stay separate rows and a
@@ -32,6 +33,8 @@ from dpbench.tools.report.html import page, write_page
 from dpbench.tools.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
 from dpbench.tools.report.load import AUDIT_FILE, AuditRow, load_report
 from dpbench.tools.report.paper import caption, paper_ref
+from dpbench.tools.report.studies import NUMERIC as STUDY_NUMERIC
+from dpbench.tools.report.studies import build_study_boards, load_studies, study_board_table, study_notes
 from dpbench.tools.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
 from dpbench.tools.report.tables import (
     AUDIT_NUMERIC,
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the Pareto frontier, the fairness statement; figures as PNG and SVG")
     parser.add_argument("--wandb", action="store_true", help="with --leaderboard: log it as a W&B Table plus its figures (offline unless WANDB_MODE says otherwise)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every ordering in report.expect holds")
+    parser.add_argument("--compare-with", type=Path, default=None,
+                        help="with --leaderboard over private studies: the paper-hyperparameter benchmark's folder whose "
+                             "ranks are shown beside the tuned ones (default: the preset's report.compare_with)")
     parser.add_argument("--out", type=Path, default=None, help="where the figures (and leaderboard.html) go (default: the folder)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args) -> int:
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>")
+    if args.leaderboard and (studies := load_studies(args.folder)):  # a tuned benchmark: private studies
+        return _study_leaderboard(args, studies)
     rows, audits = load_report(args.folder)
     if not rows and not audits:
         raise UserError(f"no {RESULTS_FILE} (nor {AUDIT_FILE}) under {args.folder}; run `dpbench -m ...` first")
@@ -159,6 +167,36 @@ def _leaderboard(args, groups, metric: str, audits: list[AuditRow]) -> int:
     if args.check:
         return _check(groups, metric)
     return 0
+
+
+def _study_leaderboard(args, studies) -> int:
+    """The leaderboard of methods tuned by private studies (dpbench/tools/report/studies.py)."""
+    if args.format == "html" or args.wandb or args.check:
+        raise UserError("a leaderboard of private studies prints as rich, markdown, csv or latex; "
+                        "drop --format html / --wandb / --check")
+    compare = args.compare_with
+    if compare is None:  # the preset's report.compare_with, read from a selected trial's config
+        compare = next((Path(c) for c in (_compare_with_of(args.folder),) if c), None)
+    boards = build_study_boards(studies, compare, args.metric or "final")
+    for board in boards:
+        header, body = study_board_table(board)
+        rendered = render(header, body, args.format, board.title, numeric=STUDY_NUMERIC, narrow=True)
+        if args.format == "rich":
+            console.print(rendered)
+        else:
+            print(rendered + "\n")
+    for line in study_notes(boards):
+        console.print(line, soft_wrap=True, markup=False)
+    if compare is not None:
+        console.print(f"paper-hyperparameter ranks from {compare} (among the methods shown)", soft_wrap=True, markup=False)
+    return 0
+
+
+def _compare_with_of(folder: Path) -> str | None:
+    for row in load_report(folder)[0]:
+        if row.report.get("compare_with"):
+            return str(row.report["compare_with"])
+    return None
 
 
 def _print_audits(audits: list[AuditRow], kind: str) -> None:
