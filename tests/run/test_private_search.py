@@ -350,6 +350,29 @@ def test_a_study_through_the_console_script(tmp_path):
     assert 0.0 <= selected["test"]["accuracy"] <= 1.0  # the selected model alone, evaluated once
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"],
+                                      ["hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2"]],
+                         ids=["submitit_local", "joblib"])
+def test_a_study_runs_on_the_slurm_and_parallel_launchers(tmp_path, launcher):
+    """The trials go through the configured launcher (submitit's local executor: the SLURM
+    launcher's code path on one machine; joblib: several at once) and the study is the same."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher" if "submitit" in launcher[0] else "hydra_plugins.hydra_joblib_launcher")
+    from helpers.cli import dpbench
+
+    done = dpbench("-m", "hydra/sweeper=private_search", *launcher, "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
+                   "train.lr=tag(log, interval(0.003, 0.1))", "privacy.epsilon=3", "train.steps=3", "dataset=synthetic",
+                   "dataset.validation_fraction=0.2", "train.batch_size=64", "logger=none", "name=study", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "outputs" / "multirun" / "study"
+    summary = json.loads((sweep / "study.json").read_text())
+    assert summary["epsilon_study"] <= 3.0 + 1e-6 and summary["trials"] >= 1
+    assert all(o["status"] == "completed" and o["score"] is not None for o in summary["outcomes"])
+    for i in range(summary["trials"]):
+        assert json.loads((sweep / f"trial_{i}" / "results.json").read_text())["metrics"].get("test_accuracy") is None
+    assert 0.0 <= summary["selected"]["test"]["accuracy"] <= 1.0
+
+
 def test_an_uncharged_sweeper_over_private_runs_is_refused_in_one_line():
     from helpers.config import TINY, compose
 
