@@ -85,6 +85,43 @@ class GridFailures(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         _grid_failures.extend(failed_jobs(Path(config.hydra.sweep.dir), self.started))
+        if str(config.hydra.sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[0]:  # Hydra's basic grid
+            grid_selection_note(Path(config.hydra.sweep.dir))
+
+
+SELECTION_FILE = "grid_selection.json"
+
+
+def grid_selection_note(sweep_dir: Path) -> dict | None:
+    """After a basic grid of private runs with noisy validation scores: what selecting among them
+    by those scores costs. A grid is a FIXED number of trials, so the selection is charged all of
+    them composed (epsilon_naive, dpbench.study.grid_selection_epsilon), not one run's epsilon:
+    printed, and written to <sweep dir>/grid_selection.json. None when no run has a score."""
+    import json
+    import logging
+
+    from dpbench import study
+    from dpbench.logging.console import console
+    from dpbench.logging.results import read_results
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    runs = [r for path in sorted(Path(sweep_dir).rglob("results.json"))
+            if (r := read_results(path.parent)) is not None and (r.get("metrics") or {}).get("validation_score") is not None
+            and (r.get("privacy") or {}).get("private")]
+    deltas = {float(r["privacy"]["delta"]) for r in runs}
+    if not runs or len(deltas) != 1:
+        return None
+    delta = deltas.pop()
+    one = max(float(r["privacy"]["epsilon"]) for r in runs)
+    naive = study.grid_selection_epsilon([r["privacy"]["ledger"] for r in runs], delta)
+    note = {"runs": len(runs), "delta": delta, "epsilon_one_run": one, "epsilon_naive": naive,
+            "note": (f"selecting among these {len(runs)} private runs by their noisy validation scores is a fixed-K "
+                     f"selection: it costs epsilon_naive = {naive:.3f} (all {len(runs)} runs composed, dp-accounting RDP, "
+                     f"delta {delta:g}), not one run's {one:.3f}; hydra/sweeper=private_search (a random K, only the best "
+                     "released) is charged much less when there are many trials (docs/tuning.md)")}
+    (Path(sweep_dir) / SELECTION_FILE).write_text(json.dumps(note, indent=2) + "\n")
+    console.print(f"[yellow]note:[/] {note['note']}", soft_wrap=True)
+    return note
 
 
 def objective(cfg: DictConfig, results: RunResults | None) -> float:

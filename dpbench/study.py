@@ -277,6 +277,16 @@ def naive_epsilon(event, trials: int, delta: float) -> float:
     return rdp_epsilon(dpa.SelfComposedDpEvent(event, int(trials)), delta)
 
 
+def grid_selection_epsilon(ledgers: list, delta: float) -> float:
+    """epsilon of selecting among a fixed set of runs (a basic grid) by their noisy validation
+    scores: a fixed K, so every run's ledger (its noisy score included) composes (the study bound
+    needs a random K): RDP over ComposedDpEvent of the runs' events."""
+    import dp_accounting as dpa
+
+    events = [trial_event(ledger) for ledger in ledgers]
+    return 0.0 if not events else rdp_epsilon(dpa.ComposedDpEvent(events), delta)
+
+
 def _bisect_sigma(epsilon_of: Callable[[float], float], target: float, what: str, tolerance: float) -> float:
     """Smallest sigma meeting the study's target: the calibration's own bisection."""
     return smallest_noise_multiplier(epsilon_of, target, tolerance,

@@ -373,6 +373,30 @@ def test_a_study_runs_on_the_slurm_and_parallel_launchers(tmp_path, launcher):
     assert 0.0 <= summary["selected"]["test"]["accuracy"] <= 1.0
 
 
+def test_selection_over_a_basic_grid_is_charged_every_run_composed(tmp_path):
+    """A basic grid is a fixed K: selecting by the runs' noisy validation scores costs them all
+    composed (each run's ledger, its noisy score included), written beside the grid."""
+    from dpbench.cli import SELECTION_FILE, grid_selection_note
+
+    score = GaussianMechanism(10.0, 1.0, "add_remove")
+    for i, sigma in enumerate((1.0, 1.5)):
+        ledger = _ledger(sigma, 0.02, 50)
+        ledger.add_release(score)
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "results.json").write_text(json.dumps({
+            "metrics": {"validation_score": 0.5}, "privacy": {"private": True, "delta": DELTA, "epsilon": 1.0,
+                                                               "ledger": ledger.as_records()}}))
+    (tmp_path / "2").mkdir()  # a run without a validation split is not part of the selection
+    (tmp_path / "2" / "results.json").write_text(json.dumps({"metrics": {}, "privacy": {"private": True, "delta": DELTA}}))
+    note = grid_selection_note(tmp_path)
+    direct = _rdp(dpa.ComposedDpEvent([
+        dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.02, dpa.GaussianDpEvent(s)), 50),
+                             dpa.GaussianDpEvent(10.0)]) for s in (1.0, 1.5)]))
+    assert note["runs"] == 2 and note["epsilon_naive"] == pytest.approx(direct, rel=1e-9)
+    assert "fixed-K" in note["note"] and json.loads((tmp_path / SELECTION_FILE).read_text()) == note
+
+
 def test_an_uncharged_sweeper_over_private_runs_is_refused_in_one_line():
     from helpers.config import TINY, compose
 
