@@ -53,6 +53,11 @@ SelectedOn = choice_of("SelectedOn", ("test", "validation", "none"), __name__)
 
 
 # No registry to generate these from: members named as users type them.
+class ValidationComposition(Choice):  # dpbench/privacy/plan.py PrivacyPlan.epsilon
+    sequential = "sequential"
+    parallel = "parallel"
+
+
 class Sampling(Choice):  # dpbench/privacy/sampling.py build_sampler
     poisson = "poisson"
     shuffle = "shuffle"
@@ -98,6 +103,9 @@ class PrivacyOptions:
     allow_approximate_accountant: bool = False
     # sigma_v: noise std on the validation count (dataset.validation_fraction > 0), sensitivity 1
     validation_noise_multiplier: float = 10.0
+    # how the validation score composes with training: sequential (always valid), or parallel (add/remove
+    # only: the parts are disjoint, so epsilon is the larger of the two parts')
+    validation_composition: ValidationComposition = ValidationComposition.sequential
 
 
 @dataclass

@@ -45,6 +45,10 @@ def validate(cfg: DictConfig) -> None:
     sigma_v = p.get("validation_noise_multiplier", 10.0)
     if fraction > 0 and (sigma_v is None or not sigma_v > 0):
         raise UserError(f"privacy.validation_noise_multiplier must be positive, got {sigma_v}")
+    if str(p.get("validation_composition", "sequential")) == "parallel" and str(p.neighboring) != "add_remove":
+        raise UserError("privacy.validation_composition=parallel needs privacy.neighboring=add_remove: under replace-one "
+                        "a replaced record can leave the training part for the validation part, so both releases read "
+                        "it; use validation_composition=sequential")
     # optimize left at its default means the validation score when there is a split (dpbench.cli.objective)
     selects_validation = fraction > 0 and str(cfg.get("optimize") or DEFAULT_OPTIMIZE) == DEFAULT_OPTIMIZE
     if not t.get("evaluate_test", True) and names_test_metric(cfg) and not selects_validation:

@@ -204,6 +204,28 @@ def trial_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], s
     return dpa.ComposedDpEvent([training, dpa.GaussianDpEvent(score_noise_multiplier)])
 
 
+@dataclass(frozen=True)
+class ParallelEvent:
+    """Releases that read disjoint parts of the data, each record in one part by a function of the
+    record alone (the validation split), under add/remove neighbours: a record added or removed
+    changes the input of one part only, so the RDP of the whole is the pointwise MAXIMUM of the
+    parts' RDP curves (parallel composition; dp-accounting has no event for it, so `rdp_curve`
+    takes the maximum over its curves). Under replace-one a record can move between the parts:
+    never parallel."""
+
+    events: tuple
+
+
+def parallel_trial_event(training: Ledger | Iterable[dict], score_noise_multiplier: float) -> ParallelEvent:
+    """One trial with privacy.validation_composition=parallel: its training ledger (without the score)
+    and the noisy validation score of sensitivity 1 (GaussianDpEvent(sigma_v)), composed in parallel."""
+    import dp_accounting as dpa
+
+    if not score_noise_multiplier > 0:
+        raise ValueError(f"the validation score's noise multiplier must be positive, got {score_noise_multiplier}")
+    return ParallelEvent((ledger_dp_event(training), dpa.GaussianDpEvent(score_noise_multiplier)))
+
+
 def same_ledger(a: Ledger, b: Ledger, rel_tol: float = 1e-9) -> bool:
     """Whether two ledgers hold the same mechanisms as often (up to rounding of sigma and q)."""
     ra, rb = a.as_records(), b.as_records()
@@ -235,6 +257,8 @@ def ledger_within(recorded: Ledger | Iterable[dict], planned: Ledger, rel_tol: f
 def _empty(event) -> bool:
     import dp_accounting as dpa
 
+    if isinstance(event, ParallelEvent):
+        return all(_empty(e) for e in event.events)
     if isinstance(event, dpa.NoOpDpEvent):
         return True
     if isinstance(event, dpa.ComposedDpEvent):
@@ -244,10 +268,36 @@ def _empty(event) -> bool:
     return False
 
 
+def _orders():
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    return np.array(DEFAULT_RDP_ORDERS, dtype=np.float64)
+
+
+def rdp_curve(event) -> np.ndarray:
+    """The event's RDP at dp-accounting's default orders (add/remove); a ParallelEvent's is the
+    pointwise maximum of its parts' curves."""
+    import dp_accounting as dpa
+
+    if isinstance(event, ParallelEvent):
+        return np.max([rdp_curve(part) for part in event.events], axis=0)
+    accountant = dpa.rdp.RdpAccountant(_orders(), neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    accountant.compose(event)
+    return accountant.rdp
+
+
+def _epsilon_of_curve(curve: np.ndarray, delta: float) -> float:
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    return float(compute_epsilon(_orders(), curve, delta)[0])
+
+
 def rdp_epsilon(event, delta: float) -> float:
     """epsilon of an event by dp-accounting's RDP accountant (add/remove neighbours)."""
     import dp_accounting as dpa
 
+    if isinstance(event, ParallelEvent):
+        return _epsilon_of_curve(rdp_curve(event), delta)
     accountant = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
     accountant.compose(event)
     return float(accountant.get_epsilon(delta))
@@ -263,6 +313,13 @@ def study_epsilon(event, mean_trials: float, shape: float, delta: float, studies
     _check_distribution(mean_trials, shape)
     if _empty(event) or studies <= 0:  # trials that release nothing: nothing to select from privately
         return 0.0
+    if isinstance(event, ParallelEvent):
+        # RepeatAndSelectDpEvent's own RDP transform, applied to the parallel curve (dp-accounting has
+        # no event to carry that curve; tests check this path against RepeatAndSelectDpEvent)
+        from dp_accounting.rdp.rdp_privacy_accountant import _compute_rdp_repeat_and_select
+
+        curve = np.asarray(_compute_rdp_repeat_and_select(_orders(), rdp_curve(event), float(mean_trials), shape))
+        return _epsilon_of_curve(int(studies) * curve, delta)
     one = dp_event.RepeatAndSelectDpEvent(event, float(mean_trials), shape)
     return rdp_epsilon(one if studies == 1 else dp_event.SelfComposedDpEvent(one, int(studies)), delta)
 
@@ -274,6 +331,8 @@ def naive_epsilon(event, trials: int, delta: float) -> float:
 
     if trials <= 0 or _empty(event):
         return 0.0
+    if isinstance(event, ParallelEvent):
+        return _epsilon_of_curve(int(trials) * rdp_curve(event), delta)
     return rdp_epsilon(dpa.SelfComposedDpEvent(event, int(trials)), delta)
 
 
@@ -313,20 +372,22 @@ def score_noise_multiplier_for_share(share: float, target_epsilon: float, delta:
 
 def per_trial_noise_multiplier_for_budget(ledger_for: Callable[[float], Ledger], target_epsilon: float, delta: float,
                                           mean_trials: float, shape: float, score_alone: float | None = None,
-                                          tolerance: float = 0.01) -> float:
+                                          tolerance: float = 0.01, event_for: Callable[[float], object] | None = None) -> float:
     """Smallest per-trial sigma (within `tolerance` in epsilon) whose study meets the target:
     study_epsilon(trial_event(ledger_for(sigma)), ...) <= target_epsilon.
 
     `ledger_for(sigma)` is a trial's planned ledger at base noise multiplier sigma, its noisy
-    validation score included (the sweeper plans it as the trial will). `score_alone`: that score's
-    noise multiplier sigma_v; a target the score alone already exceeds is refused in one line."""
+    validation score included (the sweeper plans it as the trial will); or `event_for(sigma)`, the
+    trial's event itself (a ParallelEvent). `score_alone`: that score's noise multiplier sigma_v; a
+    target the score alone already exceeds is refused in one line."""
+    event_for = event_for or (lambda s: trial_event(ledger_for(s)))
     if score_alone is not None:
         alone = study_epsilon(trial_event([], score_alone), mean_trials, shape, delta)
         if alone >= target_epsilon:
             raise UserError(f"the validation score alone (noise multiplier {score_alone:g}) costs "
                             f"epsilon={alone:.3f} over the study, not below the target {target_epsilon}: "
                             "raise the budget or the score's noise (privacy.validation_noise_multiplier, or a lower score_share)")
-    return _bisect_sigma(lambda s: study_epsilon(trial_event(ledger_for(s)), mean_trials, shape, delta),
+    return _bisect_sigma(lambda s: study_epsilon(event_for(s), mean_trials, shape, delta),
                          target_epsilon, "per-trial", tolerance)
 
 

@@ -19,6 +19,8 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
      `dpbench.api.evaluate_saved` wrote for a run with train.evaluate_test=false); throughput.sharding
      (fsdp for a run with train.sharding=fsdp, whose memory figures are rank 0's shards). Each is
      written only when it has a value, so a run without them keeps version 4's keys.
+  6  privacy.validation_composition (sequential | parallel: how the noisy validation score composes
+     with training in epsilon; private runs with a validation split only).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _OMIT_IF_NONE = "omit_if_none"
 
@@ -109,6 +111,7 @@ class PrivacyResults(Section):
     bound: str | None = _only_when_known()  # privacy.plan.BOUNDS: the bound epsilon is (private runs)
     batches_per_epoch: int | None = _only_when_known()  # shuffled batches: one epoch's (its ledger's unit)
     validation_noise_multiplier: float | None = _only_when_known()  # sigma_v: noise std on the validation count
+    validation_composition: str | None = _only_when_known()  # sequential | parallel (privacy.validation_composition)
 
     @property
     def is_private(self) -> bool:

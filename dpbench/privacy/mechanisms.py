@@ -180,6 +180,21 @@ class Ledger:
         ]
 
 
+def split_off(ledger: Ledger, mechanisms) -> tuple[Ledger, Ledger]:
+    """(the rest, the taken): each of `mechanisms` taken once out of `ledger`'s multiset where it is
+    there (a run's releases after training, composed in parallel: `PrivacyPlan.epsilon`). Both are
+    plain ledgers of counts (what the accountants read)."""
+    counts, taken = Counter(ledger.counts), Ledger()
+    for mechanism in mechanisms:
+        if counts[mechanism] > 0:
+            counts[mechanism] -= 1
+            taken.add(mechanism)
+    rest = Ledger()
+    for mechanism, n in counts.items():
+        rest.add(mechanism, n)
+    return rest, taken
+
+
 def full_batch_mechanism(mechanisms: list[GaussianMechanism]) -> GaussianMechanism | None:
     """One step's releases read by an example whose batch is known: one Gaussian at q = 1, stated
     under replace-one (sensitivity 2C; see `ShuffledLedger` for why add/remove costs the same).

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from dpbench.errors import UserError
 from dpbench.logging.results import PrivacyResults
 from dpbench.privacy.accountants import Accountant, build_accountant, calibrate_noise_multiplier, ledger_of_plan
-from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, under_relation
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, new_ledger, same_mechanisms, split_off, under_relation
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.release import ReleasePart, release_mechanism
 from dpbench.privacy.sampling import batches_per_epoch
@@ -173,6 +173,10 @@ class PrivacyPlan:
     # `validation_mechanism`); calibration composes them with the steps
     final_releases: tuple[GaussianMechanism, ...] = ()
     validation_noise_multiplier: float | None = None  # sigma_v, with a validation split
+    # privacy.validation_composition=parallel (add/remove only): the final releases read the validation
+    # part, training the disjoint training part, so an added or removed record is in one of them alone:
+    # the run is (max(eps_training, eps_final), delta)-DP (`epsilon`)
+    parallel_final: bool = False
 
     def new_ledger(self) -> Ledger:
         """An empty ledger of this run's kind (the trainer's, calibration's and the audit's)."""
@@ -213,7 +217,10 @@ class PrivacyPlan:
             )
 
     def epsilon(self, ledger: Ledger) -> float:
-        return self.accountant.epsilon(ledger, self.delta)
+        if not self.parallel_final:
+            return self.accountant.epsilon(ledger, self.delta)
+        training, final = split_off(ledger, self.final_releases)
+        return max(self.accountant.epsilon(training, self.delta), self.accountant.epsilon(final, self.delta))
 
     def results(self, ledger: Ledger, steps: int, planned_steps: int) -> PrivacyResults:
         """The privacy section of results.json for the mechanisms that ran."""
@@ -245,6 +252,8 @@ class PrivacyPlan:
             bound=BOUNDS[self.sampling],
             batches_per_epoch=self.batches_per_epoch,
             validation_noise_multiplier=self.validation_noise_multiplier,
+            validation_composition=("parallel" if self.parallel_final else "sequential")
+            if self.validation_noise_multiplier is not None else None,
         )
 
     def recorded_notes(self) -> list[str]:
@@ -277,6 +286,8 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     # the validation score is one more release, composed sequentially with the steps
     sigma_v = validation_noise_multiplier(cfg) if has_validation_split(cfg) else None
     final = (validation_mechanism(sigma_v, relation),) if sigma_v is not None else ()
+    parallel = bool(final) and str(p.get("validation_composition", "sequential")) == "parallel"
+    calibrated_with = () if parallel else final  # parallel: training alone must meet the target
 
     def planned_for(sigma: float, derived=None) -> Callable[[int], list[GaussianMechanism]]:
         return lambda step: algo_cls.declared_mechanisms(cfg.algo, sigma, sample_rate, step, clip_norm, relation,
@@ -298,13 +309,18 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
                 "use accountant=pld, prv or rdp, or set privacy.allow_approximate_accountant=true"
             )
         target = float(p.epsilon)
+        if parallel:
+            score_alone = accountant.epsilon(ledger_of_plan(lambda step: [], 0, None, final), float(p.delta))
+            if score_alone > target:
+                raise UserError(f"the validation score alone (noise multiplier {sigma_v:g}) costs epsilon={score_alone:.3f}, "
+                                f"above privacy.epsilon={target}: raise privacy.validation_noise_multiplier")
         if algo_cls.calibrate_noise is not None:  # an algorithm that calibrates several noises itself
-            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation, per_epoch, final)
+            calibration = Calibration(accountant, steps, sample_rate, clip_norm, relation, per_epoch, calibrated_with)
             sigma, derived = algo_cls.calibrate_noise(cfg.algo, calibration, target, float(p.delta))
         else:
             sigma = calibrate_noise_multiplier(
-                accountant, lambda s: ledger_of_plan(planned_for(s), steps, per_epoch, final), target, float(p.delta)
-            )
+                accountant, lambda s: ledger_of_plan(planned_for(s), steps, per_epoch, calibrated_with), target,
+                float(p.delta))
     if p.delta >= 1 / train_size:
         notes.append(f"privacy.delta={p.delta} is not below 1/n = {1 / train_size:.2e}; such a delta allows leaking a record")
     if per_epoch is not None:
@@ -328,11 +344,13 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
     )
     planned = planned_for(sigma, derived)
     plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes, sampling, per_epoch,
-                       steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True), final, sigma_v)
+                       steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True), final, sigma_v,
+                       parallel)
     if sigma_v is not None:
         plan.note(f"dataset.validation_fraction={cfg.dataset.validation_fraction}: the final model's validation score "
                   f"is released with Gaussian noise (std {sigma_v:g} on the count, privacy.validation_noise_multiplier), "
-                  "composed sequentially with training in epsilon")
+                  + ("composed in parallel with training (disjoint parts, add/remove: epsilon is the larger of the two)"
+                     if parallel else "composed sequentially with training in epsilon"))
     for note in algo_cls.privacy_notes(cfg.algo):
         plan.note(note)
     return plan

@@ -191,7 +191,7 @@ class TrialPlanner:
         # are never swept, so it is one for all trials
         self.train_size = build_task(base, torch.device("cpu")).planning_size
 
-    def ledger(self, cfg: DictConfig, noise_multiplier: float, score_noise_multiplier: float | None = None):
+    def _plan(self, cfg: DictConfig, noise_multiplier: float, score_noise_multiplier: float | None = None):
         import torch
 
         from dpbench.algorithms import algorithm_class
@@ -204,8 +204,19 @@ class TrialPlanner:
             if score_noise_multiplier is not None:
                 cfg.privacy.validation_noise_multiplier = float(score_noise_multiplier)
         steps = planned_steps(cfg, self.train_size)
-        plan = plan_privacy(cfg, algorithm_class(cfg.algo.name), self.train_size, steps, torch.device("cpu"))
+        return plan_privacy(cfg, algorithm_class(cfg.algo.name), self.train_size, steps, torch.device("cpu")), steps
+
+    def ledger(self, cfg: DictConfig, noise_multiplier: float, score_noise_multiplier: float | None = None):
+        plan, steps = self._plan(cfg, noise_multiplier, score_noise_multiplier)
         return plan.planned_ledger(steps, final=True)  # training, then the noisy validation score
+
+    def event(self, cfg: DictConfig, noise_multiplier: float, score_noise_multiplier: float | None = None):
+        """The trial's privacy event: training and its noisy validation score, composed as the run
+        composes them (privacy.validation_composition: sequential, or parallel: study.ParallelEvent)."""
+        plan, steps = self._plan(cfg, noise_multiplier, score_noise_multiplier)
+        if plan.parallel_final:
+            return study.parallel_trial_event(plan.planned_ledger(steps), plan.validation_noise_multiplier)
+        return study.trial_event(plan.planned_ledger(steps, final=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +433,7 @@ class PrivateSearchSweeper(Sweeper):
         self._run_trials(sweep_dir, state, trials, folder)
 
         outcomes = [study.TrialOutcome.from_json(state["outcomes"][str(t["index"])]) for t in trials]
-        summary = self._summary(state, base, planned, outcomes, delta)
+        summary = self._summary(state, base, planned, planner.event(base, sigma, score_sigma), outcomes, delta)
         write_json(sweep_dir / STUDY_FILE, summary)
         self._print(summary, outcomes, dimensions, sweep_dir)
         return summary
@@ -434,6 +445,7 @@ class PrivateSearchSweeper(Sweeper):
             score_sigma = study.score_noise_multiplier_for_share(self.score_share, target, delta, self.mean_trials, self.shape)
             sigma = study.per_trial_noise_multiplier_for_budget(
                 lambda s: planner.ledger(base, s, score_sigma), target, delta, self.mean_trials, self.shape,
+                event_for=lambda s: planner.event(base, s, score_sigma),
                 score_alone=score_sigma if score_sigma is not None else float(base.privacy.validation_noise_multiplier))
         else:
             if self.score_share:
@@ -490,10 +502,11 @@ class PrivateSearchSweeper(Sweeper):
                                                                        returned).to_json()
             write_json(sweep_dir / STATE_FILE, state)
 
-    def _summary(self, state: dict, base: DictConfig, planned, outcomes: list[study.TrialOutcome], delta: float) -> dict:
+    def _summary(self, state: dict, base: DictConfig, planned, event, outcomes: list[study.TrialOutcome],
+                 delta: float) -> dict:
+        """study.json: `event` is the trial's (training and its noisy validation score, as composed)."""
         from dpbench.logging.results import read_results
 
-        event = study.trial_event(planned)  # the planned ledger holds the noisy validation score
         k = int(state["trials"])
         notes = []
         for outcome in outcomes:
@@ -518,7 +531,9 @@ class PrivateSearchSweeper(Sweeper):
             "epsilon_study": study.study_epsilon(event, self.mean_trials, self.shape, delta),
             "epsilon_naive": study.naive_epsilon(event, k, delta),
             "delta": delta,
-            "accountant": "dp-accounting RDP (RepeatAndSelectDpEvent; replace-one through the add/remove sigma/2 reduction)",
+            "accountant": "dp-accounting RDP (RepeatAndSelectDpEvent; replace-one through the add/remove sigma/2 reduction)"
+                          + ("; the score composed in parallel with training (pointwise maximum of the RDP curves)"
+                             if isinstance(event, study.ParallelEvent) else ""),
             "budget_epsilon": state["budget_epsilon"],
             "mean_trials": self.mean_trials,
             "shape": _json_shape(self.shape),

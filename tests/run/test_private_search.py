@@ -187,6 +187,9 @@ class _Planner:
     def ledger(self, cfg, sigma, score_sigma=None):
         return _ledger(sigma, 0.02, 5)
 
+    def event(self, cfg, sigma, score_sigma=None):
+        return study.trial_event(self.ledger(cfg, sigma, score_sigma))
+
 
 class _Launcher:
     """Writes each trial's results.json as dpbench would; `fail` trials raise, `stop_at` interrupts."""

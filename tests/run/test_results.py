@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 5
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 6
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT

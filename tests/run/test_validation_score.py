@@ -13,7 +13,7 @@ from dpbench.algorithms import algorithm_class
 from dpbench.errors import UserError
 from dpbench.logging.results import SCHEMA_VERSION, MetricsResults, PrivacyResults, RunResults
 from dpbench.privacy.accountants import build_accountant
-from dpbench.privacy.mechanisms import Ledger
+from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.plan import COUNT_SENSITIVITY, plan_privacy, validation_mechanism
 from dpbench.privacy.release import ReleasePart, gaussian_release
@@ -101,7 +101,7 @@ def test_results_round_trip_the_new_keys_and_read_a_version_4_file(tmp_path):
                          metrics=MetricsResults(test_accuracy=0.5, validation_score=0.4, validation_size=51),
                          saved_model_test={"metric": "accuracy", "accuracy": 0.5})
     stored = results.to_json()
-    assert stored["schema_version"] == SCHEMA_VERSION == 5
+    assert stored["schema_version"] == SCHEMA_VERSION == 6
     assert stored["metrics"]["validation_score"] == 0.4 and stored["privacy"]["validation_noise_multiplier"] == 10.0
     assert RunResults.from_json(json.loads(json.dumps(stored))).to_json() == stored
     old = {"schema_version": 4, "status": "completed", "privacy": {"private": True, "epsilon": 1.0, "bound": "x"},
@@ -170,7 +170,7 @@ def test_the_cli_runs_with_a_validation_split(tmp_path):
                    "train.steps=3", "algo=dpsgd", "privacy.noise_multiplier=1.0", "hydra.run.dir=run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     stored = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert stored["schema_version"] == 5 and stored["metrics"]["validation_size"] == 51
+    assert stored["schema_version"] == 6 and stored["metrics"]["validation_size"] == 51
     assert stored["privacy"]["validation_noise_multiplier"] == 10.0
     assert sorted(r["sample_rate"] for r in stored["privacy"]["ledger"]) == pytest.approx([32 / 205, 1.0])
 
@@ -218,3 +218,90 @@ def test_under_torchrun_the_score_counts_every_validation_example_once(tmp_path)
         scores[world], ledgers[world] = results["metrics"]["validation_score"], results["privacy"]["ledger"]
     assert scores[2] == pytest.approx(scores[1], abs=1e-5) and 0 < scores[1] < 1
     assert ledgers[2] == ledgers[1] and [r["count"] for r in ledgers[2]] == [1]
+
+
+# ------------------------------------------------------------------ parallel composition (add/remove)
+
+
+PARALLEL = {"dataset__validation_fraction": 0.2, "privacy__validation_composition": "parallel"}
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_parallel_composition_reports_the_larger_of_the_two_parts(tiny, accountant):
+    """Training reads the training part, the score the validation part; an added or removed record
+    is in one of them: epsilon = max(training's, the score's), each by the run's accountant."""
+    plan = plan_privacy(_with(tiny, accountant__name=accountant, privacy__noise_multiplier=1.0, **PARALLEL),
+                     algorithm_class("dpsgd"), 205, 3, CPU)
+    sequential = plan_privacy(_with(tiny, accountant__name=accountant, privacy__noise_multiplier=1.0,
+                                    dataset__validation_fraction=0.2), algorithm_class("dpsgd"), 205, 3, CPU)
+    full = plan.planned_ledger(3, final=True)
+    training, score = build_accountant(accountant).epsilon(plan.planned_ledger(3), 1e-5), \
+        build_accountant(accountant).epsilon(_one(plan.final_releases[0]), 1e-5)
+    assert plan.epsilon(full) == pytest.approx(max(training, score), rel=1e-12)
+    assert plan.epsilon(full) < sequential.epsilon(full)
+    assert plan.results(full, 3, 3).validation_composition == "parallel"
+    assert sequential.results(full, 3, 3).validation_composition == "sequential"
+
+
+def test_parallel_composition_in_a_study_is_the_pointwise_maximum_of_the_rdp_curves():
+    import dp_accounting as dpa
+    import numpy as np
+    from dp_accounting import dp_event
+
+    from dpbench import study
+
+    ledger = Ledger()
+    ledger.add(GaussianMechanism(1.0, 0.1, "add_remove"), 40)
+    event = study.parallel_trial_event(ledger, 12.0)
+    orders = np.array(dpa.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+    training = dpa.rdp.RdpAccountant(orders).compose(
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)), 40)).rdp
+    np.testing.assert_allclose(study.rdp_curve(event), np.maximum(training, orders / (2 * 12.0**2)), rtol=1e-12)
+    # the curve path of a study (dp-accounting's repeat-and-select transform) is RepeatAndSelectDpEvent's
+    plain = study.trial_event(ledger)
+    via_curve = study.study_epsilon(study.ParallelEvent((plain,)), 4, 1, 1e-5)
+    direct = dpa.rdp.RdpAccountant().compose(dp_event.RepeatAndSelectDpEvent(plain, 4.0, 1.0)).get_epsilon(1e-5)
+    assert via_curve == pytest.approx(direct, rel=1e-9)
+    sequential = study.study_epsilon(study.trial_event(ledger, 12.0), 4, 1, 1e-5)
+    assert study.study_epsilon(plain, 4, 1, 1e-5) <= study.study_epsilon(event, 4, 1, 1e-5) < sequential
+    assert study.naive_epsilon(event, 3, 1e-5) == pytest.approx(
+        dpa.rdp.rdp_privacy_accountant.compute_epsilon(orders, 3 * study.rdp_curve(event), 1e-5)[0])
+
+
+@pytest.mark.slow  # calibration's bisection over the accountant: seconds
+def test_parallel_calibration_gives_training_the_whole_budget(tiny):
+    parallel = _plan(tiny, steps=20, privacy__epsilon=2.0, **PARALLEL)
+    sequential = _plan(tiny, steps=20, privacy__epsilon=2.0, dataset__validation_fraction=0.2)
+    epsilon = parallel.epsilon(parallel.planned_ledger(20, final=True))
+    assert 2.0 - 0.05 < epsilon <= 2.0
+    assert parallel.setup.noise_multiplier < sequential.setup.noise_multiplier
+
+
+def test_parallel_composition_is_refused_under_replace_one_and_when_the_score_alone_exceeds_the_target(tiny):
+    from dpbench.run_config import validate
+
+    with pytest.raises(UserError, match="neighboring=add_remove") as error:
+        validate(_with(tiny, privacy__neighboring="replace_one", **PARALLEL))
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="validation score alone") as error:
+        _plan(tiny, privacy__epsilon=0.1, privacy__validation_noise_multiplier=1.0, **PARALLEL)
+    assert "\n" not in str(error.value)
+
+
+def test_the_audits_accounting_check_reads_a_parallel_score_as_its_own_part(tiny):
+    """dpbench-audit's independent dp-accounting figure follows the composition the run states:
+    with the score in parallel it is the larger part's epsilon, and the reported one passes."""
+    import types
+
+    from dpbench.tools.audit_accounting import accounting_check
+
+    for composition, passes in (("parallel", True), ("sequential", True)):
+        plan = _plan(tiny, steps=3, privacy__noise_multiplier=1.0, dataset__validation_fraction=0.2,
+                     privacy__validation_composition=composition)
+        (check,) = accounting_check(types.SimpleNamespace(privacy=plan, steps=3))
+        assert check.passed is passes and check.measured == pytest.approx(plan.epsilon(plan.planned_ledger(3, final=True)))
+    parallel = _plan(tiny, steps=3, privacy__noise_multiplier=1.0, **PARALLEL)
+    parallel.parallel_final = False  # a plan that claims sequential composition but ...
+    parallel.epsilon = lambda ledger: build_accountant("pld").epsilon(ledger, 1e-5) / 2  # ... under-reports
+    (check,) = accounting_check(types.SimpleNamespace(privacy=parallel, steps=3))
+    assert not check.passed

@@ -46,20 +46,22 @@ class StudyRow:
     validation: float | None        # %, the selected trial's noisy score
     ledger: list = field(default_factory=list)  # the selected trial's recorded ledger (its noisy score included)
     score_noise_multiplier: float | None = None
+    parallel: bool = False  # privacy.validation_composition=parallel: the score composes in parallel with training
 
 
-def _selected_run(study_dir: Path, data: dict) -> tuple[RunRow | None, list]:
-    """The selected trial's run row and recorded ledger (None, []: the study selected nothing)."""
+def _selected_run(study_dir: Path, data: dict) -> tuple[RunRow | None, dict]:
+    """The selected trial's run row and its results.json privacy section (None, {}: the study
+    selected nothing)."""
     chosen = data.get("selected") or {}
     run_dir = chosen.get("run_dir")
     if not run_dir:
-        return None, []
+        return None, {}
     for folder in (Path(run_dir), study_dir / Path(run_dir).name):  # a moved folder: the trial beside study.json
         if (folder / "results.json").is_file():
-            ledger = (json.loads((folder / "results.json").read_text()).get("privacy") or {}).get("ledger") or []
+            privacy = json.loads((folder / "results.json").read_text()).get("privacy") or {}
             rows = load_rows(folder)
-            return (rows[0] if rows else None), ledger
-    return None, []
+            return (rows[0] if rows else None), privacy
+    return None, {}
 
 
 def load_studies(folder: Path) -> list[StudyRow]:
@@ -68,7 +70,7 @@ def load_studies(folder: Path) -> list[StudyRow]:
     for path in sorted(Path(folder).rglob(STUDY_FILE)):
         try:
             data = json.loads(path.read_text())
-            run, ledger = _selected_run(path.parent, data)
+            run, privacy = _selected_run(path.parent, data)
             chosen = data.get("selected") or {}
             test = chosen.get("test") or {}
             accuracy = test.get(test.get("metric") or "accuracy")
@@ -83,7 +85,8 @@ def load_studies(folder: Path) -> list[StudyRow]:
                 mean_trials=float(data["mean_trials"]), shape=data.get("shape"),
                 test_accuracy=None if accuracy is None else 100 * float(accuracy),
                 validation=None if score is None else 100 * float(score),
-                ledger=ledger, score_noise_multiplier=data.get("score_noise_multiplier")))
+                ledger=privacy.get("ledger") or [], score_noise_multiplier=privacy.get("validation_noise_multiplier"),
+                parallel=privacy.get("validation_composition") == "parallel"))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             console.print(f"[yellow]warning:[/] skipping {path}: {error}")
     return studies
@@ -137,6 +140,13 @@ class StudyEntry:
         if not first.ledger or len(self.studies) == 1:
             return self.epsilon_study if len(self.studies) == 1 else None
         event = study.trial_event(first.ledger)  # the recorded ledger holds the noisy validation score
+        if first.parallel and first.score_noise_multiplier:  # training and the score on disjoint parts
+            from dpbench.privacy.mechanisms import GaussianMechanism, Ledger, split_off
+
+            score = GaussianMechanism(float(first.score_noise_multiplier), 1.0, "add_remove")
+            training, taken = split_off(Ledger.from_records(first.ledger), [score])
+            if taken:
+                event = study.parallel_trial_event(training, score.noise_multiplier)
         return study.study_epsilon(event, first.mean_trials, first.shape, first.delta, studies=len(self.studies))
 
 
