@@ -52,7 +52,8 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     test set, once: the task and model are rebuilt from the config stored in its results.json,
     the saved trainable parameters loaded, and the task's test metrics (with `metric`, what
     `accuracy` holds) written into results.json as `saved_model_test` and returned. A search
-    evaluates only the model it selected (by its validation score) this way."""
+    evaluates only the model it selected (by its validation score) this way. A run evaluated
+    before returns its stored figures: the test set is not read again."""
     import torch
     from omegaconf import OmegaConf
 
@@ -65,6 +66,8 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     if stored is None or not saved.is_file():
         raise UserError(f"{run_dir} holds no results.json and {FINAL_MODEL_FILE}: run it with train.evaluate_test=false first")
     results = RunResults.from_json(stored)
+    if results.saved_model_test:  # evaluated already (a resumed study): the test set is read once
+        return dict(results.saved_model_test)
     job = setup(OmegaConf.create(results.config))  # same seed: the frozen parts are rebuilt as they were
     state = torch.load(saved, map_location=job.device)
     trainable = dict(job.model.named_parameters())

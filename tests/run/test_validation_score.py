@@ -149,6 +149,7 @@ def test_without_test_evaluation_the_saved_model_is_evaluated_once_afterwards(tm
     metrics = evaluate_saved(tmp_path)
     assert calls == [1] and 0 <= metrics["accuracy"] <= 1
     assert json.loads((tmp_path / "results.json").read_text())["saved_model_test"] == metrics
+    assert evaluate_saved(tmp_path) == metrics and calls == [1]  # asked again (a resumed study): not read again
 
 
 @pytest.mark.slow  # a non-private run end to end
