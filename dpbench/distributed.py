@@ -263,6 +263,26 @@ def reduce_scatter_rows(tensor: torch.Tensor) -> torch.Tensor:
     return rows[mine].clone().reshape(shape)
 
 
+def gather_rows(shard: torch.Tensor, shape) -> torch.Tensor:
+    """The whole tensor of `shape` of which each rank holds its rows (`row_shard`: torch.chunk's
+    rule along dim 0, what `reduce_scatter_rows` leaves; a 0-dim tensor counts as one row, held by
+    rank 0), on every rank: the ranks' shards padded to equal rows, all-gathered, concatenated in
+    rank order and trimmed. `shape` may be a row count (the rest of `shard`'s shape then follows).
+    One process: `shard` itself. Every rank must call it alike (it is a collective)."""
+    if not is_distributed():
+        return shard
+    shape = torch.Size([shape, *shard.shape[1:]]) if isinstance(shape, int) else torch.Size(shape)
+    rows = shape[0] if shape else 1
+    tail = shape[1:]
+    mine, world = row_shard(rows), world_size()
+    held = shard.reshape(mine.stop - mine.start, *tail)  # a 0-dim shard: one row (rank 0) or none
+    per_rank = -(-rows // world)
+    padded = torch.cat([held, held.new_zeros((per_rank - held.shape[0], *tail))]) if held.shape[0] < per_rank else held
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded.contiguous(), group=_group_of(shard))
+    return torch.cat(pieces)[:rows].reshape(shape)
+
+
 def all_reduce_scalars(*values: float) -> list[float]:
     """Sum python floats over the ranks (float64 on the CPU)."""
     if not is_distributed():

@@ -143,6 +143,8 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
             trainer.fit()
     except DivergedError as error:
         return trainer, "diverged", error
+    finally:  # what runs after training (score, saved model, results) reads each rank's shards only
+        sharding.reshard(job.model)
     return trainer, "completed", None
 
 

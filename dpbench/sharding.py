@@ -155,6 +155,20 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def reshard(model: nn.Module) -> None:
+    """Drop the gathered (unsharded) parameters FSDP2 still holds: it keeps the root's after a
+    forward, expecting a backward, so after an evaluation, or at the end of training, every rank
+    would hold the root's whole parameters (and reads of `model.parameters()` would see them).
+    A no-op for a model that `shard_model` did not wrap."""
+    if not is_sharded(model):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of `tensors` (a DTensor's shard, not its global size)."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors)

@@ -201,11 +201,7 @@ class ZerothOrderAlgorithm(Algorithm):
         return 4 * p.numel()  # one parameter's whole fp32 block of z
 
     def _reshard(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        sharding.reshard(self.model)
 
     def finite_differences(self, batch: Batch, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example s_i = (l_i(theta + lam z) - l_i(theta - lam z)) / (2 lam) and mean losses, fp32 [B]."""

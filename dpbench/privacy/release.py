@@ -16,7 +16,11 @@ Seams, each named by the release's `name`:
 * `charge(mechanism)` is called before the finiteness check, so a release that halts the run is
   charged like one that did not;
 * `observer(name, parts, noisy, mechanism)` sees every release that did not halt (dpbench-audit
-  records them; the parts then hold the global sums the noise was added to).
+  records them): the parts then hold the whole global sums the noise was added to and `noisy` the
+  whole noisy values, in every layout, on every rank, so that an audit under torchrun sees what a
+  one-process audit sees. Under SHARDED and SUMMED_SHARDS the ranks' rows are all-gathered for it
+  (`distributed.gather_rows`); only when an observer is attached: a release without one runs no
+  extra collective.
 
 Layouts over torchrun ranks (dpbench/distributed.py):
 
@@ -37,7 +41,7 @@ Layouts over torchrun ranks (dpbench/distributed.py):
   holds a full-size accumulator). The release runs no collective on them: each rank adds noise
   to its rows from its own generator, as in SHARDED, whose invariants hold unchanged (every
   coordinate is in one rank's rows and gets one N(0, std^2) draw; the observer sees the global
-  sums' rows the noise was added to; the ranks agree on the finiteness check). The sensitivity is
+  sums the noise was added to, gathered; the ranks agree on the finiteness check). The sensitivity is
   that of the global sum: the caller's reduce-scatter must be a SUM over every rank, each rank
   entering it alike (the same tensors in the same order).
 """
@@ -123,8 +127,30 @@ def gaussian_release(
     # replicated: every rank checks rank 0's values alike; sharded: the ranks agree on their shards
     _halt_unless_finite(name, noisy, agree=layout is not Layout.replicated)
     if observer is not None:
-        observer(name, released, noisy, mechanism)
+        if layout is Layout.replicated or not distributed.is_distributed():
+            observer(name, released, noisy, mechanism)
+        else:  # each rank holds its rows: the observer sees the whole sums and noisy values
+            whole_released, whole_noisy = _whole(released, noisy)
+            observer(name, whole_released, whole_noisy, mechanism)
     return noisy, mechanism
+
+
+def _whole(parts: list[ReleasePart], noisy: list[list[torch.Tensor]]) -> tuple[list[ReleasePart], list[list[torch.Tensor]]]:
+    """The whole tensors of which each rank holds its rows (`distributed.gather_rows`), for the
+    observer: the released parts and the noisy values. One small object collective agrees on the
+    whole shapes (a 0-dim tensor's one row is rank 0's, its shard 0-dim), then one all-gather per
+    tensor, in the same order on every rank."""
+    every = distributed.all_gather_object([[tuple(v.shape) for v in part.values] for part in parts])
+
+    def whole_shape(i: int, k: int) -> tuple:
+        first = every[0][i][k]
+        return () if not first else (sum(ranks[i][k][0] if ranks[i][k] else 0 for ranks in every), *first[1:])
+
+    shapes = [[whole_shape(i, k) for k in range(len(part.values))] for i, part in enumerate(parts)]
+    released = [ReleasePart([distributed.gather_rows(v, shape) for v, shape in zip(part.values, part_shapes)],
+                            part.sensitivity, part.noise_std) for part, part_shapes in zip(parts, shapes)]
+    return released, [[distributed.gather_rows(v, shape) for v, shape in zip(values, part_shapes)]
+                      for values, part_shapes in zip(noisy, shapes)]
 
 
 def _noised(parts: list[ReleasePart], noise: GaussianNoise) -> list[list[torch.Tensor]]:

@@ -108,9 +108,12 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
 
 
 def _written(report: AuditReport, run_dir: Path) -> AuditReport:
+    """Write audit.json (under torchrun: rank 0 alone; every rank audited the same releases)."""
+    from dpbench import distributed
     from dpbench.paths import atomic_write
 
-    atomic_write(Path(run_dir) / "audit.json", lambda handle: json.dump(report.to_json(), handle, indent=2))
+    if distributed.is_main_process():
+        atomic_write(Path(run_dir) / "audit.json", lambda handle: json.dump(report.to_json(), handle, indent=2))
     return report
 
 

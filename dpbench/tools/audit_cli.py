@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dpbench import distributed
 from dpbench.errors import DivergedError, UserError
 from dpbench.tools import seeded_bugs
 from dpbench.tools.audit import audit_table, run_audit
@@ -33,6 +34,10 @@ def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
                             "(e.g. audit.seeded_bug=unnoised_update)")
         if not one_run:  # the catalogue's small self-audit; a one-run audit trains the run as configured
             cfg = _compose_within_app(seeded_bugs.CATALOGUE_DEFAULTS + overrides)
+        if distributed.is_distributed() and str(cfg.audit.seeded_bug) == "all":
+            raise UserError("audit.seeded_bug=all runs in one process only: under torchrun name one bug "
+                            "(e.g. audit.seeded_bug=noise_half), or run the catalogue without torchrun")
+        _preflight(cfg)
         report = None
         if str(cfg.audit.seeded_bug) == "all":
             results = seeded_bugs.run_catalogue(cfg, run_dir)
@@ -53,6 +58,32 @@ def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
     return 0 if passed else 1
 
 
+AUDIT_PATIENCE_S = 120.0  # how long a rank that failed alone waits for the others (raise_together)
+
+
+def _agreed(status: int) -> int:
+    """Rank 0's exit status on every rank (under torchrun: the report printed and written is rank
+    0's, and every rank exits as it does)."""
+    return int(distributed.broadcast_object(status))
+
+
+def _preflight(cfg) -> None:
+    """What `dpbench.run.run_job` checks before setup under torchrun, and what the audit cannot do
+    there: refused in one line on every rank alike (no collective has run yet)."""
+    from dpbench import sharding
+    from dpbench.algorithms import algorithm_class
+    from dpbench.run import resolve_device
+
+    if not distributed.is_distributed():
+        return
+    if cfg.audit.get("one_run", False):
+        raise UserError("audit.one_run=true runs in one process only: under torchrun dpbench-audit runs the "
+                        "self-audit (audit.one_run=false); run the one-run audit without torchrun")
+    sharding.check_supported(cfg)  # names what train.sharding=fsdp supports
+    distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
+    distributed.bind_device(resolve_device(cfg.device))  # torchrun + CUDA: this rank's GPU
+
+
 def _main_factory():
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -65,24 +96,40 @@ def _main_factory():
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         if cfg.audit.get("seeded_bug"):  # the catalogue of seeded bugs (dpbench/tools/seeded_bugs.py)
-            sys.exit(_seeded_bugs_main(list(HydraConfig.get().overrides.task), run_dir))
+            sys.exit(_agreed(_seeded_bugs_main(list(HydraConfig.get().overrides.task), run_dir)))
+        report, failure = None, None
         try:
+            _preflight(cfg)
             report = run_audit(cfg, run_dir)
+        except Exception as error:  # noqa: BLE001 - torchrun: every rank stops with it, below
+            failure = error
+        try:  # torchrun: a rank that failed alone stops the others at this point (one process: re-raises)
+            distributed.raise_together(failure, "auditing", patience_s=AUDIT_PATIENCE_S)
         except (UserError, DivergedError) as error:
             console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
             sys.exit(2)
-        console.print(audit_table(report))
+        console.print(audit_table(report))  # rank 0's (the console is quiet on the others)
         verdict = "every check holds" if report.passed else "some checks FAILED"
         console.print(f"{verdict}; audit.json: {run_dir / 'audit.json'}", soft_wrap=True)
-        sys.exit(0 if report.passed else 1)
+        sys.exit(_agreed(0 if report.passed else 1))
 
     return _main
 
 
 def main() -> None:
+    """Under torchrun every rank joins the process group first (FSDP2's sharding needs it), and
+    the ranks share rank 0's run folder; only rank 0 prints and writes audit.json, and every rank
+    exits with rank 0's status."""
     from dpbench.schema import run_app
 
-    run_app(_main_factory())
+    try:
+        if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
+            from dpbench.cli import shared_run_dir
+
+            sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]  # joins the ranks first
+        run_app(_main_factory())
+    finally:
+        distributed.shutdown()  # torchrun: leave the process group however the audit ended
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpbench import distributed
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism,
@@ -37,7 +38,9 @@ class WeightedTask:
         self.task = task
         self.train_size = task.train_size
 
-    def batch(self, indices, weights):
+    def batch(self, indices, weights=None):
+        """`weights` None: 1 each (train.sharding=fsdp's padding chunk, whose clip factor is 0)."""
+        weights = [1.0] * len(indices) if weights is None else weights
         return self.task.batch(list(indices)), torch.as_tensor(weights, dtype=torch.float32)
 
     def batch_size(self, batch) -> int:
@@ -85,6 +88,7 @@ class ReleaseRecorder:
         # DPFirstOrderAlgorithm's own phases (`_observe_phases`): per step, the engine's clipped sums
         # added over the physical chunks (float64), how many chunks, and what the optimizer received
         self.phases = False
+        self.sharded = False  # the engine's sums are this rank's shard rows (train.sharding=fsdp)
         self.clipped: dict[int, list[torch.Tensor]] = {}
         self.chunks: dict[int, int] = {}
         self.updates: dict[int, Update] = {}
@@ -94,6 +98,22 @@ class ReleaseRecorder:
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]
         noisy = [[v.detach().double().clone() for v in values] for values in noisy]
         self.releases.append(Release(self.step, name, list(parts), noiseless, noisy, mechanism))
+        if self.phases and distributed.is_distributed() and len(noisy) == 1:
+            self._combine_clipped(noisy[0])
+
+    def _combine_clipped(self, whole: list[torch.Tensor]) -> None:
+        """Under torchrun: the step's clipped sums the engine formed, over every rank's examples and
+        whole, like the release the observer sees (`whole`: its noisy values). Sharded: each rank
+        holds its rows (gathered); replicated: its own examples' sums (added over the ranks). Every
+        rank runs this at the same release (a rank whose engine formed nothing contributes zeros).
+        The chunk count stays this rank's (sharded: every rank runs the busiest rank's count)."""
+        held = self.clipped.get(self.step)
+        if self.sharded:
+            held = held or [w.new_zeros(distributed.row_shard_shape(w.shape)) for w in whole]
+            self.clipped[self.step] = [distributed.gather_rows(c, w.shape) for c, w in zip(held, whole)]
+        else:
+            held = held or [torch.zeros_like(w) for w in whole]
+            self.clipped[self.step] = distributed.all_reduce_sum([c.clone() for c in held])
 
     def of_step(self, step: int) -> list[Release]:
         return [r for r in self.releases if r.step == step]
@@ -146,32 +166,47 @@ def _observe_phases(algorithm, recorder: ReleaseRecorder) -> None:
     """Seams on one algorithm instance: its engine's clipped sum of each physical chunk (before
     anything else touches it), and its optimizer's input and effect."""
     recorder.phases = True
+    recorder.sharded = bool(algorithm.accumulates_shards)
     engine_sum, optimizer_step = algorithm.engine.clipped_sum, algorithm.optimizer.step
 
     def clipped_sum(*args, **kwargs):
         contribution = engine_sum(*args, **kwargs)
         copy = [c.detach().double().clone() for c in contribution]  # the caller adds into it in place
         total = recorder.clipped.get(recorder.step)
-        recorder.clipped[recorder.step] = copy if total is None else [t + c for t, c in zip(total, copy)]
+        if "reduce" in kwargs and kwargs["reduce"] is not None:  # sharded: the step's running sums of this rank's rows
+            recorder.clipped[recorder.step] = copy
+        else:
+            recorder.clipped[recorder.step] = copy if total is None else [t + c for t, c in zip(total, copy)]
         recorder.chunks[recorder.step] = recorder.chunks.get(recorder.step, 0) + 1
         return contribution
 
     def step(*args, **kwargs):
-        params = algorithm.params
-        grads = [None if p.grad is None else p.grad.detach().double().clone() for p in params]
-        before = [p.detach().double().clone() for p in params]
+        params = algorithm.params  # sharded (DTensors): read whole, as one process holds them
+        grads = [None if p.grad is None else whole(p.grad).detach().double().clone() for p in params]
+        before = [whole(p).detach().double().clone() for p in params]
         out = optimizer_step(*args, **kwargs)
-        recorder.updates[recorder.step] = Update(grads, before, [p.detach().double().clone() for p in params])
+        recorder.updates[recorder.step] = Update(grads, before, [whole(p).detach().double().clone() for p in params])
         return out
 
     algorithm.engine.clipped_sum = clipped_sum
     algorithm.optimizer.step = step
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (FSDP2's DTensor) in full (an all-gather: every rank reads it alike); any
+    other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def physical_chunks(job, indices: list[int], weights: list[float], size: int | None = None) -> list:
     """The logical batch in the trainer's physical chunks (`Trainer._physical_batches`'s rule;
-    `size`: chunks of that many examples instead)."""
+    `size`: chunks of that many examples instead). Under torchrun, this rank's share of it, as the
+    trainer splits a logical batch (`ShardedBatches`: indices[r::K]); the ranks' releases are sums
+    over all their shares, so over the whole logical batch, as in one process."""
     task = job.algorithm.task
+    if distributed.is_distributed():
+        share = slice(distributed.rank(), None, distributed.world_size())
+        indices, weights = list(indices)[share], list(weights)[share]
     size = size or job.cfg.train.physical_batch_size or max(1, len(indices))
     chunks = [task.batch(indices[i : i + size], weights[i : i + size]) for i in range(0, len(indices), size)]
     return chunks or [task.batch([], [])]

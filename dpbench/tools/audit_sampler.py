@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from dpbench import distributed
 from dpbench.tools.audit_harness import chi_square_p_value, two_sided_normal
 from dpbench.tools.audit_report import (
     Check,
@@ -17,12 +18,33 @@ SAMPLER_DRAWS = 200  # batches drawn from each of two fresh samplers (no trainin
 
 def _run_sampler(cfg, job):
     """The private run's sampler, built as `dpbench.run` builds it (fresh entropy, not the seed): over
-    the training part, at the planned (accounted) sample rate and epoch length."""
+    the training part, at the planned (accounted) sample rate and epoch length; under torchrun each
+    rank's share of rank 0's batches (`_logical_batches` reassembles them)."""
     from dpbench.privacy.sampling import build_sampler
 
     return build_sampler(str(cfg.privacy.sampling), job.task.train_size, int(cfg.train.batch_size), int(cfg.seed), True,
                          job.privacy.batches_per_epoch, sample_rate=float(job.privacy.setup.sample_rate),
                          relation=str(cfg.privacy.get("neighboring", "add_remove")))
+
+
+def _logical_batches(sampler, count: int) -> list[list[int]]:
+    """`count` logical batches of the run's sampler. Under torchrun it is the trainer's
+    (`ShardedBatches`: rank 0 draws, rank r gets indices[r::K]); the ranks' shares are gathered and
+    interleaved back into the whole batch the plan accounts, so that the check counts the batch
+    every rank trains on together (and fails if the shares do not partition it), not one share."""
+    import itertools
+
+    shares = list(itertools.islice(iter(sampler), count))
+    if not distributed.is_distributed():
+        return shares
+    every, world = distributed.all_gather_object(shares), distributed.world_size()
+    batches = []
+    for t in range(count):
+        whole: list = [None] * sum(len(ranks[t]) for ranks in every)
+        for r, ranks in enumerate(every):
+            whole[r::world] = ranks[t]  # raises if the shares are not indices[r::K] of one batch
+        batches.append(whole)
+    return batches
 
 
 def sampler_check(cfg, job) -> list[Check]:
@@ -34,7 +56,7 @@ def sampler_check(cfg, job) -> list[Check]:
     import itertools
 
     n, alpha = job.task.train_size, float(cfg.audit.alpha)
-    draws = [list(itertools.islice(iter(_run_sampler(cfg, job)), SAMPLER_DRAWS)) for _ in range(2)]
+    draws = [_logical_batches(_run_sampler(cfg, job), SAMPLER_DRAWS) for _ in range(2)]
     first = draws[0]
     identical = sum(a == b for a, b in zip(*draws))
     checks = []

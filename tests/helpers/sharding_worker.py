@@ -62,12 +62,6 @@ def build(sharded: bool, sigma: float = 0.0, model_name: str = "vit"):
     return algorithm, task, wrapped
 
 
-def gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor from every rank's rows (row_shard's split along dim 0)."""
-    pieces = distributed.all_gather_object(tensor.detach().clone())
-    return torch.cat(pieces) if pieces[0].dim() else pieces[0]
-
-
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -99,9 +93,8 @@ def train(rank: int, world: int, sigma: float = 0.0, teacher: bool = False, mode
         if accumulated:  # reduce-scatters after clip_and_accumulate returned: the release's
             accumulated[-1]["in_release"] = len(accumulated.calls)
         steps.append((result.loss, result.batch_size, [m.noise_multiplier for m in result.mechanisms]))
-    if world > 1:  # whole tensors from the ranks' rows (the same collectives on every rank)
+    if world > 1:  # the observer saw whole tensors, gathered from the ranks' rows by the release
         accumulated.restore()
-        releases = [([gathered(v) for v in sums], [gathered(v) for v in noisy]) for sums, noisy in releases]
     local_noise = None
     if sigma and world > 1:  # this rank's own shard of the last release's noise (before gathering)
         local_noise = torch.cat([(n - s).flatten() for s, n in zip(*last_local_release(algorithm, task, rank, world))])
@@ -162,11 +155,12 @@ class AccumulatorMeter(list):
 
 
 def last_local_release(algorithm, task, rank: int, world: int):
-    """One more step; this rank's released shards and their noisy values (not gathered)."""
+    """One more step; this rank's rows of the released sums and of their noisy values (the observer
+    sees them whole: this rank's rows are the ones it noised)."""
     seen = []
     algorithm.release_observer = lambda name, parts, noisy, mechanism: seen.append((parts[0].values, noisy[0]))
     algorithm.train_step(chunks(LOGICAL_BATCHES[0][rank::world], task), len(LOGICAL_BATCHES))
-    return seen[0]
+    return [[v[distributed.row_shard(v.shape[0])] for v in values] for values in seen[0]]
 
 
 def sum_semantics(rank: int, world: int) -> dict:

@@ -82,6 +82,29 @@ def ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 
 @pytest.mark.slow  # starts processes
+def test_gather_rows_is_the_whole_tensor_on_every_rank(ranks):
+    """Uneven rows, a vector, a 0-dim tensor (rank 0's one row), a row count for a shape, and fewer
+    rows than ranks (some hold none): every rank gets the whole sum of its reduce-scattered rows."""
+    from helpers.release_worker import SHAPES, local_values
+
+    world, results = ranks
+    totals = [sum(local_values(r)[i] for r in range(world)) for i in range(len(SHAPES))]
+    few = sum(torch.arange(2.0 * 3).reshape(2, 3) * (r + 1) for r in range(world))
+    for result in results:
+        whole = result["gathered"]["whole"]
+        for got, want in zip(whole, [*totals, totals[1], few]):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_rows_in_one_process_is_the_tensor_itself():
+    tensor = torch.randn(3, 2)
+    assert distributed.gather_rows(tensor, tensor.shape) is tensor
+    scalar = torch.tensor(1.5)
+    assert distributed.gather_rows(scalar, ()) is scalar
+
+
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce", "summed_shards"])
 def test_sharded_release_is_the_global_sum_plus_independent_noise_of_the_stated_std(ranks, path):
     from helpers.release_worker import (
@@ -99,14 +122,19 @@ def test_sharded_release_is_the_global_sum_plus_independent_noise_of_the_stated_
         got = result[path]
         assert got["mechanism"] == (STD / SENSITIVITY, SAMPLE_RATE, "add_remove")  # the replicated one
         own = []
-        for total, observed, noisy in zip(totals, got["observed"], got["noisy"]):
+        for total, observed, observed_noisy, noisy in zip(totals, got["observed"], got["observed_noisy"], got["noisy"]):
             rows = total.reshape(1) if total.dim() == 0 else total
-            expected = rows[distributed.row_shard(rows.shape[0], rank, world)]
+            mine = distributed.row_shard(rows.shape[0], rank, world)
+            expected = rows[mine]
             if total.dim() == 0 and expected.numel():
                 expected = expected.reshape(())
-            assert observed.shape == noisy.shape == expected.shape
-            torch.testing.assert_close(observed, expected, rtol=1e-5, atol=1e-5)  # the global sum of its rows
-            own.append((noisy.double() - observed.double()).flatten())
+            assert noisy.shape == expected.shape  # the release returns this rank's rows
+            # the observer (dpbench-audit) sees the whole global sum and the whole noisy values on every rank
+            assert observed.shape == observed_noisy.shape == total.shape
+            torch.testing.assert_close(observed, total, rtol=1e-5, atol=1e-5)
+            noisy_rows = observed_noisy.reshape(1) if total.dim() == 0 else observed_noisy
+            assert torch.equal(noisy_rows[mine].reshape(noisy.shape), noisy)  # this rank's rows, as drawn
+            own.append((noisy.double() - expected.double()).flatten())
         noises.append(torch.cat(own))
     # every coordinate of every tensor is held by exactly one rank
     assert sum(n.numel() for n in noises) == sum(t.numel() for t in totals)

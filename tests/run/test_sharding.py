@@ -144,13 +144,25 @@ def test_torchrun_trains_sharded_and_records_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
                "-m", "dpbench.cli", "train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit",
-               "train.steps=3", "device=cpu", "logger=none", "dataset=synthetic", "train.batch_size=32"]
+               "train.steps=3", "train.eval_every=2", "device=cpu", "logger=none", "dataset=synthetic",
+               "train.batch_size=32"]
     result = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (results_file,) = tmp_path.glob("outputs/runs/*/results.json")
     results = json.loads(results_file.read_text())
     assert results["status"] == "completed" and results["throughput"]["sharding"] == "fsdp"
     assert results["throughput"]["world_size"] == 2 and results["privacy"]["steps"] == 3
+    # after the evaluations' forwards and the end of training, rank 0 holds its rows of every
+    # parameter, the root's included (FSDP2 keeps the root gathered after a forward: resharded)
+    from dpbench.api import compose
+    from dpbench.distributed import row_shard
+    from dpbench.run import setup
+
+    model = setup(compose(["model=vit", "dataset=synthetic", "algo=dpadam", "logger=none", "device=cpu",
+                           "privacy.noise_multiplier=1"])).model
+    rows = [row_shard(p.shape[0], 0, 2) for p in model.parameters()]
+    expected = sum((r.stop - r.start) * p[0].numel() * p.element_size() for r, p in zip(rows, model.parameters()))
+    assert results["memory"]["parameter_bytes"] == expected
 
 
 # --- refusals (no processes) ---------------------------------------------------------------------
