@@ -187,7 +187,7 @@ def _study_leaderboard(args, studies) -> int:
             print(rendered + "\n")
     for line in study_notes(boards):
         console.print(line, soft_wrap=True, markup=False)
-    if compare is not None:
+    if compare is not None and compare.is_dir():
         console.print(f"paper-hyperparameter ranks from {compare} (among the methods shown)", soft_wrap=True, markup=False)
     return 0
 
