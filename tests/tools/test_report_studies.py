@@ -85,3 +85,14 @@ def test_load_studies_reads_the_selected_trials_run(tmp_path):
     (row,) = board_module.load_studies(tmp_path)
     assert (row.method, row.dataset, row.test_accuracy, row.validation) == ("dpsgd", "synthetic", 50.0, 40.0)
     assert any(r["sample_rate"] == 1.0 and r["count"] == 1 for r in row.ledger)  # the noisy score is charged
+
+
+def test_the_tuned_vs_paper_figure_needs_the_paper_board(tmp_path, monkeypatch):
+    rows = [_row("grape", 70.0), _row("dpadam", 65.0)]
+    (alone,) = build_study_boards(rows)
+    assert board_module.plot_tuned_vs_paper(alone, tmp_path / "none.png") is None
+    monkeypatch.setattr(board_module, "_paper_ranks", lambda folder, metric: {("digits", "vit-micro", 3.0): {"grape": 55.0}})
+    (board,) = build_study_boards(rows, compare_with="somewhere")
+    assert [e.paper_accuracy for e in board.entries] == [55.0, None]
+    made = board_module.plot_tuned_vs_paper(board, tmp_path / "tuned.png")
+    assert made.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,7 +34,7 @@ from dpbench.tools.report.leaderboard import NUMERIC, board_table, build_boards,
 from dpbench.tools.report.load import AUDIT_FILE, AuditRow, load_report
 from dpbench.tools.report.paper import caption, paper_ref
 from dpbench.tools.report.studies import NUMERIC as STUDY_NUMERIC
-from dpbench.tools.report.studies import build_study_boards, load_studies, study_board_table, study_notes
+from dpbench.tools.report.studies import build_study_boards, load_studies, plot_tuned_vs_paper, study_board_table, study_notes
 from dpbench.tools.report.plots import leaderboard_figures, plot_accuracy_vs_epsilon, plot_memory, plot_throughput, task_slug
 from dpbench.tools.report.tables import (
     AUDIT_NUMERIC,
@@ -189,6 +189,11 @@ def _study_leaderboard(args, studies) -> int:
         console.print(line, soft_wrap=True, markup=False)
     if compare is not None and compare.is_dir():
         console.print(f"paper-hyperparameter ranks from {compare} (among the methods shown)", soft_wrap=True, markup=False)
+    if not args.no_plots:
+        for board in boards:
+            made = plot_tuned_vs_paper(board, (args.out or args.folder) / f"tuned_vs_paper_{task_slug(f'{board.dataset} · {board.model}')}.png")
+            if made is not None:
+                console.print(f"[dim]plot: {made}[/]", soft_wrap=True)
     return 0
 
 

@@ -108,6 +108,7 @@ class StudyEntry:
     studies: list[StudyRow]
     rank: int | None = None
     paper_rank: int | None = None
+    paper_accuracy: float | None = None  # %, mean over seeds at the paper hyperparameters (compare_with)
 
     def _values(self, name: str) -> list[float]:
         return [getattr(s, name) for s in self.studies if getattr(s, name) is not None]
@@ -181,9 +182,10 @@ def build_study_boards(studies: list[StudyRow], compare_with: Path | None = None
             if e.accuracy is not None:
                 rank = rank if previous is not None and e.accuracy == previous else position
                 e.rank, previous = rank, e.accuracy
-        ranks = _rerank(paper.get((dataset, model, eps), {}), [e.method for e in entries])
+        accuracies = paper.get((dataset, model, eps), {})
+        ranks = _rerank(accuracies, [e.method for e in entries])
         for e in entries:
-            e.paper_rank = ranks.get(e.method)
+            e.paper_rank, e.paper_accuracy = ranks.get(e.method), accuracies.get(e.method)
         boards.append(StudyBoard(dataset, model, eps, entries))
     return boards
 
@@ -247,3 +249,30 @@ def study_notes(boards: list[StudyBoard]) -> list[str]:
             lines.append(f"{b.title}: {len(empty)} studies released no model (K = 0, or every trial failed), left out "
                          f"of the means: {', '.join(empty)}")
     return lines
+
+
+def plot_tuned_vs_paper(board: StudyBoard, path: Path) -> Path | None:
+    """Per method, test accuracy at its paper hyperparameters beside its privately tuned accuracy
+    (mean ± SE): where tuning moved each method. None without a paper-hyperparameter board."""
+    from dpbench.tools.report.plots import pyplot
+
+    shown = [e for e in board.entries if e.accuracy is not None]
+    if not any(e.paper_accuracy is not None for e in shown):
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(shown) + 1.6))
+    ys = range(len(shown))
+    ax.barh([y + 0.2 for y in ys], [e.paper_accuracy or 0 for e in shown], height=0.4, color="#bbbbbb",
+            label="paper hyperparameters (one run's ε)")
+    ax.barh([y - 0.2 for y in ys], [e.accuracy for e in shown], height=0.4, xerr=[e.accuracy_se or 0 for e in shown],
+            color="#3b75af", label="tuned privately (the study's ε)")
+    ax.set_yticks(list(ys), [e.method for e in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("test accuracy %")
+    ax.set_title(board.title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
