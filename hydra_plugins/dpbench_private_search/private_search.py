@@ -371,7 +371,7 @@ class PrivateSearchSweeper(Sweeper):
 
     def _sweep(self, arguments: List[str]) -> Any:
         """One study in the sweep folder; with `grid` or `studies` > 1, one study per combination
-        and repetition, each in <sweep dir>/<key=value,...>/study_<s>, run one after another (each
+        and repetition, each in <sweep dir>/<key-value_...>/[study_<s>], run one after another (each
         draws its own K and values; each is resumed alone), and an index, studies.json."""
         import logging
 
