@@ -292,6 +292,18 @@ def all_reduce_scalars(*values: float) -> list[float]:
     return buffer.tolist()
 
 
+def same_on_every_rank(values: list[int]) -> bool:
+    """Whether every rank holds the same list of integers (exact below 2**53), given that every
+    rank's list has the same length: one small all-reduce (MAX of the values and of their
+    negatives, float64 on the CPU), whose answer is the same on every rank. One process: True."""
+    if not is_distributed():
+        return True
+    values = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(both[: values.numel()], -both[values.numel():]))
+
+
 def broadcast(tensors: list[torch.Tensor], source: int = 0) -> list[torch.Tensor]:
     """Overwrite each tensor with rank `source`'s, in place."""
     if is_distributed():

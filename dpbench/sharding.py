@@ -13,10 +13,10 @@ examples, as in one process:
   engines' coverage check reads FSDP's reduce-scattered autograd gradient, which must then be the
   sum over ranks of what the hooks saw.
 * The algorithm (`DPFirstOrderAlgorithm` with a sharded model) forms each layer's full-size
-  clipped sum of this rank's examples in each physical chunk (bk: after the backward, one at a
-  time; ghost: in its second backward) and sum-reduce-scatters it (fp32) into the parameter's
-  shard rows as it is formed, adding it into this rank's running sum of those rows
-  (`clip_and_accumulate`): no rank holds a full-size accumulator. It releases those rows with
+  clipped sum of this rank's examples in each physical chunk (one at a time; bk: after the
+  backward; ghost: inside its second backward, in the hook that forms it) and
+  sum-reduce-scatters it (fp32) into the parameter's shard rows as it is formed, adding it into
+  this rank's running sum of those rows (`clip_and_accumulate`): no rank holds a full-size accumulator. It releases those rows with
   `privacy.release.gaussian_release(..., layout=SUMMED_SHARDS)`: N(0, σ²C²) added by each rank to
   its own shard from its own entropy, no second reduce-scatter. The optimizer steps on the
   sharded parameters.

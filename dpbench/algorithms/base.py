@@ -273,31 +273,40 @@ class Algorithm(ABC):
 
 class _IntoShards:
     """The engine's `reduce` under train.sharding=fsdp (`DPFirstOrderAlgorithm.accumulates_shards`):
-    each parameter's full-size clipped sum of a chunk, handed over in the order of the engine's
-    `params`, is sum-reduce-scattered over the ranks (`distributed.reduce_scatter_rows`) and added
-    into this rank's shard rows of the step's running sum, which it returns; so neither a full-size
-    accumulator nor a second shard-size copy of a chunk's sums is held."""
+    each parameter's full-size clipped sum of a chunk, handed over with its position in the
+    engine's `params` (bk: in that order, after the backward; ghost: in its second backward's
+    order, as each hook forms it), is sum-reduce-scattered over the ranks
+    (`distributed.reduce_scatter_rows`) and added into this rank's shard rows of the step's running
+    sum, which it returns; so neither a full-size accumulator nor a second shard-size copy of a
+    chunk's sums is held."""
 
     def __init__(self, count: int):
-        self.count, self.calls = count, 0
-        self.sums: list[torch.Tensor] = []  # this rank's rows of each parameter's running sum
+        self.count = count
+        self.sums: list[torch.Tensor | None] = [None] * count  # this rank's rows of each parameter's running sum
+        self.order: list[int] = []  # the positions reduced in the chunk in progress, in the order reduced
 
-    def __call__(self, summed: torch.Tensor) -> torch.Tensor:
+    def __call__(self, summed: torch.Tensor, index: int) -> torch.Tensor:
         shard = distributed.reduce_scatter_rows(summed)
         del summed  # the full-size sum is the engine's to drop now
-        index, self.calls = self.calls % self.count, self.calls + 1
-        if index == len(self.sums):  # the first chunk
-            self.sums.append(shard)
+        self.order.append(index)
+        if self.sums[index] is None:  # the first chunk
+            self.sums[index] = shard
         else:
             self.sums[index].add_(shard)
         return self.sums[index]
 
     def check(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
         """The running sums, after the engine returned `returned` for one chunk: it must have
-        reduced every parameter once, in order (every rank then ran the same reduce-scatters)."""
-        if self.calls % self.count or len(returned) != self.count or \
+        reduced every parameter once, and every rank in the same order (else the ranks' reduce-
+        scatters paired different parameters: checked with one small all-reduce, which every rank
+        runs and decides alike, before anything is released)."""
+        order, self.order = self.order, []
+        if sorted(order) != list(range(self.count)) or len(returned) != self.count or \
                 any(got is not kept for got, kept in zip(returned, self.sums)):
-            raise RuntimeError("the engine did not reduce each parameter's clipped sum once, in order")
+            raise RuntimeError("the engine did not reduce each parameter's clipped sum once")
+        if not distributed.same_on_every_rank(order):
+            raise RuntimeError("the ranks reduce-scattered the parameters' clipped sums in different orders "
+                               "(their backward passes differ)")
         return self.sums
 
 
@@ -406,10 +415,11 @@ class DPFirstOrderAlgorithm(Algorithm):
 
         Where `accumulates_shards` (a sharded model releasing SHARDED): this rank's shard rows of
         the sum over every rank's examples. Each physical chunk's sum of each parameter is
-        sum-reduce-scattered over the ranks as the engine forms it (bk: one parameter's full-size
-        sum at a time; ghost: the chunk's, one by one) and added into this rank's rows, so no
-        full-size accumulator is held. Every rank runs as many chunks (`chunks`; padding ones
-        contribute exact zeros), hence as many reduce-scatters, in the same order."""
+        sum-reduce-scattered over the ranks as the engine forms it (one parameter's full-size sum
+        at a time: bk after its backward, ghost inside its second backward) and added into this
+        rank's rows, so no full-size accumulator is held. Every rank runs as many chunks
+        (`chunks`; padding ones contribute exact zeros), hence as many reduce-scatters, in the
+        same order."""
         tally, sums = LossTally(), None
         shards = _IntoShards(len(self.engine.params)) if self.accumulates_shards else None
         reduce = {} if shards is None else {"reduce": shards}

@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from dpbench.errors import UserError
-from dpbench.privacy.clipping import Reduce, reduce_each
+from dpbench.privacy.clipping import Reduce
 
 # LinearGradientMap, is_layer_norm and the piece forms moved to layers.py and pieces.py; they stay
 # importable from here for one release.
@@ -78,6 +78,7 @@ class _BackwardState:
         self.norm_sq: dict[nn.Parameter, torch.Tensor] = {}
         self.summed: dict[nn.Parameter, torch.Tensor] = {}  # ghost's second pass, or the coverage check
         self.factors: torch.Tensor | None = None  # set while the second pass sums
+        self.reduce: Reduce | None = None  # ghost's second pass: each sum reduced as its hook forms it
         self.entry_edges: list[tuple] = []  # bottom layers' calls: (module, its inputs, its output's edge)
         self.readers: dict[int, int] = {}  # layers reading each input storage in this forward
         self.held: set[int] = set()  # storages of the kept pieces (a shared input is held once)
@@ -108,6 +109,7 @@ class BookKeeping:
         self._canonical = _canonical_names(model, self.modules, self._functorch) \
             if any(hasattr(p, "to_local") for p in self.params) else None
         self._state = _BackwardState()
+        self._position = {p: i for i, p in enumerate(self.params)}  # each parameter's place in `params`
         self._examples = 0  # B of the latest clipped_sum (a backward outside one reuses it)
         self._coverage_checked = False
         self.tolerance = 1e-4  # coverage check; low precision (autocast) rounds autograd's own sums more
@@ -204,7 +206,10 @@ class BookKeeping:
         state = self._state
         piece = state.open.pop(p)
         if state.factors is not None:  # ghost's second pass: this parameter's clipped sum, now
-            state.summed[p] = self._second_pass_sum(p, piece)
+            # train.sharding=fsdp: reduce-scattered at once, inside the backward, so that one
+            # parameter's full-size sum exists at a time (the temporary dies when `reduce` returns)
+            state.summed[p] = self._second_pass_sum(p, piece) if state.reduce is None else \
+                state.reduce(self._second_pass_sum(p, piece), self._position[p])
             self.working_bytes = max(self.working_bytes, piece.nbytes() + self._open_bytes())
             return
         if not self._coverage_checked:  # unclipped sum, compared with autograd's (first call only)
@@ -244,10 +249,12 @@ class BookKeeping:
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn, reduce: Reduce | None = None) -> list[torch.Tensor]:
         """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B]; `peak_bytes`
         meters the per-example working bytes held at the peak. `reduce` (train.sharding=fsdp:
-        `distributed.reduce_scatter_rows`): applied to each parameter's sum in the order of
-        `params` (zeros for a parameter no hook reached), so that every rank enters it alike; bk
-        reduces each sum as soon as it is formed (one parameter's full-size sum at a time), ghost
-        once its second backward has formed them all."""
+        `distributed.reduce_scatter_rows`): applied to each parameter's sum, with its position in
+        `params`, as soon as it is formed, so that one full-size sum exists at a time: bk after
+        the backward, in the order of `params`; ghost inside its second backward, as each hook
+        forms it, in the backward's order (the same graph, hence the same order, on every rank:
+        FSDP2's own reduce-scatters rely on it too), then zeros for the parameters no hook
+        reached, in the order of `params`."""
         self._examples = losses.shape[0]
         self.working_bytes = self._state.held_bytes = 0
         try:
@@ -264,7 +271,7 @@ class BookKeeping:
             norms = self._norms(losses)
             factors = factors_fn(norms)
             sums = self._book_kept_sums(factors, reduce) if self.passes == 1 else \
-                reduce_each(self._reweighted_sums(losses, factors), reduce)
+                self._reweighted_sums(losses, factors, reduce)
         finally:
             self._reset()
         self.peak_bytes = max(self.peak_bytes, self.working_bytes)
@@ -392,26 +399,39 @@ class BookKeeping:
             return summed
 
         if reduce is not None:
-            return [reduce(formed(p) if p in self._state.kept else torch.zeros(p.shape, device=p.device))
-                    for p in self.params]
+            return [reduce(formed(p) if p in self._state.kept else torch.zeros(p.shape, device=p.device), i)
+                    for i, p in enumerate(self.params)]
         sums = {p: formed(p) for p in list(self._state.kept)}  # in the backward's order
         return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
 
-    def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+    def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor,
+                         reduce: Reduce | None = None) -> list[torch.Tensor]:
         """Ghost's second pass: the same backward again, every clipped piece summed in fp32 by the
         hooks as it arrives (one layer's working set at a time). Not autograd's reweighted
         backward (Opacus's ghost clipping): under autocast that sums Σ_i f_i g_i in bf16/fp16,
-        whose rounding grows with the batch, and a non-finite example would poison it through
-        0 · inf."""
+        whose rounding grows with the batch, a non-finite example would poison it through 0 · inf,
+        and no per-parameter cap at the first pass's norm could be applied.
+
+        `reduce` (train.sharding=fsdp): each parameter's sum is reduced in the hook that forms it
+        (`_close`), inside this backward, rather than after it: the hooks already hold each sum
+        alone, so the full-size sums of the whole model never coexist (as with bk: one parameter's
+        at a time), while FSDP2's gradient sync and the hooks' fp32 sums stay as they are. (Chosen
+        over making this pass a plain FSDP backward of Σ_i f_i ℓ_i, whose reduce-scattered
+        gradients would be autograd's sums: without the cap and the non-finite guard above.)"""
         state = self._state
         state.factors = factors.detach().float()
+        state.reduce = reduce
         state.pending = dict(state.calls)
         state.activations = {m: list(reversed(kept)) for m, kept in state.replay.items()}
         state.replay = {}
         self._backward(losses.sum())
         self._finish_pass()
         self._drop_grads()
-        return [self._state.summed.get(p, torch.zeros(p.shape, device=p.device)) for p in self.params]
+        if reduce is not None:  # the parameters no hook reached: zeros, reduced alike on every rank
+            for i, p in enumerate(self.params):
+                if p not in state.summed:
+                    state.summed[p] = reduce(torch.zeros(p.shape, device=p.device), i)
+        return [state.summed.get(p, torch.zeros(p.shape, device=p.device)) for p in self.params]
 
     def _drop_grads(self) -> None:
         for p in self.params:

@@ -86,7 +86,8 @@ def clipped_sum(per_sample: list[torch.Tensor], factors: torch.Tensor, overwrite
     return sums
 
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]  # one parameter's full-size clipped sum -> what is kept of it
+# (one parameter's full-size clipped sum, the parameter's position in the engine's `params`) -> what is kept of it
+Reduce = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def reduce_each(sums: list[torch.Tensor], reduce: Reduce | None) -> list[torch.Tensor]:
@@ -97,6 +98,6 @@ def reduce_each(sums: list[torch.Tensor], reduce: Reduce | None) -> list[torch.T
         return sums
     kept = []
     while sums:
-        kept.append(reduce(sums.pop(0)))
+        kept.append(reduce(sums.pop(0), len(kept)))
     return kept
 

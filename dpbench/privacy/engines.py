@@ -41,13 +41,15 @@ class Engine(Protocol):
     peak_bytes: int  # largest per-example working set held at once (checkpointed)
 
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn,
-                    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    reduce: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Σ_i f_i g_i over the chunk (fp32, aligned with `params`), f = factors_fn(norms).
-        `reduce` (train.sharding=fsdp: `distributed.reduce_scatter_rows`, a collective): applied to
-        each parameter's sum in the order of `params`, every parameter once (zeros for one no hook
-        reached), as soon as the engine allows; the list returned holds what it returned and no
-        full-size sum outlives its reduction (bk: one parameter's full-size sum at a time, formed
-        after the backward; ghost and materialize: the chunk's sums are all formed first)."""
+        `reduce(sum, position in params)` (train.sharding=fsdp: `distributed.reduce_scatter_rows`,
+        a collective): applied to every parameter's sum once (zeros for one no hook reached), as
+        soon as the engine allows, in an order that is the same on every rank; the list returned
+        holds what it returned and no full-size sum outlives its reduction (bk: one parameter's
+        full-size sum at a time, formed after the backward, in the order of `params`; ghost: one at
+        a time too, each reduced inside the second backward as its hook forms it, in the
+        backward's order; materialize: the chunk's sums are all formed first)."""
         ...
 
     def detach(self) -> None:

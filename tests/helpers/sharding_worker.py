@@ -10,6 +10,7 @@ examples. Everything a rank measured is saved to <out>/rank<r>.pt for the test t
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -118,18 +119,27 @@ class AccumulatorMeter(list):
     """Per step of a sharded run, what `clip_and_accumulate` held and ran: the shapes of the sums
     it returned, the physical chunks (engine calls), and the shapes of the tensors it handed to
     `distributed.reduce_scatter_rows` (each one parameter's full-size clipped sum of one chunk;
-    the first step also the coverage check's); `in_release`: those run after it, in the step's
-    release. `restore()` undoes the instrumentation."""
+    the first step also the coverage check's), whether each was handed over inside autograd's
+    backward (`inside_backward`), and the most of those full-size tensors alive at once
+    (`most_alive`, weak references: 1 when each is freed before the next is formed);
+    `in_release`: those run after it, in the step's release. `restore()` undoes the
+    instrumentation."""
 
     def __init__(self, algorithm):
         super().__init__()
         self.calls: list[tuple] = []
+        self.inside: list[bool] = []
+        self.handed: list[weakref.ref] = []  # the full-size tensors handed over, weakly
+        self.most_alive = 0
         self.chunks = 0
         self.algorithm, self.original = algorithm, distributed.reduce_scatter_rows
         clip, engine_sum = algorithm.clip_and_accumulate, algorithm.engine.clipped_sum
 
         def counted(tensor):
+            self.handed = [ref for ref in self.handed if ref() is not None] + [weakref.ref(tensor)]
+            self.most_alive = max(self.most_alive, len(self.handed))
             self.calls.append(tuple(tensor.shape))
+            self.inside.append(torch._C._current_graph_task_id() != -1)
             return self.original(tensor)
 
         def chunk(*args, **kwargs):
@@ -138,9 +148,11 @@ class AccumulatorMeter(list):
 
         def recorded(batches):
             self.calls.clear()
-            self.chunks = 0
+            self.inside.clear()
+            self.chunks, self.most_alive = 0, 0
             sums, tally = clip(batches)
             self.append({"sums": [tuple(v.shape) for v in sums], "reduce_scatters": list(self.calls),
+                         "inside_backward": list(self.inside), "most_alive": self.most_alive,
                          "chunks": self.chunks})
             self.calls.clear()
             return sums, tally

@@ -488,10 +488,12 @@ def test_a_layer_called_on_data_and_on_a_hidden_state_gets_each_calls_inputs(mod
 
 
 @pytest.mark.parametrize("mode", ["ghost", "bk", "materialize"])
-def test_reduce_sees_each_parameters_sum_once_in_order_and_its_results_are_returned(mode):
+def test_reduce_sees_each_parameters_sum_once_and_its_results_are_returned(mode):
     """The engines' `reduce` (train.sharding=fsdp: each chunk's sums reduce-scattered as formed):
-    every parameter's clipped sum once, in the order of `params` (a collective's order on every
-    rank), zeros for one the loss did not reach, and the list returned is what it returned."""
+    every parameter's clipped sum once, with its position in `params` (bk, materialize: in that
+    order; ghost: inside its second backward, in the backward's order, each as its hook forms it),
+    zeros for one the loss did not reach (after the backward, in the order of `params`), and the
+    list returned is what it returned."""
     torch.manual_seed(0)
     model = NormedHead()
     model.unused = nn.Linear(3, 2)  # never called: its sums are zeros, reduced all the same
@@ -506,10 +508,24 @@ def test_reduce_sees_each_parameters_sum_once_in_order_and_its_results_are_retur
     first = build_engine(mode, model)
     plain = first.clipped_sum(losses(), factors)
     first.detach()
-    engine, seen = build_engine(mode, model), []
-    reduced = engine.clipped_sum(losses(), factors, reduce=lambda s: seen.append(s.clone()) or s[:1] * 2)
-    assert [s.shape for s in seen] == [p.shape for p in engine.params]
-    for want, got, out in zip(plain, seen, reduced):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    engine, seen, inside = build_engine(mode, model), {}, []
+
+    def reduce(summed, index):
+        assert index not in seen
+        seen[index] = summed.clone()
+        inside.append(torch._C._current_graph_task_id() != -1)  # called within autograd's backward
+        return summed[:1] * 2
+
+    reduced = engine.clipped_sum(losses(), factors, reduce=reduce)
+    order = list(seen)
+    count = len(engine.params)
+    assert sorted(order) == list(range(count)) and order[-2:] == [count - 2, count - 1]  # the unused Linear last
+    if mode == "ghost":  # the backward's order, every sum but the bottom layer's formed within the backward
+        assert order == [6, 5, 3, 4, 2, 1, 0, 7, 8]  # head, norm, dense, then the embedding and the unused Linear
+        assert inside[:-3] == [True] * (count - 3) and inside[-3:] == [False] * 3  # the embedding, the unused Linear
+    else:
+        assert order == list(range(count)) and not any(inside)
+    for i, (want, out) in enumerate(zip(plain, reduced)):
+        torch.testing.assert_close(seen[i], want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(out, want[:1] * 2, rtol=1e-6, atol=1e-7)
-    assert not seen[-1].any() and not seen[-2].any()  # the unused Linear's weight and bias
+    assert not seen[count - 1].any() and not seen[count - 2].any()  # the unused Linear's weight and bias

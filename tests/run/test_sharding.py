@@ -81,21 +81,38 @@ def test_five_dp_adam_steps_end_where_one_process_does(ranks, model):
 @pytest.mark.parametrize("run_name", ["sharded", "opt", "ghost", "noisy"])
 def test_the_accumulators_are_this_ranks_shard_rows_reduce_scattered_chunk_by_chunk(ranks, run_name):
     """Each step's clipped sums are held as this rank's shard rows (half of each weight's rows),
-    each physical chunk's per-parameter full-size sum reduce-scattered as it is formed, the same
-    number of times on both ranks (padding chunks too), and the release reduce-scatters nothing."""
+    each physical chunk's per-parameter full-size sum reduce-scattered as it is formed, one at a
+    time (bk: after the backward, in the parameters' order; ghost: inside its second backward, as
+    each hook forms it), the same number of times and in the same order on both ranks (padding
+    chunks too), and the release reduce-scatters nothing."""
     parameters = len(ranks[0][run_name]["full_shapes"])
+    ghost = run_name == "ghost"
     for rank in ranks:
         measured = rank[run_name]
+        full = measured["full_shapes"]
         assert len(measured["accumulated"]) == len(LOGICAL_BATCHES)
-        assert any(local[0] < full[0] for local, full in zip(measured["local_shapes"], measured["full_shapes"]))
+        assert any(local[0] < whole[0] for local, whole in zip(measured["local_shapes"], full))
         for step, held in enumerate(measured["accumulated"]):
             assert held["sums"] == measured["local_shapes"]  # shard rows, not full size
-            coverage = measured["full_shapes"] if step == 0 else []  # the engine's one-time coverage check
-            assert held["reduce_scatters"] == coverage + measured["full_shapes"] * held["chunks"]
+            assert held["most_alive"] == 1  # one full-size sum at a time, freed before the next is formed
+            coverage = full if step == 0 else []  # the engine's one-time coverage check
+            scattered, inside = held["reduce_scatters"], held["inside_backward"]
+            assert scattered[: len(coverage)] == coverage and not any(inside[: len(coverage)])
+            per_chunk = [scattered[len(coverage) + c * parameters:][:parameters] for c in range(held["chunks"])]
+            assert len(scattered) == len(coverage) + parameters * held["chunks"]
+            if not ghost:  # after the backward, in the parameters' order
+                assert per_chunk == [full] * held["chunks"] and not any(inside)
+            else:  # every parameter once a chunk, in the backward's order: most within the backward
+                assert all(sorted(chunk) == sorted(full) and chunk != full for chunk in per_chunk)
+                within = [sum(inside[len(coverage) + c * parameters:][:parameters]) for c in range(held["chunks"])]
+                assert all(n > parameters // 2 for n in within), within
             assert held["in_release"] == 0
-    # several physical chunks a step, as many on both ranks (rank 1 pads where it has fewer or none)
+    # several physical chunks a step, as many on both ranks (rank 1 pads where it has fewer or none),
+    # and the same reduce-scatters in the same order
     chunks = [[held["chunks"] for held in rank[run_name]["accumulated"]] for rank in ranks]
     assert chunks[0] == chunks[1] and max(chunks[0]) >= 2 and parameters
+    assert [held["reduce_scatters"] for held in ranks[0][run_name]["accumulated"]] == \
+        [held["reduce_scatters"] for held in ranks[1][run_name]["accumulated"]]
 
 
 @pytest.mark.slow  # starts processes

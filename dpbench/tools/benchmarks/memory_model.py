@@ -24,11 +24,11 @@ most), the table gives rank 0's bytes of:
   DP-SGD and DP-Adam at K > 1: this rank's shard rows / K, since each physical chunk's sum of each
   parameter is sum-reduce-scattered into them as it is formed (dpbench/algorithms/base.py,
   `clip_and_accumulate`), plus the full-size working sum that exists before its reduce-scatter
-  (row "clipped-sum working sum"): with bk ONE PARAMETER's (the largest; they are formed one at a
-  time after the backward), with ghost and materialize ONE CHUNK's (every parameter's: the
-  second backward, or the per-example gradients, form them all before the first is reduced),
-  each with the reduce-scatter's zero-padded copy where the rows are not a multiple of K and its
-  output rows;
+  (row "clipped-sum working sum"): with bk and ghost ONE PARAMETER's (the largest; bk forms them
+  one at a time after the backward, ghost one at a time inside its second backward, each
+  reduce-scattered as its hook forms it), with materialize ONE CHUNK's (every parameter's: the
+  per-example gradients form them all before the first is reduced), each with the
+  reduce-scatter's zero-padded copy where the rows are not a multiple of K and its output rows;
 * per-example work, not sharded either: every rank holds its own physical batch's (B examples of T
   tokens) activations of the layer being processed, gathered to full width (FSDP2 gathers the
   weights, not the examples). By engine (dpbench/privacy/bookkeeping.py, per_sample.py):
@@ -330,7 +330,7 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
         est.rows.append(("clipped-sum accumulators / K", sharded_bytes(released, K, 4),
                          "fp32, this rank's shard rows (each chunk's sums reduce-scattered into them)"))
         scatter = max(reduce_scatter_bytes(shape, K) for shape in released)
-        if engine == "bk":
+        if engine in ("bk", "ghost"):  # bk: after the backward; ghost: inside its second backward, as formed
             working = max(math.prod(shape) * 4 + reduce_scatter_bytes(shape, K) for shape in released)
             note = "fp32, one parameter's full-size sum (the largest) + its reduce-scatter buffers"
         else:
