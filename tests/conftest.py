@@ -37,3 +37,22 @@ def pytest_collection_modifyitems(config, items):
         fixtures = getattr(item, "_fixtureinfo", None)
         if fixtures and any(d.scope in SHARED_SCOPES for defs in fixtures.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(module))
+
+
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _no_rank_environment_leaks(request):
+    """A test that leaves torchrun's variables set makes every later test in its worker a 'rank'."""
+    before = {k: os.environ.get(k) for k in RANK_VARIABLES}
+    yield
+    after = {k: os.environ.get(k) for k in RANK_VARIABLES}
+    if after != before:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        pytest.fail(f"{request.node.nodeid} left torchrun's variables set: "
+                    f"{ {k: v for k, v in after.items() if v != before[k]} }")

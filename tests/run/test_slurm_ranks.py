@@ -39,7 +39,10 @@ def test_one_node_without_tasks_per_node_divides_the_tasks(monkeypatch):
     assert adopt_slurm_environment(env)["LOCAL_WORLD_SIZE"] == "8" and env["MASTER_ADDR"] == "h100-a"
     assert env["WORLD_SIZE"] == "8" and env["MASTER_PORT"] == "29500"
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "DPBENCH_RANKS_FROM_SLURM"):
-        monkeypatch.delenv(key, raising=False)
+        # set, then deleted: monkeypatch records the original (absent) value only for a key it
+        # sets, and `launched()` below writes these into os.environ; they must not outlive the test
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     assert not distributed.launched()  # no opt-in: a SLURM shell is not a rank
