@@ -110,10 +110,12 @@ SMALL_IMAGES = ["dataset=synthetic", "dataset.image_size=8", "dataset.channels=1
 
 @functools.cache
 def sweep(name: str) -> dict[str, list[str]]:
-    """The preset's grid (hydra.sweeper.params) as lists of override values."""
+    """The preset's grid (hydra.sweeper.params; a tuned preset's private_search: hydra.sweeper.grid,
+    its studies' fixed axes) as lists of override values."""
     with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
         cfg = hydra_compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
-    grid = {key: str(values).split(",") for key, values in (cfg.hydra.sweeper.params or {}).items()}
+    axes = {**(cfg.hydra.sweeper.get("params") or {}), **(cfg.hydra.sweeper.get("grid") or {})}
+    grid = {key: str(values).split(",") for key, values in axes.items()}
     grid.setdefault("algo", [cfg.algo.name])
     return grid
 
@@ -134,11 +136,14 @@ def stand_in(name: str, algo: str, text_data: Path):
     for thousands of steps would dominate the test; any sigma > 0 noises every coordinate)."""
     preset = OmegaConf.to_container(compose([f"experiment={name}", f"algo={algo}"]), resolve=True, enum_to_str=True)
     model = preset["model"]
+    validation = float(preset["dataset"].get("validation_fraction") or 0) > 0
     if model.get("task_kind") == "language":
         swap = [f"model.dtype={model['dtype']}", "model.size=tiny", "model.path=null",
                 # shuffled batches under add/remove leave one example out per epoch: more than a batch
                 f"dataset.path={text_data / preset['dataset']['name']}",
-                f"dataset.k_shot={8 if preset['privacy']['sampling'] == 'shuffle' else 4}", "dataset.num_train=24",
+                # a validation split (tuned presets) takes a fifth of the k-shot sample: twice as many
+                f"dataset.k_shot={(8 if preset['privacy']['sampling'] == 'shuffle' else 4) * (2 if validation else 1)}",
+                "dataset.num_train=24",
                 "dataset.num_dev=4", "dataset.num_test=4", "dataset.max_new_tokens=3"]
     elif preset["dataset"]["name"] == "quadratic":
         swap = ["dataset.train_size=64", "dataset.test_size=16"]
