@@ -98,13 +98,11 @@ def grid_selection_note(sweep_dir: Path) -> dict | None:
     them composed (epsilon_naive, dpbench.study.grid_selection_epsilon), not one run's epsilon:
     printed, and written to <sweep dir>/grid_selection.json. None when no run has a score."""
     import json
-    import logging
 
     from dpbench import study
     from dpbench.logging.console import console
     from dpbench.logging.results import read_results
 
-    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
     runs = [r for path in sorted(Path(sweep_dir).rglob("results.json"))
             if (r := read_results(path.parent)) is not None and (r.get("metrics") or {}).get("validation_score") is not None
             and (r.get("privacy") or {}).get("private")]

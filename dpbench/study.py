@@ -274,16 +274,23 @@ def _orders():
     return np.array(DEFAULT_RDP_ORDERS, dtype=np.float64)
 
 
+def _rdp_accountant(event):
+    """dp-accounting's RDP accountant (add/remove, its default orders) with `event` composed."""
+    import logging
+
+    import dp_accounting as dpa
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+    accountant = dpa.rdp.RdpAccountant(_orders(), neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    return accountant.compose(event)
+
+
 def rdp_curve(event) -> np.ndarray:
     """The event's RDP at dp-accounting's default orders (add/remove); a ParallelEvent's is the
     pointwise maximum of its parts' curves."""
-    import dp_accounting as dpa
-
     if isinstance(event, ParallelEvent):
         return np.max([rdp_curve(part) for part in event.events], axis=0)
-    accountant = dpa.rdp.RdpAccountant(_orders(), neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    accountant.compose(event)
-    return accountant.rdp
+    return _rdp_accountant(event).rdp
 
 
 def _epsilon_of_curve(curve: np.ndarray, delta: float) -> float:
@@ -294,13 +301,9 @@ def _epsilon_of_curve(curve: np.ndarray, delta: float) -> float:
 
 def rdp_epsilon(event, delta: float) -> float:
     """epsilon of an event by dp-accounting's RDP accountant (add/remove neighbours)."""
-    import dp_accounting as dpa
-
     if isinstance(event, ParallelEvent):
         return _epsilon_of_curve(rdp_curve(event), delta)
-    accountant = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
+    return float(_rdp_accountant(event).get_epsilon(delta))
 
 
 def study_epsilon(event, mean_trials: float, shape: float, delta: float, studies: int = 1) -> float:
@@ -370,17 +373,16 @@ def score_noise_multiplier_for_share(share: float, target_epsilon: float, delta:
                          share * target_epsilon, "validation-score", tolerance)
 
 
-def per_trial_noise_multiplier_for_budget(ledger_for: Callable[[float], Ledger], target_epsilon: float, delta: float,
+def per_trial_noise_multiplier_for_budget(event_for: Callable[[float], object], target_epsilon: float, delta: float,
                                           mean_trials: float, shape: float, score_alone: float | None = None,
-                                          tolerance: float = 0.01, event_for: Callable[[float], object] | None = None) -> float:
+                                          tolerance: float = 0.01) -> float:
     """Smallest per-trial sigma (within `tolerance` in epsilon) whose study meets the target:
-    study_epsilon(trial_event(ledger_for(sigma)), ...) <= target_epsilon.
+    study_epsilon(event_for(sigma), ...) <= target_epsilon.
 
-    `ledger_for(sigma)` is a trial's planned ledger at base noise multiplier sigma, its noisy
-    validation score included (the sweeper plans it as the trial will); or `event_for(sigma)`, the
-    trial's event itself (a ParallelEvent). `score_alone`: that score's noise multiplier sigma_v; a
-    target the score alone already exceeds is refused in one line."""
-    event_for = event_for or (lambda s: trial_event(ledger_for(s)))
+    `event_for(sigma)` is a trial's event at base noise multiplier sigma, its noisy validation
+    score included, composed as the trial will (the sweeper plans it: `trial_event` of its ledger,
+    or a ParallelEvent). `score_alone`: that score's noise multiplier sigma_v; a target the score
+    alone already exceeds is refused in one line."""
     if score_alone is not None:
         alone = study_epsilon(trial_event([], score_alone), mean_trials, shape, delta)
         if alone >= target_epsilon:

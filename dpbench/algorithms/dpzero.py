@@ -178,7 +178,7 @@ class ZerothOrderAlgorithm(Algorithm):
         root's gathered parameters after a forward (for a backward): they are dropped on entry
         and on exit, so that no forward reads weights gathered under another perturbation."""
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._reshard()
+        sharding.reshard(self.model)
         try:
             with torch.no_grad():
                 largest = 0
@@ -191,7 +191,7 @@ class ZerothOrderAlgorithm(Algorithm):
                                               largest + sum(o.numel() * o.element_size() for _, o in saved))
             yield {id(p) for p in self.params}
         finally:
-            self._reshard()
+            sharding.reshard(self.model)
             with torch.no_grad():
                 for shard, original in saved:
                     shard.copy_(original)
@@ -199,9 +199,6 @@ class ZerothOrderAlgorithm(Algorithm):
     @staticmethod
     def direction_part_bytes(p: nn.Parameter) -> int:
         return 4 * p.numel()  # one parameter's whole fp32 block of z
-
-    def _reshard(self) -> None:
-        sharding.reshard(self.model)
 
     def finite_differences(self, batch: Batch, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-example s_i = (l_i(theta + lam z) - l_i(theta - lam z)) / (2 lam) and mean losses, fp32 [B]."""

@@ -373,10 +373,7 @@ class PrivateSearchSweeper(Sweeper):
         """One study in the sweep folder; with `grid` or `studies` > 1, one study per combination
         and repetition, each in <sweep dir>/<key-value_...>/[study_<s>], run one after another (each
         draws its own K and values; each is resumed alone), and an index, studies.json."""
-        import logging
-
         assert self.config is not None and self.launcher is not None
-        logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
         study._check_distribution(self.mean_trials, self.shape)
         if self.studies < 1:
             raise UserError(f"hydra.sweeper.studies must be at least 1, got {self.studies}")
@@ -444,8 +441,7 @@ class PrivateSearchSweeper(Sweeper):
             target, delta = float(base.privacy.epsilon), float(base.privacy.delta)
             score_sigma = study.score_noise_multiplier_for_share(self.score_share, target, delta, self.mean_trials, self.shape)
             sigma = study.per_trial_noise_multiplier_for_budget(
-                lambda s: planner.ledger(base, s, score_sigma), target, delta, self.mean_trials, self.shape,
-                event_for=lambda s: planner.event(base, s, score_sigma),
+                lambda s: planner.event(base, s, score_sigma), target, delta, self.mean_trials, self.shape,
                 score_alone=score_sigma if score_sigma is not None else float(base.privacy.validation_noise_multiplier))
         else:
             if self.score_share:

@@ -20,6 +20,19 @@ def dpbench(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun(*args: str, cwd: Path, module: str = "dpbench.cli", world: int = 2,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=<world> -m <module> <args>` in cwd on a free port, one torch
+    thread per rank, W&B off (world 1: `python -m <module>`, one process without torchrun)."""
+    from helpers.ranks import free_port
+
+    launch = [] if world == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                                    "--master_port", str(free_port())]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, *launch, "-m", module, *args], check=False, cwd=cwd, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def dpbench_in_process(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """`dpbench <args>` as `dpbench()` runs it, but through `dpbench.cli.main` in this process:
     the same composition, job and exit status without a new interpreter's imports (seconds per

@@ -220,18 +220,24 @@ def _watch_fit(finals: list) -> None:
     Trainer.fit = fit
 
 
+def _noiseless_rank(rank: int, world: int, port: int) -> dict:
+    """A spawned rank of the noiseless runs, and what it will record (checkpoints saved and
+    loaded, the parameters at the end of each fit)."""
+    _setup(rank, world, port)
+    _noise_off_and_a_fixed_order()
+    results: dict = {"saved": {}, "loaded": [], "finals": []}
+    watch([], results["saved"], results["loaded"])
+    _watch_fit(results["finals"])
+    return results
+
+
 def run_noiseless(rank: int, world: int, port: int, out: str) -> None:
     """The first spawn: STEPS uninterrupted steps, then a run killed when step NOISELESS_AT + 1
     starts (its checkpoint is the one after step NOISELESS_AT). `resume_noiseless` (fresh
     processes) finishes it."""
     from dpbench.run import run_job
 
-    _setup(rank, world, port)
-    _noise_off_and_a_fixed_order()
-    out = Path(out)
-    results: dict = {"saved": {}, "loaded": [], "finals": []}
-    watch([], results["saved"], results["loaded"])
-    _watch_fit(results["finals"])
+    results, out = _noiseless_rank(rank, world, port), Path(out)
     cfg = compose(NOISELESS)
     results["whole"] = summary(run_job(cfg, out / "whole", show_progress=False))
     run_killed_at(cfg, out / "killed", NOISELESS_AT, results)
@@ -245,12 +251,7 @@ def resume_noiseless(rank: int, world: int, port: int, out: str) -> None:
     step STEPS."""
     from dpbench.run import run_job
 
-    _setup(rank, world, port)
-    _noise_off_and_a_fixed_order()
-    out = Path(out)
-    results: dict = {"saved": {}, "loaded": [], "finals": []}
-    watch([], results["saved"], results["loaded"])
-    _watch_fit(results["finals"])
+    results, out = _noiseless_rank(rank, world, port), Path(out)
     results["resumed"] = summary(run_job(compose(NOISELESS), out / "killed", show_progress=False))
     torch.save(results, out / f"rank{rank}.pt")
     distributed.shutdown()

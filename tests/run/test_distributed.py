@@ -6,14 +6,12 @@ times, not 1/K), the ranks share rank 0's Poisson batch, and a torchrun run writ
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from helpers.algorithms import tiny_model
-from helpers.config import REPO
+from helpers.cli import torchrun
 from helpers.distributed_worker import (
     ALGORITHMS_COMPARED,
     LOGICAL_BATCHES,
@@ -99,11 +97,8 @@ def test_differing_initialisation_fails_on_every_rank(ranks):
 
 @pytest.mark.slow  # starts processes
 def test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-               "-m", "dpbench.cli", "train.steps=3", "logger=none", "device=cpu", "algo=dpsgd",
-               "dataset=synthetic", "train.batch_size=32"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = torchrun("train.steps=3", "logger=none", "device=cpu", "algo=dpsgd", "dataset=synthetic",
+                      "train.batch_size=32", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (results_file,) = tmp_path.glob("outputs/runs/*/results.json")
     assert len(list(tmp_path.glob("outputs/runs/*"))) == 1  # every rank used rank 0's folder

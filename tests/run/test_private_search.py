@@ -87,7 +87,7 @@ def test_a_validation_score_composes_as_an_unsampled_gaussian():
 
 def test_a_target_the_score_alone_exceeds_is_refused_in_one_line():
     with pytest.raises(UserError) as error:
-        study.per_trial_noise_multiplier_for_budget(lambda s: _ledger(s, 0.02, 10), 0.5, DELTA, 10, 1,
+        study.per_trial_noise_multiplier_for_budget(lambda s: study.trial_event(_ledger(s, 0.02, 10)), 0.5, DELTA, 10, 1,
                                                     score_alone=0.5)
     assert "\n" not in str(error.value) and "validation score alone" in str(error.value)
     with pytest.raises(UserError):

@@ -9,14 +9,11 @@ noise multiplier; both ranks hold the same noisy release, moments and public see
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers.config import REPO
-from helpers.ranks import free_port, relative, spawn_ranks
+from helpers.cli import torchrun
+from helpers.ranks import relative, spawn_ranks
 from helpers.replicated_worker import RUNS, SIGMA, logical_batches, run
 
 WORLD = 2
@@ -140,13 +137,10 @@ def test_on_the_tied_head_opt_five_sharded_steps_and_releases_match_one_process(
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("algo", ["grape", "dpzero"])
 def test_torchrun_trains_them_sharded(tmp_path, algo):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     engine = ["algo.per_sample=bk", "algo.rank=4"] if algo == "grape" else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-               "-m", "dpbench.cli", "train.sharding=fsdp", f"algo={algo}", *engine, "model=vit",
-               "train.steps=3", "train.eval_every=2", "device=cpu", "logger=none", "dataset=synthetic",
-               "train.batch_size=32", "privacy.noise_multiplier=1.0"]
-    result = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = torchrun("train.sharding=fsdp", f"algo={algo}", *engine, "model=vit", "train.steps=3", "train.eval_every=2",
+                      "device=cpu", "logger=none", "dataset=synthetic", "train.batch_size=32",
+                      "privacy.noise_multiplier=1.0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (results_file,) = tmp_path.glob("outputs/runs/*/results.json")
     results = json.loads(results_file.read_text())

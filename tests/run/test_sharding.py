@@ -9,14 +9,11 @@ and optimizer bytes; FSDP2's reduce-scatter is a SUM. The one-line refusals run 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers.config import REPO
-from helpers.ranks import free_port, relative, spawn_ranks
+from helpers.cli import torchrun
+from helpers.ranks import relative, spawn_ranks
 from helpers.sharding_worker import CLIP, LOGICAL_BATCHES, NOISY_SIGMA, run
 from scipy import stats
 
@@ -158,12 +155,9 @@ def test_fsdp_reduce_scatters_gradients_as_a_sum(ranks):
 
 @pytest.mark.slow  # starts processes
 def test_torchrun_trains_sharded_and_records_it(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-               "-m", "dpbench.cli", "train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit",
-               "train.steps=3", "train.eval_every=2", "device=cpu", "logger=none", "dataset=synthetic",
-               "train.batch_size=32"]
-    result = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = torchrun("train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit", "train.steps=3",
+                      "train.eval_every=2", "device=cpu", "logger=none", "dataset=synthetic", "train.batch_size=32",
+                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (results_file,) = tmp_path.glob("outputs/runs/*/results.json")
     results = json.loads(results_file.read_text())

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers.cli import torchrun
 from helpers.config import FIXED_SIGMA, TINY, compose
 
 from dpbench.algorithms import algorithm_class
@@ -197,22 +198,11 @@ def test_under_torchrun_the_score_counts_every_validation_example_once(tmp_path)
     """Two gloo ranks each count their shard of the validation part; the release sums them (one
     noise draw): with the untrained model (no steps) and a negligible sigma_v, the score is one
     process's, and the ledger charges the score once."""
-    import os
-    import subprocess
-    import sys
-
-    from helpers.config import REPO
-    from helpers.ranks import free_port
-
     job = ["dataset=synthetic", "dataset.validation_fraction=0.3", "algo=dpsgd", "train.steps=0", "train.batch_size=32",
            "privacy.validation_noise_multiplier=1e-6", "logger=none", "device=cpu"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     scores, ledgers = {}, {}
     for world in (1, 2):
-        launch = ["-m", "dpbench.cli"] if world == 1 else \
-            ["-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_port", str(free_port()), "-m", "dpbench.cli"]
-        done = subprocess.run([sys.executable, *launch, *job, f"hydra.run.dir=run{world}"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
+        done = torchrun(*job, f"hydra.run.dir=run{world}", cwd=tmp_path, world=world)
         assert done.returncode == 0, done.stderr[-3000:]
         results = json.loads((tmp_path / f"run{world}" / "results.json").read_text())
         assert results["throughput"]["world_size"] == world

@@ -8,13 +8,10 @@ rank 0 alone prints and writes audit.json, and both ranks exit with its status."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers.config import REPO
-from helpers.ranks import free_port, spawn_ranks
+from helpers.cli import torchrun
+from helpers.ranks import spawn_ranks
 
 WORLD = 2
 
@@ -83,12 +80,10 @@ def test_the_one_run_audit_is_refused_under_torchrun_in_one_line(ranks):
 
 @pytest.mark.slow  # starts torchrun
 def test_torchrun_audit_prints_once_writes_audit_json_and_exits_alike(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-               "-m", "dpbench.tools.audit_cli", "train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit",
-               "device=cpu", "logger=none", "dataset=synthetic", "train.batch_size=32", "train.steps=3",
-               "privacy.noise_multiplier=1.0", "audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
-    result = subprocess.run(command, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    audit = ["train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit", "device=cpu", "logger=none",
+             "dataset=synthetic", "train.batch_size=32", "train.steps=3", "privacy.noise_multiplier=1.0",
+             "audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
+    result = torchrun(*audit, cwd=tmp_path, module="dpbench.tools.audit_cli")
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert output.count("dpbench-audit · dpadam") == 1 and output.count("every check holds") == 1
@@ -96,8 +91,7 @@ def test_torchrun_audit_prints_once_writes_audit_json_and_exits_alike(tmp_path):
     assert json.loads(written.read_text())["passed"]
     # a combination the audit cannot run under torchrun: one line (rank 0's), exit 2, no hang (torchrun
     # itself exits 1 when a rank failed, naming rank 0's status)
-    refused = subprocess.run([*command, "audit.one_run=true"], check=False, cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+    refused = torchrun(*audit, "audit.one_run=true", cwd=tmp_path, module="dpbench.tools.audit_cli", timeout=120)
     output = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
     assert output.count("error: audit.one_run=true runs in one process") == 1
