@@ -103,7 +103,7 @@ def split_training_set(dataset_cfg, contents: list[bytes]) -> ValidationSplit | 
     mask = in_validation(contents, fraction)
     validation = [i for i, held in enumerate(mask) if held]
     train = [i for i, held in enumerate(mask) if not held]
-    if not 0 < planned < n or not train or not validation:
+    if not 0 < planned < n:  # public sizes only: a realised part (even empty) is never refused
         raise UserError(f"dataset.validation_fraction={fraction} leaves an empty training or validation part of the "
                         f"{n} training examples; choose a fraction between {1 / n:.3g} and {1 - 1 / n:.3g}")
     return ValidationSplit(fraction, n, train, validation)

@@ -229,6 +229,9 @@ class ShuffledLedger(Ledger):
     epoch by a replacement (x for the element that moved), provided that last position is never in
     a batch: kB <= |D|, the smaller set's size. k = (n - 1) // B batches of B for a data set of n
     meet it for both its neighbours, n - 1 and n + 1 (`dpbench.privacy.sampling.batches_per_epoch`).
+    Where the realised data is smaller than the planned kB + 1 slots (a validation split took more
+    than planned), the order runs over kB + 1 slots, the extra ones empty, for both neighbours: the
+    added example fills an empty slot, a change of C in one batch (`ShuffledBatches`, `min_slots`).
     Both relations therefore charge each epoch a replace-one Gaussian (sensitivity 2C).
     """
 

@@ -60,21 +60,29 @@ def batches_per_epoch(cfg, train_size: int) -> int | None:
 
 class ShuffledBatches:
     """Fixed-size batches from a fresh permutation each epoch: `batches_per_epoch` batches of
-    exactly B (default n // B), the rest dropped, so an epoch holds each example at most once.
+    B slots (default n // B), the rest dropped, so an epoch holds each example at most once.
+
+    The epoch length is planned from public sizes; the realised data may hold fewer examples than
+    the slots (`min_slots`: k B, plus the one add/remove leaves out). The order is then drawn over
+    `max(n, min_slots)` slots, the slots past the last example empty: a neighbour's extra example
+    takes an empty slot (sensitivity C, below the 2C charged), and nothing refuses or branches on
+    the realised size. With n >= min_slots this is the plain permutation of n.
 
     A checkpoint keeps the epoch in progress (`state_dict`): a resumed run finishes that epoch's
     order before drawing a new one, so no example is in two batches of one accounted epoch."""
 
     name = "shuffle"
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int | None = None, batches_per_epoch: int | None = None):
+    def __init__(self, num_samples: int, batch_size: int, seed: int | None = None, batches_per_epoch: int | None = None,
+                 min_slots: int = 0):
         """`seed=None` (every private run): orders from fresh OS entropy; a non-private run may
         pass the experiment seed so that it is reproducible."""
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.batches_per_epoch = num_samples // batch_size if batches_per_epoch is None else batches_per_epoch
-        if not 1 <= self.batches_per_epoch * batch_size <= num_samples:
-            raise ValueError(f"{self.batches_per_epoch} batches of {batch_size} do not fit {num_samples} examples")
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"an epoch needs at least one batch of {batch_size}, got {self.batches_per_epoch}")
+        self.slots = max(num_samples, min_slots, self.batches_per_epoch * batch_size)
         self.seeded = seed is not None
         self.generator = torch.Generator()
         self.generator.manual_seed(entropy_seed() if seed is None else seed)
@@ -84,10 +92,11 @@ class ShuffledBatches:
     def __iter__(self) -> Iterator[list[int]]:
         while True:  # the trainer decides when to stop
             if self._order is None or self._next >= self.batches_per_epoch:
-                self._order, self._next = torch.randperm(self.num_samples, generator=self.generator), 0
+                self._order, self._next = torch.randperm(self.slots, generator=self.generator), 0
             start = self._next * self.batch_size
             self._next += 1
-            yield self._order[start : start + self.batch_size].tolist()
+            batch = self._order[start : start + self.batch_size]
+            yield batch[batch < self.num_samples].tolist()  # empty slots dropped
 
     def state_dict(self) -> dict:
         """The epoch in progress (and, for a seeded sampler, the generator that draws the next)."""
@@ -95,8 +104,8 @@ class ShuffledBatches:
 
     def load_state_dict(self, state: dict) -> None:
         order = state["order"]
-        if order is not None and (order.numel() != self.num_samples or not 0 <= state["next"] <= self.batches_per_epoch):
-            raise ValueError(f"the stored epoch order covers {order.numel()} examples, this run has {self.num_samples}")
+        if order is not None and (order.numel() != self.slots or not 0 <= state["next"] <= self.batches_per_epoch):
+            raise ValueError(f"the stored epoch order covers {order.numel()} slots, this run has {self.slots}")
         self._order, self._next = order, int(state["next"])
         if self.seeded and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
@@ -134,19 +143,15 @@ def build_sampler(kind: str, num_samples: int, batch_size: int, seed: int, priva
 
     With a validation split the sampler draws over the realised training part (`num_samples`) at
     the rate and epoch length planned from the public size n (1 - f): `sample_rate` (None: B /
-    num_samples) and `batches_per_epoch`."""
+    num_samples) and `batches_per_epoch`. Nothing here depends on the realised size beyond the
+    indices drawn: a shuffled epoch longer than the realised part gets empty slots, never a refusal."""
     if kind == "poisson":
         sampler = PoissonBatches(num_samples, batch_size / num_samples if sample_rate is None else sample_rate,
                                  None if private else seed)
     elif kind == "shuffle":
-        # the add/remove bound needs every epoch to leave an example out (`batches_per_epoch`)
-        room = num_samples - 1 if relation == "add_remove" else num_samples
-        if batches_per_epoch is not None and batches_per_epoch * batch_size > room:
-            raise UserError(
-                f"privacy.sampling=shuffle: the {batches_per_epoch} planned batches of {batch_size} do not fit the "
-                f"{num_samples} examples of the training part (dataset.validation_fraction took more than planned); "
-                "lower train.batch_size or use privacy.sampling=poisson")
-        sampler = ShuffledBatches(num_samples, batch_size, None if private else seed, batches_per_epoch)
+        # a planned epoch: the add/remove bound needs it to leave a slot out (ShuffledLedger)
+        slots = 0 if batches_per_epoch is None else batches_per_epoch * batch_size + (relation == "add_remove")
+        sampler = ShuffledBatches(num_samples, batch_size, None if private else seed, batches_per_epoch, min_slots=slots)
     else:
         raise UserError(f"privacy.sampling={kind!r} is not known; use poisson or shuffle")
     if distributed.is_distributed():

@@ -354,3 +354,31 @@ def test_block_subspaces_follow_the_generator_state():
     one = first.draw().dense()
     first.generator.set_state(state)
     assert torch.equal(one, first.draw().dense())
+
+
+def _shapes(value):
+    """The structure of a checkpoint entry: tensors by shape and dtype, containers by their keys and lengths."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _shapes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shapes(v) for v in value]
+    return type(value).__name__
+
+
+def test_rank_mode_keeps_the_realised_batch_size_inside_the_step():
+    """Rank selection's noisy score vector has the realised batch size as its length, which its
+    sensitivity-1 argument does not cover: it must not leave the step. What a run keeps (the
+    checkpoint without un-noised statistics, the noisy gradient) has the same shapes for a batch
+    of 12 and one of 13; the length reaches only the tail set, whose effect on the gradient is
+    covered by the rank_coupled sensitivity (test above)."""
+    states, updates = [], []
+    for size in (12, 13):
+        algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_selection=rank")
+        recorded = record_updates(algorithm, apply=True)
+        algorithm.train_step([_batch(task, size)], 0)
+        states.append(_shapes(algorithm_state(algorithm, log_private_stats=False)))
+        updates.append([tuple(g.shape) for g in recorded[-1]])
+    assert states[0] == states[1] and updates[0] == updates[1]
+    assert "tail_fraction_seen" in algorithm.private_statistics()  # the realised tail fraction: un-noised, withheld

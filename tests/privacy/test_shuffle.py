@@ -175,3 +175,33 @@ def test_a_shuffled_run_records_its_bound(tmp_path):
                                "neighboring": "replace_one", "count": 2}]
     assert privacy.epsilon == pytest.approx(dp_accounting_epsilon(privacy.noise_multiplier, 2, DELTA), rel=2e-3)
     assert any("without amplification" in note for note in results.notes)
+
+
+@pytest.mark.parametrize("relation", ["add_remove", "replace_one"])
+def test_a_planned_epoch_runs_the_same_whatever_the_realised_size(relation):
+    """The epoch length comes from the public planning size; a realised training part smaller than
+    its slots (a validation split that took more) is never refused: D and D plus one record both
+    run k batches per epoch, each example at most once, over the same number of slots when the
+    data is below them (the added record fills an empty slot)."""
+    batch, per_epoch = 10, 4
+    planned_slots = per_epoch * batch + (relation == "add_remove")
+    for realised in range(planned_slots - 6, planned_slots + 3):
+        sampler = build_sampler("shuffle", realised, batch, seed=0, private=True, batches_per_epoch=per_epoch,
+                                relation=relation)
+        assert sampler.slots == max(realised, planned_slots)
+        batches = iter(sampler)
+        for _ in range(3):  # three epochs
+            epoch = [next(batches) for _ in range(per_epoch)]
+            flat = [i for b in epoch for i in b]
+            assert all(len(b) <= batch for b in epoch) and len(set(flat)) == len(flat)
+            left_out = sampler.slots - per_epoch * batch  # slots past the epoch, empty or not
+            assert set(flat) <= set(range(realised)) and realised - left_out <= len(flat) <= per_epoch * batch
+
+
+def test_the_reviews_split_trains_on_both_neighbours(tmp_path):
+    """Digits at f = 0.2 and B = 1149 plan 1150 training examples; a realised part of 1149 (D) and
+    of 1150 (D plus one record) both train, where the first was refused before."""
+    for realised in (1149, 1150):
+        sampler = build_sampler("shuffle", realised, 1149, seed=0, private=True, batches_per_epoch=1, relation="add_remove")
+        batch = next(iter(sampler))
+        assert len(batch) <= 1149 and len(set(batch)) == len(batch)
