@@ -3,7 +3,7 @@
 They wrap the field's libraries instead of re-deriving formulas:
   rdp  Opacus's RDP analysis (orders extended to 1024 like dp-accounting's, for small epsilon)
   prv  Opacus's PRV accountant (falls back to pld, recorded in the run's notes, when PRV's
-       discretisation fails)
+       discretisation fails or its grid would not fit in memory)
   gdp  Opacus's Gaussian-DP (CLT) accountant: homogeneous ledgers only; an APPROXIMATION that can
        under-report epsilon (1.21 against a tight 1.79 at sigma=1.1, q=0.0445, 40 steps), so it is
        not an upper bound and calibrating sigma with it needs an explicit opt-in
@@ -123,14 +123,32 @@ class PRVAccountant(Accountant):
 
     def _prv_epsilon(self, accountant, ledger: Ledger, delta: float) -> float:
         try:
+            if prv_grid_points(accountant, delta, eps_error=0.01) > MAX_PRV_GRID_POINTS:
+                raise MemoryError  # PRV's mesh would not fit (57 GiB at q = 0.3, sigma = 0.5, 1e5 steps)
             # Upper bound of PRV's estimate; eps_error scales with the answer, so a fixed one is too coarse for small epsilons.
             first = accountant.get_epsilon(delta, eps_error=0.01)
             if first < 1.0:
                 return float(accountant.get_epsilon(delta, eps_error=0.01 * max(first, 0.05)))
             return float(first)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, MemoryError):
             self.computed_by = "pld"  # the run records it: privacy.accountant names pld, and a note
             return PLDAccountant().epsilon(ledger, delta)
+
+
+# PRV discretises the composed loss on one grid of float64 points, several copies at once (FFT):
+# 2^24 points keep it under about 1 GiB; beyond, the pld accountant (also an upper bound) answers.
+MAX_PRV_GRID_POINTS = 2**24
+
+
+def prv_grid_points(accountant, delta: float, eps_error: float) -> int:
+    """The number of points of the grid Opacus's PRV accountant would allocate for its history
+    (its own `_get_domain`, asked before anything is allocated)."""
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+
+    prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in accountant.history]
+    domain = accountant._get_domain(prvs=prvs, num_self_compositions=[n for _, _, n in accountant.history],
+                                    eps_error=eps_error, delta_error=delta / 1000)
+    return int(domain.size)
 
 
 @ACCOUNTANTS.register("gdp")
@@ -148,14 +166,14 @@ class GDPAccountant(Accountant):
                 f"{len(items)} different mechanisms: use accountant=rdp, prv or pld"
             )
         (m, n), = items
-        try:
-            return float(
-                gdp.compute_eps_poisson(
-                    steps=n, noise_multiplier=m.add_remove_noise_multiplier, sample_rate=m.sample_rate, delta=delta
-                )
-            )
-        except ValueError:  # Opacus brackets epsilon in [0, 500]; beyond that it finds no root
+        mu = gdp.compute_mu_poisson(steps=n, noise_multiplier=m.add_remove_noise_multiplier, sample_rate=m.sample_rate)
+        # Opacus brackets epsilon in [0, 500]: no root means delta is met at epsilon 0 already, or
+        # only beyond 500 (the dual's delta decreases in epsilon)
+        if gdp.delta_eps_mu(eps=0.0, mu=mu) <= delta:
+            return 0.0
+        if gdp.delta_eps_mu(eps=500.0, mu=mu) > delta:
             return math.inf
+        return float(gdp.eps_from_mu(mu=mu, delta=delta))
 
 
 def build_accountant(name: str) -> Accountant:
