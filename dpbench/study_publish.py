@@ -132,7 +132,7 @@ def finish(study_dir: Path, state: dict, outcomes: list[study.TrialOutcome], pla
     an interrupted end resumes where it stopped. `build(chosen, test, notes)` is `publishable`'s."""
     from dpbench.logging.results import read_results
 
-    private = private_dir(study_dir)
+    private, selected = private_dir(study_dir), Path(study_dir) / SELECTED_DIR
     if "published" not in state:
         notes = []
         # a trial that released more than the plan voids the study's bound (a dpbench bug): said without its index
@@ -140,19 +140,20 @@ def finish(study_dir: Path, state: dict, outcomes: list[study.TrialOutcome], pla
                and not study.ledger_within(recorded, planned) for o in outcomes):
             notes.append("a trial recorded more than the study's planned ledger: epsilon_study does not cover this study")
         chosen, test = study.selected_trial(outcomes), None
-        if chosen is not None:  # the selected model alone meets the test set, once
+        if "selected_index" not in state:
+            state["selected_index"] = None if chosen is None else chosen.index
+            write_private(private / STATE_FILE, state)
+        if chosen is not None:  # renamed before anything names it; then the selected model alone meets the test set, once
+            source = trial_dir(study_dir, chosen.index)
+            if source.is_dir() and not selected.exists():
+                os.replace(source, selected)
             try:
-                test = evaluate(chosen.run_dir)
+                test = evaluate(str(selected))
             except Exception as error:  # noqa: BLE001 - the study is still reported
                 notes.append(f"the selected trial's saved model could not be evaluated on the test set: {error}")
-        state["selected_index"] = None if chosen is None else chosen.index
         state["published"] = build(chosen, test, notes)
         write_private(private / STATE_FILE, state)
     summary = state["published"]
-    if state["selected_index"] is not None:
-        source, target = trial_dir(study_dir, state["selected_index"]), Path(study_dir) / SELECTED_DIR
-        if source.is_dir() and not target.exists():
-            os.replace(source, target)
     write_json(Path(study_dir) / STUDY_FILE, summary)
     if not keep_private:
         shutil.rmtree(private, ignore_errors=True)
