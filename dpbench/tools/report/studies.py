@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpbench.logging.console import console
+from dpbench.study_publish import PRIVATE_DIR
 from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow, load_rows, method_name
 
@@ -71,6 +72,8 @@ def load_studies(folder: Path) -> list[StudyRow]:
     """One StudyRow per study.json under `folder` (unreadable files are reported and skipped)."""
     studies = []
     for path in sorted(Path(folder).rglob(STUDY_FILE)):
+        if PRIVATE_DIR in path.relative_to(folder).parts:  # outside epsilon: never read
+            continue
         try:
             data = json.loads(path.read_text())
             run, privacy = _selected_run(path.parent, data)
