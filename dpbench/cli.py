@@ -84,6 +84,8 @@ class GridFailures(Callback):
         self.started = time.time()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if str(config.hydra.sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[1]:
+            return  # a private study's failed trials are outcomes outside its epsilon (scored -inf), not shown
         _grid_failures.extend(failed_jobs(Path(config.hydra.sweep.dir), self.started))
         if str(config.hydra.sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[0]:  # Hydra's basic grid
             grid_selection_note(Path(config.hydra.sweep.dir))
@@ -207,8 +209,11 @@ def _main(cfg: DictConfig) -> float:
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         save_job_config(cfg, run_dir)
 
+    # a private search's trial publishes nothing itself (dpbench/study_publish.py): no bar, no table, no message
+    private_trial = in_grid and str(HydraConfig.get().sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[1]
+    was_quiet, console.quiet = console.quiet, console.quiet or private_trial
     try:
-        return objective(cfg, run_job(cfg, run_dir, on_start=starting))
+        return objective(cfg, run_job(cfg, run_dir, show_progress=not private_trial, on_start=starting))
     except Preempted as error:  # the whole process stops (a grid too): rerunning resumes it
         console.print(f"[bold yellow]stopped:[/] {error}", soft_wrap=True)
         _exit(EXIT_PREEMPTED)
@@ -227,6 +232,8 @@ def _main(cfg: DictConfig) -> float:
             raise
         console.print(f"[bold red]failed:[/] {type(error).__name__}: {error} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
         _record_failure(run_dir, f"failed: {type(error).__name__}: {error}", traceback.format_exc())
+    finally:
+        console.quiet = was_quiet
     return float("nan")
 
 

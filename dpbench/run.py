@@ -22,7 +22,7 @@ from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, de
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
-    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, write_results,
+    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers, write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
@@ -213,7 +213,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     extra = {**algorithm.extra_results(), **counters}
     if job.privacy is not None and not job.privacy.log_private_stats:
         extra = {k: v for k, v in extra.items() if k not in algorithm.unnoised_results and k not in counters}
-    return RunResults(
+    results = RunResults(
         status=status, algo=cfg.algo.name, model=cfg.model.name, dataset=cfg.dataset.name, seed=cfg.seed,
         privacy=privacy,
         metrics=MetricsResults(
@@ -230,6 +230,9 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         versions=versions(job.device),
         config=resolved_config(cfg),
     )
+    results.epsilon_covers = epsilon_covers(results, job.privacy is None or job.privacy.log_private_stats,
+                                            [*algorithm.unnoised_results, *counters])
+    return results
 
 
 def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> RunResults:

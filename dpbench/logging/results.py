@@ -21,6 +21,9 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
      written only when it has a value, so a run without them keeps version 4's keys.
   6  privacy.validation_composition (sequential | parallel: how the noisy validation score composes
      with training in epsilon; private runs with a validation split only).
+  7  epsilon_covers: {"covered": [...], "outside_epsilon": [...]}, which of the file's figures that
+     depend on the data epsilon covers (`epsilon_covers`): the releases (noisy, or post-processing of
+     the trained model), and the un-noised statistics, listed (outside) only when they are written.
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _OMIT_IF_NONE = "omit_if_none"
+_FIGURE = "figure"  # what a data-dependent key is: RELEASE (epsilon covers it) or UNNOISED (it does not)
+RELEASE, UNNOISED = "release", "unnoised"
 
 
 def _only_when_known():
     """A key written only when it has a value (the file has no accountant for a non-private run,
     no CUDA allocator figure for a CPU run): files keep exactly the keys they always had."""
     return field(default=None, metadata={_OMIT_IF_NONE: True})
+
+
+def _figure(kind: str, omit_if_none: bool = False):
+    """A key computed from the private data: RELEASE (noisy, or post-processing of the trained
+    model: epsilon covers it) or UNNOISED (written only with privacy.log_private_stats)."""
+    return field(default=None, metadata={_FIGURE: kind, _OMIT_IF_NONE: omit_if_none})
 
 
 @dataclass(kw_only=True)
@@ -122,14 +133,14 @@ class PrivacyResults(Section):
 @dataclass(kw_only=True)
 class MetricsResults(Section):
     metric: str | None = None  # what test_accuracy holds: accuracy, f1, ...
-    test_accuracy: float | None = None
-    best_test_accuracy: float | None = None
-    train_loss: float | None = None
-    test_loss: float | None = None
-    train_accuracy: float | None = None  # un-noised: only with privacy.log_private_stats
+    test_accuracy: float | None = _figure(RELEASE)
+    best_test_accuracy: float | None = _figure(RELEASE)
+    train_loss: float | None = _figure(UNNOISED)
+    test_loss: float | None = _figure(RELEASE)
+    train_accuracy: float | None = _figure(UNNOISED)  # un-noised: only with privacy.log_private_stats
     # with a validation split: (sum of per-example scores in [0, 1] + N(0, sigma_v^2)) / validation_size,
     # of the final model, computed once (noiseless for a non-private run)
-    validation_score: float | None = _only_when_known()
+    validation_score: float | None = _figure(RELEASE, omit_if_none=True)
     validation_size: int | None = _only_when_known()  # the public divisor n - round(n (1 - f)), about n f
 
 
@@ -158,11 +169,11 @@ class EvalRecord(Section):
     """One evaluation: a record of `history`, what the trainer hands its callbacks (console, W&B)."""
 
     step: int | None = None
-    train_loss: float | None = None  # mean over the steps since the last evaluation (None: not reported)
-    test_accuracy: float | None = None  # the task's headline metric (metrics.metric says which)
-    test_loss: float | None = None
+    train_loss: float | None = _figure(UNNOISED)  # mean over the steps since the last evaluation (None: not reported)
+    test_accuracy: float | None = _figure(RELEASE)  # the task's headline metric (metrics.metric says which)
+    test_loss: float | None = _figure(RELEASE)
     epsilon: float | None = None  # spent so far (None: a non-private run)
-    train_accuracy: float | None = _only_when_known()  # un-noised: only with privacy.log_private_stats
+    train_accuracy: float | None = _figure(UNNOISED, omit_if_none=True)  # un-noised: only with privacy.log_private_stats
 
 
 _SECTIONS: dict[str, type[Section]] = {
@@ -223,7 +234,9 @@ class RunResults(Section):
     versions: dict | None = None  # provenance: packages, device, git commit, command line
     config: dict | None = None  # the resolved config of the run
     # test metrics of the saved final model (train.evaluate_test=false), by dpbench.api.evaluate_saved
-    saved_model_test: dict | None = _only_when_known()
+    saved_model_test: dict | None = _figure(RELEASE, omit_if_none=True)
+    # which data-dependent figures epsilon covers (version 7; `epsilon_covers` fills it)
+    epsilon_covers: dict | None = _only_when_known()
 
     @classmethod
     def from_json(cls, data: dict | None) -> RunResults:
@@ -236,6 +249,32 @@ class RunResults(Section):
         """The run's figures under their W&B names, plus its status and whether it was private."""
         figures = {name: getattr(getattr(self, section), key) for name, (section, key) in SUMMARY_KEYS.items()}
         return {"status": self.status, "privacy/private": self.privacy.is_private, **figures}
+
+
+def _declared(kind: str) -> list[str]:
+    """The keys declared `kind` (RELEASE or UNNOISED), as dotted paths ("history[].train_loss")."""
+    keys = [f.name for f in fields(RunResults) if f.metadata.get(_FIGURE) == kind]
+    for name, section in [*_SECTIONS.items(), *((f"{n}[]", s) for n, s in _RECORD_LISTS.items())]:
+        keys += [f"{name}.{f.name}" for f in fields(section) if f.metadata.get(_FIGURE) == kind]
+    return keys
+
+
+def epsilon_covers(results: RunResults, log_private_stats: bool, unnoised_algorithm_keys=()) -> dict:
+    """results.json's `epsilon_covers`, from the declarations: the RELEASE keys (and the algorithm's
+    own facts but its `unnoised_results` and counters) are covered by a private run's epsilon; the
+    UNNOISED keys, privacy.plan.PRIVATE_STATISTIC_FIGURES and the status (a run halts on a
+    non-finite loss) are outside it, listed only when the run writes them (log_private_stats).
+    A non-private run: nothing is covered."""
+    from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES
+
+    algorithm = sorted((results.algorithm or {}).keys())
+    unnoised = set(unnoised_algorithm_keys)
+    covered = [*_declared(RELEASE), *(f"algorithm.{k}" for k in algorithm if k not in unnoised)]
+    outside = [*_declared(UNNOISED), *(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys),
+               *(f"algorithm.{k}" for k in algorithm if k in unnoised), "status"]
+    if not results.privacy.is_private:
+        return {"covered": [], "outside_epsilon": [*covered, *outside], "note": "a non-private run: no epsilon"}
+    return {"covered": covered, "outside_epsilon": outside if log_private_stats else []}
 
 
 def _jsonable(value):

@@ -523,6 +523,8 @@ def one_run_audit(cfg) -> OneRunReport:
     site = canary_site(cfg)
     if cfg.get("threads"):  # as `dpbench` runs the job (run_job)
         torch.set_num_threads(int(cfg.threads))
+    cfg = cfg.copy()  # an audit's report is published: it trains without un-noised statistics (docs/results.md)
+    OmegaConf.update(cfg, "privacy.log_private_stats", False, force_add=True)
     job = setup(cfg)
     setup_ = job.privacy.setup
     neighboring = str(cfg.privacy.get("neighboring", "add_remove"))

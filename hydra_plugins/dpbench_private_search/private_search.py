@@ -13,13 +13,15 @@ What it does, in order (dpbench/study.py holds the privacy arithmetic and says w
      whose STUDY epsilon meets privacy.epsilon and passes privacy.noise_multiplier=<sigma> to every
      trial. With privacy.noise_multiplier set, the study's epsilon is computed instead.
   3. Draws K and every trial's values from OS entropy (never from `seed`) and writes them to
-     <sweep dir>/study_state.json BEFORE the first trial: a rerun of the same command resumes the
-     study without drawing again, and skips trials that already have an outcome (a trial that
-     failed or diverged counts as score -inf and is never rerun).
-  4. Launches the trials (trial i in <sweep dir>/trial_<i>), independently of each other's
-     results, `max_batch_size` per launcher call; a trial's score is what the job returns
+     <sweep dir>/private_outside_epsilon/study_state.json BEFORE the first trial: a rerun of the
+     same command resumes the study without drawing again, and skips trials that already have an
+     outcome (a trial that failed or diverged counts as score -inf and is never rerun).
+  4. Launches the trials (in private_outside_epsilon/trial_<i>), independently of each other's
+     results, quietly (no bar, no table, no W&B run, privacy.log_private_stats=false),
+     `max_batch_size` per launcher call; a trial's score is what the job returns
      (dpbench.cli.objective: the metric `optimize` names).
-  5. Selects the best (dpbench.study.selected_trial) and writes <sweep dir>/study.json.
+  5. Selects the best and publishes only it (dpbench/study_publish.py): study.json and
+     selected_trial/; the private area is removed unless keep_private (print_private: its table).
 
 A benchmark runs many studies in one sweep: `hydra.sweeper.grid` ({key: "a,b"}, e.g. algo and
 seed) fixes each combination for one study, `hydra.sweeper.studies` repeats each; every study has
@@ -42,7 +44,9 @@ RDP composition.
 
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module without
 # registering it in sys.modules, and dataclasses then cannot resolve string annotations.
+import contextlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -61,10 +65,10 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dpbench import study
+from dpbench import study_publish as publish
 from dpbench.errors import UserError
 
-STATE_FILE, STUDY_FILE = "study_state.json", "study.json"
-STATE_FORMAT = 1
+STUDY_FILE = publish.STUDY_FILE
 
 
 @dataclass
@@ -77,6 +81,8 @@ class PrivateSearchConf:
     params: Optional[Dict[str, str]] = None  # search space from a config file: {key: "interval(0.1, 1)"}
     grid: Optional[Dict[str, str]] = None  # fixed axes, {key: "a,b"}: one study per combination (a benchmark)
     studies: int = 1  # independent studies per combination, each with its own K and draws
+    keep_private: bool = False  # keep private_outside_epsilon/ (K, every trial) after the study
+    print_private: bool = False  # also print every trial's outcome, headed as outside epsilon
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="private_search", node=PrivateSearchConf, provider="dpbench")
@@ -228,27 +234,6 @@ def _json_shape(shape: float) -> float | str:
     return "inf" if shape == math.inf else shape  # JSON has no infinity
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Whole or not at all: an interrupted write leaves the previous file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def read_state(sweep_dir: Path) -> dict | None:
-    path = Path(sweep_dir) / STATE_FILE
-    if not path.exists():
-        return None
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise UserError(f"{path} is unreadable ({error}); the study's K and draws are lost: start a new study "
-                        "(another name=), the trials that ran count against the data's privacy") from error
-    if state.get("format") != STATE_FORMAT:
-        raise UserError(f"{path} is of another format ({state.get('format')}); start a new study (another name=)")
-    return state
-
-
 def trial_outcome(index: int, overrides: list[str], run_dir: Path, returned=None) -> study.TrialOutcome:
     """A trial's outcome from what its job returned (None: not launched, e.g. a failed trial found
     on resume) and its folder: no results.json, a status other than completed, or no finite
@@ -326,7 +311,8 @@ class PrivateSearchSweeper(Sweeper):
 
     def __init__(self, mean_trials: float = 10.0, shape: Any = 1.0, score_share: float = 0.0,
                  max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
-                 grid: Optional[Dict[str, str]] = None, studies: int = 1) -> None:
+                 grid: Optional[Dict[str, str]] = None, studies: int = 1, keep_private: bool = False,
+                 print_private: bool = False) -> None:
         super().__init__()
         self.mean_trials = float(mean_trials)
         self.shape = study.parse_shape(shape)
@@ -335,6 +321,7 @@ class PrivateSearchSweeper(Sweeper):
         self.params = dict(params or {})
         self.grid = {str(k): str(v) for k, v in (grid or {}).items()}
         self.studies = int(studies)
+        self.keep_private, self.print_private = bool(keep_private), bool(print_private)
         self.hydra_context: Optional[HydraContext] = None
         self.config: Optional[DictConfig] = None
         self.launcher: Optional[Launcher] = None
@@ -389,14 +376,14 @@ class PrivateSearchSweeper(Sweeper):
             summary = self._study(sweep_dir / folder, folder, [*fixed, *combination], dimensions)
             index.append({"folder": folder, "overrides": combination, "study_id": summary["study_id"],
                           "epsilon_study": summary["epsilon_study"]})
-            write_json(sweep_dir / INDEX_FILE, {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape),
+            publish.write_json(sweep_dir / INDEX_FILE, {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape),
                                                "studies_per_combination": self.studies, "grid": self.grid,
                                                "studies": index, "note": STUDIES_NOTE})
         return index
 
     def _study(self, sweep_dir: Path, folder: str, fixed: list[str], dimensions: list[Dimension]) -> dict:
         """One study: K trials of `fixed` overrides and `dimensions` drawn, in `sweep_dir` (`folder`
-        below the sweep folder)."""
+        below the sweep folder); publishes only the selected trial (dpbench/study_publish.py)."""
         sweep_dir.mkdir(parents=True, exist_ok=True)
         base = self._compose(fixed)
         fixed, dimensions = with_config_space(base.get("search_space"), fixed, dimensions)
@@ -406,15 +393,21 @@ class PrivateSearchSweeper(Sweeper):
         if optimize not in (DEFAULT_OPTIMIZE, "validation_score"):
             raise UserError(f"optimize={optimize}: a private search selects by the noisy validation score; "
                             "leave optimize at its default (or set optimize=validation_score)")
+        if any(o.split("=", 1)[0] == "privacy.log_private_stats" and o.split("=", 1)[1].lower() == "true" for o in fixed):
+            raise UserError("a private study's trials never publish un-noised statistics: drop privacy.log_private_stats=true")
+        settings = {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape), "score_share": self.score_share,
+                    "fixed_overrides": sorted(fixed), "space": {d.key: d.describe() for d in dimensions}}
+        state, published = publish.read_state(sweep_dir), publish.read_published(sweep_dir)
+        held = state["settings"] if state is not None else publish.settings_of(published) if published else None
+        if held is not None and held != settings:
+            raise UserError(f"{sweep_dir} holds study {(state or published)['study_id']} of other settings ({held}); "
+                            "rerun its command to resume it, or start a new study with another name=")
+        if state is None and published is not None:  # a finished study: shown again, never rerun
+            publish.print_published(published, sweep_dir)
+            return published
         planner = self._planner(base)
         delta = float(base.privacy.delta)
         budget = base.privacy.noise_multiplier is None
-        settings = {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape), "score_share": self.score_share,
-                    "fixed_overrides": sorted(fixed), "space": {d.key: d.describe() for d in dimensions}}
-        state = read_state(sweep_dir)
-        if state is not None and state["settings"] != settings:
-            raise UserError(f"{sweep_dir} holds study {state['study_id']} of other settings ({state['settings']}); "
-                            "rerun its command to resume it, or start a new study with another name=")
         if state is None:
             state = self._new_state(base, planner, fixed, dimensions, settings, budget)
         sigma, score_sigma = float(state["noise_multiplier"]), state["score_noise_multiplier"]
@@ -426,13 +419,24 @@ class PrivateSearchSweeper(Sweeper):
         if "checked" not in state:  # a new study: refused before its K and draws are stored or any trial runs
             self._check_events(planner, planned, trials, sigma)
             state["checked"] = True
-            write_json(sweep_dir / STATE_FILE, state)  # K and the draws, before any trial runs
+            publish.write_private(publish.private_dir(sweep_dir) / publish.STATE_FILE, state)  # before any trial runs
         self._run_trials(sweep_dir, state, trials, folder)
 
         outcomes = [study.TrialOutcome.from_json(state["outcomes"][str(t["index"])]) for t in trials]
-        summary = self._summary(state, base, planned, planner.event(base, sigma, score_sigma), outcomes, delta)
-        write_json(sweep_dir / STUDY_FILE, summary)
-        self._print(summary, outcomes, dimensions, sweep_dir)
+        event = planner.event(base, sigma, score_sigma)
+        task = {"algo": OmegaConf.select(base, "algo.name"), "dataset": OmegaConf.select(base, "dataset.name"),
+                "model": _model_label(base)}
+
+        def build(chosen, test, notes):
+            return publish.publishable(state, settings, task, event, delta, chosen, test, notes)
+
+        from dpbench.api import evaluate_saved
+
+        summary = publish.finish(sweep_dir, state, outcomes, planned, build, evaluate_saved, self.keep_private)
+        publish.print_published(summary, sweep_dir)
+        if self.print_private:
+            publish.print_private(state, outcomes, [d.key for d in dimensions],
+                                  study.naive_epsilon(event, int(state["trials"]), delta))
         return summary
 
     def _new_state(self, base, planner, fixed, dimensions, settings, budget) -> dict:
@@ -452,18 +456,23 @@ class PrivateSearchSweeper(Sweeper):
         rng = study.entropy_rng()
         k = study.draw_trial_count(self.mean_trials, self.shape, rng)
         draws = [{"index": i, "values": draw_values(dimensions, rng)} for i in range(k)]
-        return {"format": STATE_FORMAT, "study_id": secrets.token_hex(8), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "settings": settings, "trials": k, "budget_epsilon": float(base.privacy.epsilon) if budget else None,
-                "noise_multiplier": sigma, "score_noise_multiplier": score_sigma, "draws": draws, "outcomes": {}}
+        return {"format": publish.STATE_FORMAT, "study_id": secrets.token_hex(8),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "settings": settings, "trials": k,
+                "budget_epsilon": float(base.privacy.epsilon) if budget else None, "noise_multiplier": sigma,
+                "score_noise_multiplier": score_sigma, "draws": draws, "outcomes": {}}
 
     @staticmethod
     def _trial_overrides(fixed, trial, sigma, score_sigma, budget, folder: str = "") -> list[str]:
         # Each trial in its own folder: two trials that drew equal values are still two runs, and a
         # rerun finds each trial's results.json where it left it (dpbench's resume skips it).
         # No trial reads the test set: it saves its final model, and only the selected one is evaluated.
-        return [*fixed, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}"] if budget else []),
+        # A trial publishes nothing of its own: no W&B run, no un-noised statistic (privacy.log_private_stats).
+        own = [o for o in fixed if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "logger"
+               and o.split("=", 1)[0] != "privacy.log_private_stats"]
+        return [*own, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}"] if budget else []),
                 *([f"privacy.validation_noise_multiplier={score_sigma!r}"] if score_sigma is not None else []),
-                "train.evaluate_test=false", f"hydra.sweep.subdir={folder + '/' if folder else ''}trial_{trial['index']}"]
+                "train.evaluate_test=false", "privacy.log_private_stats=false", "logger=none",
+                f"hydra.sweep.subdir={publish.trial_subdir(folder, trial['index'])}"]
 
     def _check_events(self, planner, planned, trials, sigma) -> None:
         """Every trial's composed config (also the launcher's composition check) plans the
@@ -476,9 +485,10 @@ class PrivateSearchSweeper(Sweeper):
 
     def _run_trials(self, sweep_dir: Path, state: dict, trials: list[dict], folder: str = "") -> None:
         assert self.launcher is not None
+        state_file = publish.private_dir(sweep_dir) / publish.STATE_FILE
         pending = []
         for trial in trials:
-            key, run_dir = str(trial["index"]), sweep_dir / f"trial_{trial['index']}"
+            key, run_dir = str(trial["index"]), publish.trial_dir(sweep_dir, trial["index"])
             if key in state["outcomes"]:
                 continue
             if (run_dir / "error.txt").exists() and not (run_dir / "results.json").exists():
@@ -487,94 +497,32 @@ class PrivateSearchSweeper(Sweeper):
                 continue
             pending.append(trial)  # new, or interrupted: dpbench resumes its folder (results.json: skipped)
         if state["outcomes"]:
-            write_json(sweep_dir / STATE_FILE, state)
+            publish.write_private(state_file, state)
         size = self.max_batch_size if self.max_batch_size and self.max_batch_size > 0 else max(1, len(pending))
         for start in range(0, len(pending), size):
             batch = pending[start:start + size]
-            returns = self.launcher.launch([t["launch"] for t in batch], initial_job_idx=batch[0]["index"])
+            with quiet_launcher(self.launcher):
+                returns = self.launcher.launch([t["launch"] for t in batch], initial_job_idx=batch[0]["index"])
             for trial, returned in zip(batch, returns):
-                run_dir = sweep_dir / f"trial_{trial['index']}"
+                run_dir = publish.trial_dir(sweep_dir, trial["index"])
                 state["outcomes"][str(trial["index"])] = trial_outcome(trial["index"], trial["values"], run_dir,
                                                                        returned).to_json()
-            write_json(sweep_dir / STATE_FILE, state)
+            publish.write_private(state_file, state)
 
-    def _summary(self, state: dict, base: DictConfig, planned, event, outcomes: list[study.TrialOutcome],
-                 delta: float) -> dict:
-        """study.json: `event` is the trial's (training and its noisy validation score, as composed)."""
-        from dpbench.logging.results import read_results
 
-        k = int(state["trials"])
-        notes = []
-        for outcome in outcomes:
-            recorded = (read_results(outcome.run_dir) or {}).get("privacy", {}).get("ledger")
-            if recorded is not None and not study.ledger_within(recorded, planned):
-                notes.append(f"trial {outcome.index} recorded more than the study's planned ledger: epsilon_study does "
-                             "not cover it")
-        chosen = study.selected_trial(outcomes)
-        test = None
-        if chosen is not None:  # the selected model alone meets the test set, once
-            from dpbench.api import evaluate_saved
-
-            try:
-                test = evaluate_saved(chosen.run_dir)
-            except Exception as error:  # noqa: BLE001 - the study is still reported
-                notes.append(f"the selected trial's saved model could not be evaluated on the test set: {error}")
-        return {
-            "study_id": state["study_id"],
-            "task": {"algo": OmegaConf.select(base, "algo.name"), "dataset": OmegaConf.select(base, "dataset.name"),
-                     "model": _model_label(base)},
-            "epsilon_trial": study.rdp_epsilon(event, delta),
-            "epsilon_study": study.study_epsilon(event, self.mean_trials, self.shape, delta),
-            "epsilon_naive": study.naive_epsilon(event, k, delta),
-            "delta": delta,
-            "accountant": "dp-accounting RDP (RepeatAndSelectDpEvent; replace-one through the add/remove sigma/2 reduction)"
-                          + ("; the score composed in parallel with training (pointwise maximum of the RDP curves)"
-                             if isinstance(event, study.ParallelEvent) else ""),
-            "budget_epsilon": state["budget_epsilon"],
-            "mean_trials": self.mean_trials,
-            "shape": _json_shape(self.shape),
-            "noise_multiplier": state["noise_multiplier"],
-            "score_noise_multiplier": state["score_noise_multiplier"],
-            "trials": k,
-            "trials_note": "the realised number of trials K is NOT covered by epsilon_study: publishing it weakens the bound",
-            "epsilon_naive_note": "the trials that ran, composed: what releasing all of them would cost",
-            "selected": None if chosen is None else {"overrides": chosen.overrides, "validation_score": chosen.score,
-                                                     "test": test, "run_dir": chosen.run_dir, "index": chosen.index},
-            "covers": ("epsilon_study covers releasing the selected trial's hyperparameters, model and noisy score only "
-                       "(its test metrics are post-processing of the released model; the test records are treated as "
-                       "public); not K, not the other trials' results, models, logs or W&B runs, "
-                       "and not un-noised statistics in results.json (privacy.log_private_stats)"),
-            "optimize": "validation_score",
-            "outcomes": [o.to_json() for o in outcomes],
-            "notes": notes,
-        }
-
-    @staticmethod
-    def _print(summary: dict, outcomes: list[study.TrialOutcome], dimensions: list[Dimension], sweep_dir: Path) -> None:
-        from rich.table import Table
-
-        from dpbench.logging.console import console
-
-        chosen = (summary["selected"] or {}).get("index")
-        table = Table(title=f"dpbench private search · study {summary['study_id']} · K = {summary['trials']}",
-                      caption=(f"ε study {summary['epsilon_study']:.3f} (mean K {summary['mean_trials']:g}, shape "
-                               f"{summary['shape']}) · one trial {summary['epsilon_trial']:.3f} · {summary['trials']} "
-                               f"composed {summary['epsilon_naive']:.3f} · δ {summary['delta']:g}"))
-        table.add_column("trial", justify="right")
-        for d in dimensions:
-            table.add_column(d.key.lstrip("+~"), justify="right")
-        table.add_column(f"score ({summary['optimize']})", justify="right")
-        table.add_column("status")
-        for o in outcomes:
-            values = [v.split("=", 1)[1] for v in o.overrides]
-            values = [f"{float(v):.4g}" if _is_float(v) else v for v in values]
-            mark = " ★" if o.index == chosen else ""
-            table.add_row(f"{o.index}{mark}", *values, f"{o.score:.4f}" if math.isfinite(o.score) else "-inf", o.status)
-        console.print(table)
-        for note in summary["notes"]:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-        console.print(f"[dim]study: {sweep_dir / STUDY_FILE} (publish only the selected trial; K is not covered)[/]",
-                      soft_wrap=True)
+@contextlib.contextmanager
+def quiet_launcher(launcher):
+    """Hydra's launchers log every job's number and overrides ("#7 : train.lr=..."), which would
+    print K and the draws: their loggers stay at WARNING while the trials launch."""
+    loggers = [logging.getLogger(n) for n in ("hydra", "hydra_plugins", type(launcher).__module__)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _model_label(cfg: DictConfig) -> str:
@@ -582,10 +530,3 @@ def _model_label(cfg: DictConfig) -> str:
     name, size = OmegaConf.select(cfg, "model.name"), OmegaConf.select(cfg, "model.size")
     return f"{name}-{size}" if name and size else name
 
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

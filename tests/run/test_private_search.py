@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from dpbench import study
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
+from dpbench import study_publish as publish
 from hydra_plugins.dpbench_private_search import private_search
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra_plugins.dpbench_private_search.private_search import (
@@ -205,7 +206,7 @@ class _Launcher:
             if index in self.fail:
                 returns.append(types.SimpleNamespace(return_value=float("nan")))
                 continue
-            folder = self.sweep_dir / f"trial_{index}"
+            folder = self.sweep_dir / [o for o in overrides if o.startswith("hydra.sweep.subdir=")][0].split("=", 1)[1]
             folder.mkdir(parents=True, exist_ok=True)
             results = {"status": "completed", "privacy": {"ledger": _ledger(1.0, 0.02, 5).as_records()},
                        "metrics": {"test_accuracy": 0.5 + index / 100}, "config": {"optimize": "test_accuracy"}}
@@ -233,18 +234,59 @@ def _fixed_k(monkeypatch, k):
     monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: k)
 
 
+def _private_state(folder: Path) -> dict:
+    return json.loads((folder / publish.PRIVATE_DIR / publish.STATE_FILE).read_text())
+
+
 def test_two_trials_with_equal_values_both_run(tmp_path, monkeypatch):
     _fixed_k(monkeypatch, 2)
     launcher = _Launcher(tmp_path)
-    summary = _Sweeper(tmp_path, launcher)._sweep(["train.lr=choice(0.01)", "logger=none"])
+    _Sweeper(tmp_path, launcher, keep_private=True)._sweep(["train.lr=choice(0.01)", "logger=wandb"])
     (i0, o0), (i1, o1) = launcher.calls
-    assert (i0, i1) == (0, 1) and o0[:-1] == o1[:-1] == ["logger=none", "train.lr=0.01", "train.evaluate_test=false"]
+    # a trial publishes nothing itself: no W&B run (the study's logger=wandb is replaced), no un-noised statistic
+    assert (i0, i1) == (0, 1) and o0[:-1] == o1[:-1] == ["train.lr=0.01", "train.evaluate_test=false",
+                                                         "privacy.log_private_stats=false", "logger=none"]
     assert o0[-1] != o1[-1]  # each in its own folder
-    assert summary["trials"] == 2 and summary["selected"]["index"] == 1
-    assert [o["status"] for o in summary["outcomes"]] == ["completed", "completed"]
+    state = _private_state(tmp_path)
+    assert state["trials"] == 2 and state["selected_index"] == 1
+    assert [o["status"] for o in state["outcomes"].values()] == ["completed", "completed"]
     stored = json.loads((tmp_path / "study.json").read_text())
     assert stored["epsilon_study"] == pytest.approx(_direct(1.0, 0.02, 5, 3, 1), rel=1e-12)
-    assert "NOT covered" in stored["trials_note"] and "selected trial" in stored["covers"]
+    assert "selected trial" in stored["covers"] and stored["publishable"] is True
+
+
+def test_the_publishable_files_hold_no_k_and_no_unselected_outcome(tmp_path, monkeypatch, capsys):
+    """study.json holds only PUBLISHABLE_KEYS; the selected trial's folder is renamed (a trial number
+    would bound K); the private area is gone; the console names the selected trial only."""
+    _fixed_k(monkeypatch, 3)
+    launcher = _Launcher(tmp_path)
+    summary = _Sweeper(tmp_path, launcher)._sweep(["train.lr=choice(0.1, 0.2, 0.3)"])
+    stored = json.loads((tmp_path / "study.json").read_text())
+    assert tuple(stored) == publish.PUBLISHABLE_KEYS and stored == summary
+    assert stored["mean_trials"] == 3 and stored["selected"]["run_dir"] == publish.SELECTED_DIR
+    assert stored["selected"]["validation_score"] == pytest.approx(0.52)  # trial 2's: 0.5 + 2/100
+    text = json.dumps(stored)
+    for leaked in ('"trials"', "outcomes", "trial_", "0.51", "0.5,", "epsilon_naive", "draws", "index"):
+        assert leaked not in text, leaked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun.yaml", publish.SELECTED_DIR, "study.json"]
+    assert (tmp_path / publish.SELECTED_DIR / "results.json").is_file()  # the selected run, kept
+    printed = capsys.readouterr()
+    output = printed.out + printed.err
+    assert "0.5200" in output and "K =" not in output and "0.5100" not in output and "0.5000" not in output
+    assert "trial_" not in output and "OUTSIDE" not in output
+
+
+def test_the_private_area_is_kept_or_printed_only_when_asked_and_says_it_is_outside_epsilon(tmp_path, monkeypatch,
+                                                                                             capsys):
+    _fixed_k(monkeypatch, 3)
+    _Sweeper(tmp_path, _Launcher(tmp_path), keep_private=True, print_private=True)._sweep(["train.lr=0.1,0.2"])
+    private = tmp_path / publish.PRIVATE_DIR
+    state_text = (private / publish.STATE_FILE).read_text()
+    assert next(iter(json.loads(state_text))) == "outside_epsilon" and "NOT covered" in json.loads(state_text)["outside_epsilon"]
+    assert sorted(p.name for p in private.iterdir()) == [publish.STATE_FILE, "trial_0", "trial_1"]  # trial_2 was selected
+    printed = capsys.readouterr()
+    output = printed.out + printed.err
+    assert "OUTSIDE ε" in output and "K = 3" in output and "0.5100" in output
 
 
 def test_an_interrupted_study_resumes_without_drawing_again(tmp_path, monkeypatch):
@@ -253,17 +295,27 @@ def test_an_interrupted_study_resumes_without_drawing_again(tmp_path, monkeypatc
     first = _Launcher(tmp_path, fail={0}, stop_at=1)
     with pytest.raises(KeyboardInterrupt):
         _Sweeper(tmp_path, first, max_batch_size=1)._sweep(args)
-    state = json.loads((tmp_path / "study_state.json").read_text())
+    state = _private_state(tmp_path)  # the state lives in the private area until the study ends
     assert state["trials"] == 3 and list(state["outcomes"]) == ["0"]  # trial 0 failed, recorded
+    assert not (tmp_path / "study.json").exists()
     monkeypatch.setattr(study, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
     second = _Launcher(tmp_path)
-    summary = _Sweeper(tmp_path, second, max_batch_size=1)._sweep(args)
+    summary = _Sweeper(tmp_path, second, max_batch_size=1, keep_private=True)._sweep(args)
     # trial 0 (failed: -inf) is never rerun; trial 1 goes back to its folder, where dpbench finds its results.json
     assert [i for i, _ in second.calls] == [1, 2]
     assert second.calls[0][1] == first.calls[1][1]  # the same drawn values, the same folder
-    after = json.loads((tmp_path / "study_state.json").read_text())
-    assert after["study_id"] == state["study_id"] and after["draws"] == state["draws"]
-    assert summary["outcomes"][0]["status"] == "failed" and summary["selected"]["index"] == 2
+    after = _private_state(tmp_path)
+    assert after["study_id"] == state["study_id"] == summary["study_id"] and after["draws"] == state["draws"]
+    assert after["outcomes"]["0"]["status"] == "failed" and after["selected_index"] == 2
+    assert summary["selected"]["overrides"] == state["draws"][2]["values"]
+
+
+def test_a_finished_study_is_shown_again_and_never_rerun(tmp_path, monkeypatch):
+    _fixed_k(monkeypatch, 2)
+    first = _Sweeper(tmp_path, _Launcher(tmp_path))._sweep(["train.lr=0.1,0.2"])
+    monkeypatch.setattr(study, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
+    again = _Launcher(tmp_path)
+    assert _Sweeper(tmp_path, again)._sweep(["train.lr=0.1,0.2"]) == first and again.calls == []
 
 
 def test_other_settings_in_the_same_folder_are_refused(tmp_path, monkeypatch):
@@ -273,12 +325,18 @@ def test_other_settings_in_the_same_folder_are_refused(tmp_path, monkeypatch):
         _Sweeper(tmp_path, _Launcher(tmp_path), mean_trials=5)._sweep(["train.lr=0.1,0.2"])
 
 
+def test_a_study_that_would_log_private_statistics_is_refused(tmp_path):
+    with pytest.raises(UserError, match="log_private_stats") as error:
+        _Sweeper(tmp_path, _Launcher(tmp_path))._sweep(["train.lr=0.1,0.2", "privacy.log_private_stats=true"])
+    assert "\n" not in str(error.value)
+
+
 def test_poisson_may_draw_no_trial(tmp_path, monkeypatch):
     _fixed_k(monkeypatch, 0)
     launcher = _Launcher(tmp_path)
     summary = _Sweeper(tmp_path, launcher, shape=".inf")._sweep(["train.lr=0.1,0.2"])
-    assert launcher.calls == [] and summary["selected"] is None and summary["trials"] == 0
-    assert summary["shape"] == "inf" and summary["epsilon_naive"] == 0.0 and summary["epsilon_study"] > 0
+    assert launcher.calls == [] and summary["selected"] is None
+    assert summary["shape"] == "inf" and summary["epsilon_study"] > 0
 
 
 @pytest.mark.parametrize("optimize", ["-train_loss", "test_loss", "train_accuracy"])
@@ -323,23 +381,52 @@ def test_the_sweeper_is_a_discoverable_hydra_plugin():
 # ------------------------------------------------------------------ end to end
 
 
+STUDY = ("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
+         "train.lr=tag(log, interval(0.003, 0.1))", "privacy.clip_norm=interval(0.3, 2)", "privacy.epsilon=3",
+         "train.steps=5", "dataset=synthetic", "dataset.validation_fraction=0.2", "train.batch_size=64", "name=study")
+
+
 @pytest.mark.slow
 def test_a_study_through_the_console_script(tmp_path):
+    """The issue's check: the console and the publishable files name no K and no unselected outcome,
+    the trials print no bar and keep no un-noised statistic, the selected model is kept, and the
+    private area exists only when asked (and says it is outside epsilon)."""
     from helpers.cli import dpbench
 
-    done = dpbench("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
-                   "train.lr=tag(log, interval(0.003, 0.1))", "privacy.clip_norm=interval(0.3, 2)", "privacy.epsilon=3",
-                   "train.steps=5", "dataset=synthetic", "dataset.validation_fraction=0.2", "train.batch_size=64", "logger=none",
-                   "name=study",
-                   cwd=tmp_path)
+    done = dpbench(*STUDY, "hydra.sweeper.keep_private=true", cwd=tmp_path)  # W&B is on by default: trials run without
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = tmp_path / "outputs" / "multirun" / "study"
     summary = json.loads((sweep / "study.json").read_text())
-    assert summary["epsilon_study"] <= 3.0 + 1e-6
-    k = summary["trials"]
-    assert k >= 1 and sorted(p.name for p in sweep.glob("trial_*")) == [f"trial_{i}" for i in range(k)]
-    results = json.loads((sweep / "trial_0" / "results.json").read_text())
+    assert tuple(summary) == publish.PUBLISHABLE_KEYS and summary["epsilon_study"] <= 3.0 + 1e-6
+    state = json.loads((sweep / publish.PRIVATE_DIR / publish.STATE_FILE).read_text())
+    k = state["trials"]
+    assert k >= 1 and next(iter(state)) == "outside_epsilon"
+    outcomes = [state["outcomes"][str(i)] for i in range(k)]
+    selected = summary["selected"]
+    assert selected["validation_score"] == max(o["score"] for o in outcomes if o["score"] is not None)
+    assert 0.0 <= selected["test"]["accuracy"] <= 1.0  # the selected model alone, evaluated once
+    output = done.stdout + done.stderr
+    published = output + (sweep / "study.json").read_text()
+    assert f"{selected['validation_score']:.4f}" in output
+    for o in outcomes:  # no unselected outcome, no trial folder, no K
+        if o["index"] != state["selected_index"] and o["score"] is not None:
+            assert f"{o['score']:.4f}" not in published and str(o["score"]) not in published
+    assert "trial_" not in published and "K =" not in output and '"trials"' not in published
+    assert "━" not in output and "it/s" not in output and "results:" not in output  # no trial's bar or table
+    # the selected run is kept beside study.json, without un-noised statistics
+    kept = sweep / publish.SELECTED_DIR
+    assert (kept / "final_model.pt").is_file()
+    results = json.loads((kept / "results.json").read_text())
     assert results["metrics"].get("test_accuracy") is None  # a trial reads no test example
+    assert results["privacy"]["log_private_stats"] is False and results["epsilon_covers"]["outside_epsilon"] == []
+    assert results["metrics"]["train_loss"] is None and results["memory"]["per_sample_grad_bytes"] is None
+    assert results["throughput"]["samples_per_s"] is None and results["config"]["logger"]["name"] == "none"
+    # every trial (the private area, kept as asked) trained the same way
+    trials = sorted((sweep / publish.PRIVATE_DIR).glob("trial_*"))
+    assert len(trials) == k - 1
+    for folder in trials:
+        other = json.loads((folder / "results.json").read_text())
+        assert other["metrics"]["train_loss"] is None and other["epsilon_covers"]["outside_epsilon"] == []
     # 5 training steps at the sigma the sweeper chose for the budget, then the noisy validation score
     training, score = sorted(results["privacy"]["ledger"], key=lambda r: r["sample_rate"])
     assert training["count"] == 5 and training["noise_multiplier"] == pytest.approx(summary["noise_multiplier"])
@@ -348,9 +435,10 @@ def test_a_study_through_the_console_script(tmp_path):
     trial = dpa.ComposedDpEvent([dpa.SelfComposedDpEvent(step, 5), dpa.GaussianDpEvent(score["noise_multiplier"])])
     direct = _rdp(dp_event.RepeatAndSelectDpEvent(trial, 2.0, 1.0))
     assert summary["epsilon_study"] == pytest.approx(direct, abs=0.01)
-    selected = summary["selected"]
-    assert selected["validation_score"] == max(o["score"] for o in summary["outcomes"] if o["score"] is not None)
-    assert 0.0 <= selected["test"]["accuracy"] <= 1.0  # the selected model alone, evaluated once
+    # the same command again, without keep_private: the finished study is shown, and its private area removed
+    again = dpbench(*STUDY, cwd=tmp_path)
+    assert again.returncode == 0 and json.loads((sweep / "study.json").read_text()) == summary
+    assert not (sweep / publish.PRIVATE_DIR).exists() and (kept / "final_model.pt").is_file()
 
 
 @pytest.mark.slow
@@ -364,15 +452,21 @@ def test_a_study_runs_on_the_slurm_and_parallel_launchers(tmp_path, launcher):
     from helpers.cli import dpbench
 
     done = dpbench("-m", "hydra/sweeper=private_search", *launcher, "hydra.sweeper.mean_trials=2", "hydra.sweeper.shape=1",
+                   "hydra.sweeper.keep_private=true",
                    "train.lr=tag(log, interval(0.003, 0.1))", "privacy.epsilon=3", "train.steps=3", "dataset=synthetic",
                    "dataset.validation_fraction=0.2", "train.batch_size=64", "logger=none", "name=study", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = tmp_path / "outputs" / "multirun" / "study"
     summary = json.loads((sweep / "study.json").read_text())
-    assert summary["epsilon_study"] <= 3.0 + 1e-6 and summary["trials"] >= 1
-    assert all(o["status"] == "completed" and o["score"] is not None for o in summary["outcomes"])
-    for i in range(summary["trials"]):
-        assert json.loads((sweep / f"trial_{i}" / "results.json").read_text())["metrics"].get("test_accuracy") is None
+    state = json.loads((sweep / publish.PRIVATE_DIR / publish.STATE_FILE).read_text())
+    assert summary["epsilon_study"] <= 3.0 + 1e-6 and state["trials"] >= 1
+    outcomes = list(state["outcomes"].values())
+    assert len(outcomes) == state["trials"]  # every trial ran and was recorded (not an empty list)
+    assert all(o["status"] == "completed" and o["score"] is not None for o in outcomes)
+    folders = [*(sweep / publish.PRIVATE_DIR).glob("trial_*"), sweep / publish.SELECTED_DIR]
+    assert len(folders) == state["trials"]
+    for folder in folders:
+        assert json.loads((folder / "results.json").read_text())["metrics"].get("test_accuracy") is None
     assert 0.0 <= summary["selected"]["test"]["accuracy"] <= 1.0
 
 
@@ -448,14 +542,19 @@ def test_selection_is_unchanged_when_the_test_labels_are_permuted(tmp_path, monk
         done = dpbench_in_process("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=3", "hydra.sweeper.shape=1",
                                   "train.lr=tag(log, interval(0.003, 0.3))", "privacy.epsilon=3", "train.steps=5",
                                   "dataset=synthetic", "dataset.validation_fraction=0.3", "train.batch_size=64",
-                                  "model=cnn", "model.width=8", "model.groups=4", "logger=none", "name=study", cwd=folder)
+                                  "model=cnn", "model.width=8", "model.groups=4", "logger=none", "name=study",
+                                  "hydra.sweeper.keep_private=true", cwd=folder)
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads((folder / "outputs" / "multirun" / "study" / "study.json").read_text())
+        sweep = folder / "outputs" / "multirun" / "study"
+        return {**json.loads((sweep / "study.json").read_text()),
+                "state": json.loads((sweep / publish.PRIVATE_DIR / publish.STATE_FILE).read_text())}
 
     plain, permuted = run(tmp_path / "plain", False), run(tmp_path / "permuted", True)
-    assert plain["trials"] == permuted["trials"] >= 1
-    assert [o["score"] for o in plain["outcomes"]] == [o["score"] for o in permuted["outcomes"]]
-    assert plain["selected"]["index"] == permuted["selected"]["index"]
+    assert plain["state"]["trials"] == permuted["state"]["trials"] >= 1
+    assert plain["state"]["outcomes"] and plain["state"]["outcomes"].keys() == permuted["state"]["outcomes"].keys()
+    assert ([o["score"] for o in plain["state"]["outcomes"].values()]
+            == [o["score"] for o in permuted["state"]["outcomes"].values()])
+    assert plain["state"]["selected_index"] == permuted["state"]["selected_index"]
     assert plain["selected"]["overrides"] and plain["selected"]["overrides"] == permuted["selected"]["overrides"]
     assert plain["selected"]["test"] != permuted["selected"]["test"]  # the one test evaluation saw the labels
 
@@ -506,13 +605,15 @@ def test_a_grid_runs_one_independent_study_per_combination_and_repetition(tmp_pa
     draws = iter([1, 2, 1, 3])
     monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: next(draws))
     launcher = _GridLauncher(tmp_path)
-    index = _Sweeper(tmp_path, launcher, grid={"algo": "dpsgd,grape"}, studies=2)._sweep(["train.lr=interval(0.1, 1)"])
+    index = _Sweeper(tmp_path, launcher, grid={"algo": "dpsgd,grape"}, studies=2,
+                     keep_private=True)._sweep(["train.lr=interval(0.1, 1)"])
     folders = ["algo-dpsgd/study_0", "algo-dpsgd/study_1", "algo-grape/study_0", "algo-grape/study_1"]
     assert [s["folder"] for s in index] == folders
     assert len({s["study_id"] for s in index}) == 4  # each its own study, K and draws
-    assert [json.loads((tmp_path / f / "study.json").read_text())["trials"] for f in folders] == [1, 2, 1, 3]
+    assert [_private_state(tmp_path / f)["trials"] for f in folders] == [1, 2, 1, 3]
+    assert all((tmp_path / f / "study.json").is_file() for f in folders)
     assert sorted(subdir for subdir, _ in launcher.calls) == sorted(
-        f"{f}/trial_{i}" for f, k in zip(folders, [1, 2, 1, 3]) for i in range(k))
+        f"{f}/{publish.PRIVATE_DIR}/trial_{i}" for f, k in zip(folders, [1, 2, 1, 3]) for i in range(k))
     for subdir, overrides in launcher.calls:  # the combination is fixed for every trial of its study
         assert f"algo={subdir.split('/')[0].split('-', 1)[1]}" in overrides
     stored = json.loads((tmp_path / "studies.json").read_text())
@@ -542,4 +643,5 @@ def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, method
         _, dims = private_search.with_config_space(job.search_space, [], [])
         assert "privacy.clip_norm" in {d.key for d in dims}, method
         assert job.dataset.validation_fraction == 0.2 and job.privacy.noise_multiplier is None
+        assert job.privacy.log_private_stats is False  # a published benchmark holds no un-noised statistic
         assert job.report.compare_with == f"outputs/multirun/{preset.removesuffix('_tuned')}"

@@ -9,14 +9,16 @@ from helpers.config import TINY, compose
 from rich.console import Console
 
 from dpbench.logging.console import summary_table
-from dpbench.logging.results import SCHEMA_VERSION, EvalRecord, RunResults, eval_summary, read_results, write_results
+from dpbench.logging.results import (
+    SCHEMA_VERSION, EvalRecord, RunResults, epsilon_covers, eval_summary, read_results, write_results,
+)
 from dpbench.tools.report import load_rows
 from dpbench.run import run_job
 
 # results.json of schema version 5 as readers know it, in the order it is written (pinned here
 # so that a renamed or dropped key fails; adding one means a new schema version).
 TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy", "metrics", "memory",
-       "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config"]
+       "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config", "epsilon_covers"]
 PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "delta", "noise_multiplier",
            "clip_norm", "sample_rate", "expected_batch_size", "steps", "planned_steps", "accountant",
            "requested_accountant", "neighboring", "log_private_stats", "ledger", "sampling", "bound"]
@@ -43,7 +45,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 6
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 7
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT
@@ -58,6 +60,7 @@ def older_version(results: dict, version: int) -> dict:
     for key in ADDED_IN_3:
         del old["throughput"][key]
     del old["resumed_from_step"]
+    del old["epsilon_covers"]
     old["schema_version"] = 2
     if version == 1:
         del old["schema_version"]
@@ -85,6 +88,33 @@ def test_an_older_file_reads_like_the_same_run_written_today(runs, tmp_path, ver
     sparse = RunResults.from_json({"algo": "dpadam", "privacy": {"epsilon": 3.0}})  # missing keys: None
     assert sparse.privacy.is_private and sparse.metrics.test_accuracy is None and sparse.config is None
     assert sparse.summary()["memory/peak_bytes"] is None
+
+
+def test_epsilon_covers_says_which_figures_epsilon_covers(runs):
+    """A private run lists its releases as covered and, as it logs private statistics (the default),
+    its un-noised figures as outside; a non-private run covers nothing."""
+    private = runs["dpsgd"][1]["epsilon_covers"]
+    assert {"metrics.test_accuracy", "metrics.validation_score", "history[].test_accuracy"} <= set(private["covered"])
+    assert {"metrics.train_loss", "memory.peak_bytes", "throughput.samples_per_s", "status"} <= set(private["outside_epsilon"])
+    assert not set(private["covered"]) & set(private["outside_epsilon"])
+    public = runs["adam"][1]["epsilon_covers"]
+    assert public["covered"] == [] and "metrics.test_accuracy" in public["outside_epsilon"]
+
+
+def test_without_private_statistics_nothing_outside_epsilon_is_written(tmp_path):
+    """privacy.log_private_stats=false: the list of outside figures is empty and every figure it
+    would name is absent (null) in the file."""
+    run_job(compose(TINY + ["algo=dpsgd", "privacy.log_private_stats=false"]), tmp_path, show_progress=False)
+    stored = read_results(tmp_path)
+    assert stored["epsilon_covers"]["outside_epsilon"] == []
+    logged = RunResults.from_json(stored)
+    withheld = epsilon_covers(logged, True)  # what a run that logs them would list
+    for key in withheld["outside_epsilon"]:
+        if key in ("status",) or key.startswith(("history[]", "algorithm.")):
+            continue
+        section, name = key.split(".")
+        assert stored[section].get(name) is None, key
+    assert all(record.get("train_loss") is None for record in stored["history"])
 
 
 def test_keys_of_a_newer_file_survive_a_round_trip():

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from dpbench import study
+from dpbench import study_publish as publish
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.tools.report import studies as board_module
 from dpbench.tools.report.studies import StudyEntry, StudyRow, build_study_boards, study_board_table
@@ -74,17 +75,29 @@ def test_load_studies_reads_the_selected_trials_run(tmp_path):
 
     from dpbench.api import run
 
-    trial = tmp_path / "algo-dpsgd" / "trial_0"
+    trial = tmp_path / "algo-dpsgd" / publish.SELECTED_DIR
     run([*TINY, "algo=dpsgd", "privacy.noise_multiplier=1.0", "dataset.validation_fraction=0.2",
          "train.evaluate_test=false", "train.eval_every=0"], run_dir=trial, show_progress=False)
-    summary = {"study_id": "x", "epsilon_study": 2.5, "delta": DELTA, "mean_trials": 4, "shape": 1,
-               "budget_epsilon": 3.0, "trials": 1,
-               "selected": {"run_dir": str(trial), "validation_score": 0.4, "test": {"metric": "accuracy", "accuracy": 0.5},
-                            "index": 0, "overrides": []}}
+    # the publishable file alone: no K, no outcomes (a private area beside it is never read)
+    summary = {"schema": publish.STUDY_SCHEMA, "study_id": "x", "epsilon_study": 2.5, "delta": DELTA, "mean_trials": 4,
+               "shape": 1, "budget_epsilon": 3.0,
+               "selected": {"run_dir": publish.SELECTED_DIR, "validation_score": 0.4,
+                            "test": {"metric": "accuracy", "accuracy": 0.5}, "overrides": []}}
     (tmp_path / "algo-dpsgd" / "study.json").write_text(json.dumps(summary))
+    (tmp_path / "algo-dpsgd" / publish.PRIVATE_DIR).mkdir()
+    (tmp_path / "algo-dpsgd" / publish.PRIVATE_DIR / "study.json").write_text("not read")
     (row,) = board_module.load_studies(tmp_path)
     assert (row.method, row.dataset, row.test_accuracy, row.validation) == ("dpsgd", "synthetic", 50.0, 40.0)
     assert any(r["sample_rate"] == 1.0 and r["count"] == 1 for r in row.ledger)  # the noisy score is charged
+
+
+def test_a_study_that_selected_nothing_is_named_from_its_study_json(tmp_path):
+    summary = {"schema": publish.STUDY_SCHEMA, "study_id": "y", "epsilon_study": 2.5, "delta": DELTA, "mean_trials": 4,
+               "shape": "inf", "budget_epsilon": 3.0, "selected": None, "task": {"algo": None, "dataset": "digits"},
+               "fixed_overrides": ["algo=dpdr", "seed=0"]}
+    (tmp_path / "study.json").write_text(json.dumps(summary))
+    (row,) = board_module.load_studies(tmp_path)
+    assert (row.method, row.dataset, row.test_accuracy) == ("dpdr", "digits", None)
 
 
 def test_the_tuned_vs_paper_figure_needs_the_paper_board(tmp_path, monkeypatch):

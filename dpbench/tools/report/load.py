@@ -12,6 +12,7 @@ from pathlib import Path
 from dpbench import metering
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
+from dpbench.study_publish import PRIVATE_DIR
 
 MIB = 2**20
 AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit_report.AuditReport.to_json)
@@ -274,6 +275,8 @@ def load_report(folder: Path) -> tuple[list[RunRow], list[AuditRow]]:
     by_folder = {audit.path: audit for audit in audits}
     rows = []
     for path in sorted(folder.rglob(RESULTS_FILE)):
+        if PRIVATE_DIR in path.relative_to(folder).parts:  # a study's unselected trials: outside its epsilon
+            continue
         try:
             results = RunResults.from_json(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError, TypeError, AttributeError) as error:

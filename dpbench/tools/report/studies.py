@@ -7,7 +7,9 @@ the mean ± SE of those test accuracies over its studies. Beside it: the ε of o
 study was charged), the ε of the method's S studies composed (they read the same data), the mean
 number of trials every method was given, and the method's rank under its paper hyperparameters
 (`report.compare_with` or --compare-with: that benchmark's multirun folder) with the change.
-The realised numbers of trials K are never shown: publishing them weakens each study's bound.
+It reads study.json and the selected trial's folder beside it (the publishable files) only: the
+realised numbers of trials K and the other trials' outcomes are outside each study's epsilon
+(dpbench/study_publish.py) and never read or shown.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpbench.logging.console import console
+from dpbench.study_publish import PRIVATE_DIR
 from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow, load_rows, method_name
 
@@ -56,7 +59,8 @@ def _selected_run(study_dir: Path, data: dict) -> tuple[RunRow | None, dict]:
     run_dir = chosen.get("run_dir")
     if not run_dir:
         return None, {}
-    for folder in (Path(run_dir), study_dir / Path(run_dir).name):  # a moved folder: the trial beside study.json
+    # selected_trial/ beside study.json; a study of an earlier dpbench: its trial folder (or one moved beside it)
+    for folder in (study_dir / run_dir, Path(run_dir), study_dir / Path(run_dir).name):
         if (folder / "results.json").is_file():
             privacy = json.loads((folder / "results.json").read_text()).get("privacy") or {}
             rows = load_rows(folder)
@@ -68,6 +72,8 @@ def load_studies(folder: Path) -> list[StudyRow]:
     """One StudyRow per study.json under `folder` (unreadable files are reported and skipped)."""
     studies = []
     for path in sorted(Path(folder).rglob(STUDY_FILE)):
+        if PRIVATE_DIR in path.relative_to(folder).parts:  # outside epsilon: never read
+            continue
         try:
             data = json.loads(path.read_text())
             run, privacy = _selected_run(path.parent, data)
@@ -77,7 +83,7 @@ def load_studies(folder: Path) -> list[StudyRow]:
             score = chosen.get("validation_score")
             studies.append(StudyRow(
                 path=str(path.parent.relative_to(folder)) or ".",
-                method=method_name(run) if run is not None else _algo_of(path.parent),
+                method=method_name(run) if run is not None else _algo_of(data),
                 dataset=run.dataset if run is not None else (data.get("task") or {}).get("dataset"),
                 model=run.model if run is not None else (data.get("task") or {}).get("model"),
                 budget_epsilon=data.get("budget_epsilon"),
@@ -92,14 +98,11 @@ def load_studies(folder: Path) -> list[StudyRow]:
     return studies
 
 
-def _algo_of(study_dir: Path) -> str | None:
-    """A study that selected nothing: its algorithm from its folder's state (its fixed overrides)."""
-    state = study_dir / "study_state.json"
-    try:
-        fixed = json.loads(state.read_text())["settings"]["fixed_overrides"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return next((o.split("=", 1)[1] for o in fixed if o.startswith("algo=")), None)
+def _algo_of(data: dict) -> str | None:
+    """A study that selected nothing: its algorithm from study.json itself (the publishable file
+    alone: the private state, K and outcomes are never read)."""
+    fixed = data.get("fixed_overrides") or []
+    return (data.get("task") or {}).get("algo") or next((o.split("=", 1)[1] for o in fixed if o.startswith("algo=")), None)
 
 
 @dataclass
