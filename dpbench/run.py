@@ -11,6 +11,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -74,8 +75,9 @@ class Job:
     steps: int
 
 
-def setup(cfg: DictConfig) -> Job:
-    """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm."""
+def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | None = None) -> Job:
+    """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm.
+    `prepare_model` (dpbench-audit's one-run canaries: their layer) sees the model first."""
     validate(cfg)
     sharding.check_supported(cfg)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
@@ -85,6 +87,8 @@ def setup(cfg: DictConfig) -> Job:
     task = build_task(cfg, device)
     model = task.build_model(cfg.model).to(device)
     model.train()
+    if prepare_model is not None:
+        prepare_model(model)
     if sharding.requested(cfg) != sharding.NONE:  # train.sharding=fsdp: sharded before the algorithm is built
         distributed.check_replicas(model)  # whole tensors, before each rank keeps only its shard
         sharding.shard_model(model, sharding.block_patterns(str(cfg.model.name)), device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -74,6 +74,39 @@ class LossTally:
         return StepResult(total / finite if finite else float("nan"), self.count)
 
 
+# ---- step hooks (Opacus's `step_hook` style): an observer the owner calls at named points ----
+# dpbench-audit audit.one_run=true (dpbench/tools/one_run.py) attaches one; every other run has
+# none. The hook never writes into a clipped sum on the first-order path: its canaries are
+# examples, with their own per-example loss, that go through the engine and the clipping as any
+# example does. Where an algorithm declares another `canary_site`, it says why.
+EXAMPLES = "examples"  # canary examples join the step's per-example loop (`chunks`)
+CLIPPED_SCALAR = "clipped_scalar"  # the audit's signed canaries in the step's clipped scalar sum (DPZero)
+CLIPPED_RELEASE = "clipped_release"  # the audit's Dirac canaries in the sum formed in the release (DPGD0th)
+
+
+@runtime_checkable
+class OwnLossExamples(Protocol):
+    """Examples a step hook adds to a step: a physical chunk that carries its own per-example loss
+    (`Algorithm.per_example_losses` asks it instead of the task)."""
+
+    def per_sample_loss(self, model: nn.Module) -> torch.Tensor: ...
+
+
+class StepHook(Protocol):
+    def begin_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
+
+    def end_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
+
+    def extra_examples(self, algorithm: "Algorithm") -> list[OwnLossExamples]:
+        """Physical chunks of examples that join this step after the batch's (canary_site EXAMPLES)."""
+        ...
+
+    def clipped_sum(self, algorithm: "Algorithm", sums: list[torch.Tensor], sensitivity: float) -> list[torch.Tensor]:
+        """The clipped sum the step releases (canary_site CLIPPED_SCALAR / CLIPPED_RELEASE only)."""
+        ...
+# ---- end of step hooks ----
+
+
 class Algorithm(ABC):
     private: ClassVar[bool] = True
     # keys of extra_results() computed from the private batch without noise (dropped when
@@ -82,6 +115,9 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
+    # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
+    canary_site: ClassVar[str | None] = None
+    step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (step hooks, above)
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:
@@ -160,6 +196,8 @@ class Algorithm(ABC):
         """Run step `step_index` (the trainer's counter, the only one) and report what it released."""
         self.step_mechanisms = []
         self.task.set_step(step_index)
+        if self.step_hook is not None:  # step hook: the step begins
+            self.step_hook.begin_step(self, step_index)
         try:
             result = self.step(batches, step_index)
         except DivergedError as error:  # the releases that ran before the halt are charged (trainer)
@@ -168,6 +206,8 @@ class Algorithm(ABC):
             raise
         result.mechanisms = one_batch_mechanism(self.step_mechanisms)  # every release read this one batch
         self.step_mechanisms = []
+        if self.step_hook is not None:  # step hook: the step's update is applied
+            self.step_hook.end_step(self, step_index)
         if distributed.is_distributed():  # report the logical batch's loss and size, not this rank's
             local_loss = result.loss * result.batch_size if result.batch_size else 0.0
             loss_total, size = distributed.all_reduce_scalars(local_loss, float(result.batch_size))
@@ -196,6 +236,9 @@ class Algorithm(ABC):
             losses = self.per_example_losses(batch)
             yield batch, losses
             tally.add(losses)
+        if self.step_hook is not None:  # step hook: its examples join the loop (not tallied: the reported loss and size are the batch's)
+            for extra in self.step_hook.extra_examples(self):
+                yield extra, self.per_example_losses(extra)
 
     padding_chunk: bool = False  # the chunk `chunks` yields is padding (train.sharding=fsdp)
 
@@ -230,6 +273,8 @@ class Algorithm(ABC):
         self.precision = precision
 
     def per_example_losses(self, batch: Batch) -> torch.Tensor:
+        if self.step_hook is not None and isinstance(batch, OwnLossExamples):  # a step hook's examples: their own loss
+            return batch.per_sample_loss(self.model)
         with self.precision.autocast():
             return self.task.per_sample_loss(self.model, batch)
 
@@ -384,6 +429,7 @@ class DPFirstOrderAlgorithm(Algorithm):
     # Capabilities (dpbench.privacy.engines) the algorithm uses beyond `clipped_sum`: DC-DPSGD
     # scores per-example gradients, DPDR decomposes them, DIFF/DIFF2 take their differences.
     engine_capabilities: ClassVar[frozenset[str]] = frozenset()
+    canary_site = EXAMPLES  # canaries are examples: the engine forms and clips their gradients
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)

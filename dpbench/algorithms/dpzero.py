@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dpbench import distributed, sharding
-from dpbench.algorithms.base import ALGORITHMS, Algorithm, ReleasePart, StepResult
+from dpbench.algorithms.base import ALGORITHMS, CLIPPED_SCALAR, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions, choice_of
 from dpbench.tasks import Batch
@@ -280,6 +280,12 @@ class ZerothOrderAlgorithm(Algorithm):
 class DPZero(ZerothOrderAlgorithm):
     """Per-example scalar clipping to [-C, C], one scalar Gaussian noise per step (sensitivity C)."""
 
+    # One-run canaries: signed canaries replace the step's clipped scalar sum (a canary example's
+    # loss difference along z would share one scalar with every real example and drown), so the
+    # one-run audit does not exercise the scalar clipping here; the sensitivity check does.
+    canary_site = CLIPPED_SCALAR
+    last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
+
     def privatize(self, clipped_sum: float) -> float:
         """The clipped scalar sum (sensitivity C) plus N(0, (sigma C)^2), divided by B."""
         p = self.privacy
@@ -291,6 +297,9 @@ class DPZero(ZerothOrderAlgorithm):
         seed = self.next_seed()
         scale = self.direction_scale(seed)
         clipped_sum, loss, count = self.estimate(batches, seed, scale, clip=self.privacy.clip_norm)
+        self.last_direction = (seed, scale)
+        if self.step_hook is not None:  # step hook: canary_site CLIPPED_SCALAR
+            (clipped_sum,) = self.step_hook.clipped_sum(self, [clipped_sum], self.privacy.clip_norm)
         # an empty Poisson batch still releases (pure) noise and moves along z
         self.apply_update(seed, scale, self.privatize(clipped_sum))
         return StepResult(loss, count)

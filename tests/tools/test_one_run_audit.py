@@ -18,8 +18,8 @@ from dpbench.algorithms.base import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.tools.audit import run_audit
+from dpbench.algorithms.base import EXAMPLES
 from dpbench.tools.one_run import (
-    SITES,
     Canaries,
     Guesses,
     ceiling,
@@ -145,9 +145,66 @@ def test_signed_canaries_add_their_signs_to_a_scalar():
     assert set(np.unique(signs)) <= {-1.0, 1.0}
 
 
-def test_every_private_algorithm_has_a_canary_site():
-    private = [name for name in ALGORITHMS.names() if algorithm_class(name).private]
-    assert sorted(SITES) == sorted(private)
+PRIVATE = [name for name in ALGORITHMS.names() if algorithm_class(name).private]
+
+
+def test_the_registry_has_private_algorithms():
+    assert len(PRIVATE) >= 10  # the contract tests below are parametrised over these
+
+
+@pytest.mark.parametrize("algo", PRIVATE)
+def test_every_private_algorithm_declares_its_canary_site(algo):
+    from dpbench.tools.one_run_canaries import UNSEEN
+
+    site = algorithm_class(algo).canary_site
+    assert site is not None, f"algo={algo} declares no canary_site"
+    if site != EXAMPLES:  # canaries written into a clipped sum: the check must say what it cannot see
+        assert "clipping" in UNSEEN[site]
+    if issubclass(algorithm_class(algo), DPFirstOrderAlgorithm):
+        assert site == EXAMPLES  # first order: canaries go through the engine and the clipping
+
+
+def test_canary_examples_go_through_the_engine_and_its_clipping():
+    """A present canary's per-example loss is s w_i: the engine forms its gradient s e_i and the
+    algorithm's clipping brings it to C e_i; the real examples' gradients are 0 on the canary layer."""
+    from dpbench.run import setup
+    from dpbench.tools.one_run_canaries import LOSS_SCALE, CanaryHook, add_canary_layer
+
+    cfg = compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "algo=dpsgd",
+                   "privacy.noise_multiplier=1", "privacy.clip_norm=0.5"])
+    layers = []
+    job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, 12, cfg.algo)))
+    marks = Canaries([torch.Size([12, 1])], 12, 1.0, None, "replace_one", 0, own_space=True)
+    CanaryHook.attach(marks, job.algorithm, layers[0])
+    index = next(k for k, p in enumerate(job.algorithm.params) if p is layers[0].weight)
+    marks.begin_step(0)  # q = 1, replace-one: every canary present, +1 if included, -1 if not
+    sums, _ = job.algorithm.clip_and_accumulate([job.task.batch(list(range(8)))])
+    expected = torch.as_tensor(np.where(marks.included, 0.5, -0.5), dtype=torch.float32)[:, None]
+    assert torch.allclose(sums[index], expected, atol=1e-6)
+    assert LOSS_SCALE * 0.5 > 100 * 0.5  # the unclipped canary gradient is far above C
+    with pytest.raises(RuntimeError, match="twice"):
+        marks.present()  # one joining per step
+
+
+def test_without_clipping_a_canary_example_contributes_its_whole_gradient():
+    from unittest import mock
+
+    from dpbench.run import setup
+    from dpbench.tools.one_run_canaries import LOSS_SCALE, CanaryHook, add_canary_layer
+    from dpbench.tools.seeded_bugs import _unclipped_factors
+
+    cfg = compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "algo=dpsgd",
+                   "privacy.noise_multiplier=1", "privacy.clip_norm=0.5"])
+    layers = []
+    job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, 6, cfg.algo)))
+    marks = Canaries([torch.Size([6, 1])], 6, 1.0, None, "add_remove", 0, own_space=True)
+    CanaryHook.attach(marks, job.algorithm, layers[0])
+    index = next(k for k, p in enumerate(job.algorithm.params) if p is layers[0].weight)
+    marks.begin_step(0)
+    with mock.patch.object(DPFirstOrderAlgorithm, "example_factors", _unclipped_factors):
+        sums, _ = job.algorithm.clip_and_accumulate([job.task.batch([0, 1])])
+    expected = torch.as_tensor(marks.included * LOSS_SCALE * 0.5, dtype=torch.float32)[:, None]
+    assert torch.allclose(sums[index], expected)
 
 
 def test_options_and_unsupported_runs_are_refused(tmp_path):
@@ -206,9 +263,28 @@ def test_an_update_without_its_released_noise_fails(algo, tmp_path):
     assert DPFirstOrderAlgorithm.privatize is ORIGINAL_PRIVATIZE  # the patch lived only inside the audit
 
 
+@pytest.mark.slow
+def test_clipping_off_is_caught_by_the_one_run_audit(tmp_path):
+    """Seeded bug `clipping_off` under the one-run audit: the canary examples' gradients (s e_i, s
+    = 1e4 C) reach the sum unclipped, every guess is right and the bound reaches the ceiling, far
+    above the claimed 1 (a clean run at these sizes stays below it: test_a_clean_run_passes)."""
+    from dpbench.tools.audit_cli import main
+
+    run = console_script_in_process(main, "dpbench-audit", *RUN, "algo=dpsgd", "train.steps=150",
+                                    "privacy.epsilon=1", "audit.seeded_bug=clipping_off",
+                                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-2000:]
+    figures = json.loads((tmp_path / "run" / "audit.json").read_text())["one_run"]
+    assert figures["canary_kind"] == "example" and figures["correct"] >= 95
+    assert figures["epsilon_lower_bound"] > 2.5 > figures["claimed_epsilon"]
+
+
 # per algorithm: the overrides that make its one-run audit small (M canaries, r guesses)
-ALGORITHM_RUNS = {name: [] for name in SITES}
+ALGORITHM_RUNS = {name: [] for name in PRIVATE}
 ALGORITHM_RUNS["dplora"] = ["model=vit", "model.embed_dim=16", "model.depth=1", "model.num_heads=2"]  # LoRA needs Linear layers
+# DIFF2 privatises gradient differences, and a canary's loss is linear (its difference is 0): its
+# canaries show at restarts only; 100 restarts miss an included canary with probability 0.875^100
+ALGORITHM_RUNS["diff2"] = ["algo.restart_interval=2"]
 ALGORITHM_RUNS["dpzero"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]  # signed: M <= T/10; the other canaries interfere
 
 
@@ -219,7 +295,7 @@ def _run_of(algo: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", sorted(SITES))
+@pytest.mark.parametrize("algo", sorted(PRIVATE))
 def test_every_private_algorithm_passes_and_its_canaries_are_seen(algo, tmp_path):
     """At its defaults and eps = 2 the audit passes; with almost no noise (eps in the thousands)
     its canaries are found: every guess right, so the scores do read what the run learned."""
