@@ -37,7 +37,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.embedding import compute_embedding_grad_sample
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 
 from dpbench.privacy.clipping import sum_rows_per_example
@@ -208,3 +209,35 @@ def hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
 
     walk(model)
     return found
+
+
+# --- corrections to Opacus's grad samplers ------------------------------------------------------
+# Opacus 1.6's conv sampler unfolds with zero padding whatever the padding mode (reflect, replicate
+# and circular convs got norms 10–32% low), and its embedding sampler gives the padding row a
+# gradient that autograd does not (39% high). Both are corrected per module instance, as overrides.
+
+
+def _functorch_sampler(module: nn.Module):
+    """functorch's per-example gradient of the module's own forward (its padding mode included)."""
+    prepare_layer(module)
+    return ft_compute_per_sample_gradient
+
+
+def _embedding_without_padding_row(layer: nn.Embedding, activations, backprops) -> dict:
+    grads = compute_embedding_grad_sample(layer, activations, backprops)
+    if layer.weight in grads:
+        grads[layer.weight][:, layer.padding_idx] = 0
+    return grads
+
+
+def opacus_corrections(model: nn.Module, *, embeddings: bool) -> dict:
+    """{module: grad sampler} for the layers whose Opacus sampler is wrong: convs with a padding
+    mode other than zeros, and (`embeddings`: engines that use Opacus's embedding sampler) an
+    Embedding with a padding row."""
+    corrections = {}
+    for module in model.modules():
+        if isinstance(module, nn.modules.conv._ConvNd) and module.padding_mode != "zeros":
+            corrections[module] = _functorch_sampler(module)
+        elif embeddings and type(module) is nn.Embedding and module.padding_idx is not None:
+            corrections[module] = _embedding_without_padding_row
+    return corrections
