@@ -178,6 +178,7 @@ def by_functorch(module: nn.Module) -> bool:
 def layer_pieces(module: nn.Module, activations, backprops: torch.Tensor, examples: int, override=None) -> dict:
     """One layer call's pieces per trainable parameter. `override`: a `LinearGradientMap` (a Linear
     layer) or an Opacus-signature grad sampler (instantiated form)."""
+    check_rows(module, [activations[0] if activations else None, backprops], examples)
     if is_gradient_map(override):
         return _linear_pieces(module, activations, backprops, examples, override)
     rule = rule_for(module) if override is None else None
@@ -185,6 +186,19 @@ def layer_pieces(module: nn.Module, activations, backprops: torch.Tensor, exampl
         return rule.pieces(module, activations, backprops, examples)
     sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
     return _instantiated_pieces(sampler, module, activations, backprops, examples)
+
+
+def check_rows(module: nn.Module, tensors, examples: int) -> None:
+    """Never reshape rows that do not split into the examples (a [T, B, d] input with T not a
+    multiple of B would reshape silently into mixed "examples"); the layout probe (layout.py)
+    refuses such a model before training, this is the engines' own guard."""
+    from dpbench.errors import UserError
+
+    for t in tensors:
+        if examples and torch.is_tensor(t) and t.dim() and t.shape[0] % examples:
+            raise UserError(f"layer {type(module).__name__}: {t.shape[0]} rows along dimension 0 for {examples} "
+                            "examples; every per-example engine needs each example's rows together along "
+                            "dimension 0: feed it batch-first tensors (e.g. batch_first=True)")
 
 
 def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:

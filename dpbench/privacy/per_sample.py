@@ -19,7 +19,7 @@ from torch import nn
 
 from dpbench.precision import unscaled_per_example
 from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
-from dpbench.privacy.layers import is_layer_norm, opacus_corrections
+from dpbench.privacy.layers import check_rows, is_layer_norm, opacus_corrections
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -55,6 +55,7 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         activations, backprops = super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first)
         rows, examples = backprops.shape[0], self.examples
+        check_rows(module, [backprops], examples)
         if not examples or rows == examples or rows % examples or not _merges_rows(module):
             return activations, backprops
         tail = len(module.normalized_shape) if is_layer_norm(module) else 1

@@ -195,6 +195,20 @@ def test_sequence_first_refusal_names_the_dimension():
         engine_norms(CASES["linear[T,B,d]_T=2B"], "bk")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_without_the_probe_rows_that_do_not_split_are_refused_not_reshaped(engine):
+    """[T, B, d] with T not a multiple of B: each engine's own guard, for an engine built without
+    the probe (a sharded model is not probed)."""
+    case = CASES["linear[T,B,d]_T=5"]
+    model = case.model()
+    built = build_engine(engine, model)
+    try:
+        with pytest.raises(UserError, match="5 rows along dimension 0 for 3 examples"):
+            built.clipped_sum(case.losses(model, case.batch(range(BATCH))), torch.ones_like)
+    finally:
+        built.detach()
+
+
 # --- the probe on the row layouts the engines do handle ---------------------------------------------
 class RowsModel(nn.Module):
     """K rows per example (candidate scoring, example-major) flattened with their tokens to
