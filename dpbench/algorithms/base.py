@@ -26,6 +26,7 @@ from dpbench.privacy.clipping import clip_factors
 from dpbench.privacy.engines import (
     COVERAGE_CHECK, LOSS_SCALE, PER_SAMPLE_ENGINES, Engine, EngineSpec, engine_spec, engines_with,
 )
+from dpbench.privacy.layout import LayoutProbe
 from dpbench.privacy.per_sample import GradSampler
 # The release lives in dpbench/privacy/release.py; its names stay importable from here.
 from dpbench.privacy.release import (
@@ -439,7 +440,8 @@ class DPFirstOrderAlgorithm(Algorithm):
         # The capabilities are checked before the engine hooks the model.
         self.engine_spec: EngineSpec = engine_spec(declared_option(cfg, "per_sample", "materialize"))
         self.engine_spec.require(self.engine_capabilities, f"algo={cfg.get('name', type(self).__name__)}")
-        self.engine: Engine = self.engine_spec.build(model, dict(self.sampler_overrides()))
+        # The layout probe (privacy/layout.py) runs here, once per model, before the engine hooks it.
+        self.engine: Engine = self.engine_spec.attach(model, self.sampler_overrides(), LayoutProbe.of_task(task))
         self.optimizer = self.build_optimizer(self.params)
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 

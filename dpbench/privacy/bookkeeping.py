@@ -44,6 +44,7 @@ from dpbench.privacy.layers import (
     LinearGradientMap,  # noqa: F401
     by_functorch,
     hooked_modules,
+    opacus_corrections,
     is_layer_norm,  # noqa: F401
     layer_pieces,
 )
@@ -94,7 +95,7 @@ class BookKeeping:
 
     def __init__(self, model: nn.Module, overrides: dict | None = None, passes: int = 1):
         self.model = model
-        self.overrides = dict(overrides or {})
+        self.overrides = {**opacus_corrections(model, embeddings=False), **(overrides or {})}
         self.passes = passes
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.modules = hooked_modules(model, self.overrides)

@@ -27,6 +27,8 @@ from torch import nn
 
 from dpbench.errors import UserError
 from dpbench.privacy.bookkeeping import BookKeeping
+from dpbench.privacy.layers import hooked_modules
+from dpbench.privacy.layout import LayoutProbe, check_layers, check_layout
 from dpbench.privacy.per_sample import GradSampler, PerSampleGradients
 from dpbench.registry import Registry
 
@@ -107,6 +109,18 @@ class EngineSpec:
         if unknown:
             raise ValueError(f"engine {self.name!r} declares unknown capabilities {sorted(unknown)}")
 
+    def attach(self, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None,
+               probe: LayoutProbe | None = None) -> Engine:
+        """The engine on `model`, after the checks every engine gets (privacy/layout.py): layer kinds
+        no engine forms right are refused, and with a `probe` (the task's loss and records) every
+        layer the engine hooks is shown to keep each example's rows together along dimension 0,
+        before any hook is attached. The one way engines are built for training."""
+        overrides = dict(sampler_overrides or {})
+        check_layers(model, self.name)
+        if probe is not None:
+            check_layout(model, hooked_modules(model, overrides), probe, self.name)
+        return self.build(model, overrides)
+
     def has(self, capability: str) -> bool:
         return capability in self.capabilities
 
@@ -146,9 +160,10 @@ def engines_with(*capabilities: str) -> list[str]:
 
 
 def build_engine(mode: str, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None, *,
-                 needs: Iterable[str] = (), who: str = "this") -> Engine:
-    """The engine for `algo.per_sample=mode`; a one-line error when it lacks a capability in
-    `needs` (asked for by `who`)."""
+                 needs: Iterable[str] = (), who: str = "this", probe: LayoutProbe | None = None) -> Engine:
+    """The engine for `algo.per_sample=mode` (`EngineSpec.attach`: its layer checks, and the layout
+    probe where a `probe` is given); a one-line error when it lacks a capability in `needs` (asked
+    for by `who`)."""
     spec = engine_spec(mode)
     spec.require(needs, who)
-    return spec.build(model, dict(sampler_overrides or {}))
+    return spec.attach(model, sampler_overrides, probe)

@@ -37,7 +37,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.embedding import compute_embedding_grad_sample
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 
 from dpbench.privacy.clipping import sum_rows_per_example
@@ -177,6 +178,7 @@ def by_functorch(module: nn.Module) -> bool:
 def layer_pieces(module: nn.Module, activations, backprops: torch.Tensor, examples: int, override=None) -> dict:
     """One layer call's pieces per trainable parameter. `override`: a `LinearGradientMap` (a Linear
     layer) or an Opacus-signature grad sampler (instantiated form)."""
+    check_rows(module, [activations[0] if activations else None, backprops], examples)
     if is_gradient_map(override):
         return _linear_pieces(module, activations, backprops, examples, override)
     rule = rule_for(module) if override is None else None
@@ -184,6 +186,19 @@ def layer_pieces(module: nn.Module, activations, backprops: torch.Tensor, exampl
         return rule.pieces(module, activations, backprops, examples)
     sampler = override or GradSampleModule.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
     return _instantiated_pieces(sampler, module, activations, backprops, examples)
+
+
+def check_rows(module: nn.Module, tensors, examples: int) -> None:
+    """Never reshape rows that do not split into the examples (a [T, B, d] input with T not a
+    multiple of B would reshape silently into mixed "examples"); the layout probe (layout.py)
+    refuses such a model before training, this is the engines' own guard."""
+    from dpbench.errors import UserError
+
+    for t in tensors:
+        if examples and torch.is_tensor(t) and t.dim() and t.shape[0] % examples:
+            raise UserError(f"layer {type(module).__name__}: {t.shape[0]} rows along dimension 0 for {examples} "
+                            "examples; every per-example engine needs each example's rows together along "
+                            "dimension 0: feed it batch-first tensors (e.g. batch_first=True)")
 
 
 def _instantiated_pieces(sampler, module, activations, backprops, examples: int) -> dict:
@@ -208,3 +223,35 @@ def hooked_modules(model: nn.Module, overrides: dict) -> list[nn.Module]:
 
     walk(model)
     return found
+
+
+# --- corrections to Opacus's grad samplers ------------------------------------------------------
+# Opacus 1.6's conv sampler unfolds with zero padding whatever the padding mode (reflect, replicate
+# and circular convs got norms 10–32% low), and its embedding sampler gives the padding row a
+# gradient that autograd does not (39% high). Both are corrected per module instance, as overrides.
+
+
+def _functorch_sampler(module: nn.Module):
+    """functorch's per-example gradient of the module's own forward (its padding mode included)."""
+    prepare_layer(module)
+    return ft_compute_per_sample_gradient
+
+
+def _embedding_without_padding_row(layer: nn.Embedding, activations, backprops) -> dict:
+    grads = compute_embedding_grad_sample(layer, activations, backprops)
+    if layer.weight in grads:
+        grads[layer.weight][:, layer.padding_idx] = 0
+    return grads
+
+
+def opacus_corrections(model: nn.Module, *, embeddings: bool) -> dict:
+    """{module: grad sampler} for the layers whose Opacus sampler is wrong: convs with a padding
+    mode other than zeros, and (`embeddings`: engines that use Opacus's embedding sampler) an
+    Embedding with a padding row."""
+    corrections = {}
+    for module in model.modules():
+        if isinstance(module, nn.modules.conv._ConvNd) and module.padding_mode != "zeros":
+            corrections[module] = _functorch_sampler(module)
+        elif embeddings and type(module) is nn.Embedding and module.padding_idx is not None:
+            corrections[module] = _embedding_without_padding_row
+    return corrections

@@ -19,7 +19,7 @@ from torch import nn
 
 from dpbench.precision import unscaled_per_example
 from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
-from dpbench.privacy.layers import is_layer_norm
+from dpbench.privacy.layers import check_rows, is_layer_norm, opacus_corrections
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -55,6 +55,7 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         activations, backprops = super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first)
         rows, examples = backprops.shape[0], self.examples
+        check_rows(module, [backprops], examples)
         if not examples or rows == examples or rows % examples or not _merges_rows(module):
             return activations, backprops
         tail = len(module.normalized_shape) if is_layer_norm(module) else 1
@@ -96,7 +97,8 @@ class PerSampleGradients:
     def __init__(self, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._module = _GradSampleModuleWithOverrides(model, sampler_overrides or {})
+        overrides = {**opacus_corrections(model, embeddings=True), **(sampler_overrides or {})}
+        self._module = _GradSampleModuleWithOverrides(model, overrides)
         self.peak_bytes = 0  # largest set of per-sample gradients formed at once
         self.loss_scale = 1.0  # train.precision=fp16: divided out of every per-sample gradient (fp32)
         # The bottom layers' parameters: the backward asks autograd for their gradients only, so

@@ -6,8 +6,13 @@ import torch
 
 
 def assert_per_sample_grads_match(task, model, n: int = 3):
-    """Opacus per-sample gradients (batched, padded) == autograd on each example alone."""
+    """Opacus per-sample gradients (batched, padded) == autograd on each example alone; the layout
+    probe (dpbench/privacy/layout.py) accepts the model's rows first."""
+    from dpbench.privacy.layers import hooked_modules
+    from dpbench.privacy.layout import LayoutProbe, check_layout
     from dpbench.privacy.per_sample import PerSampleGradients
+
+    check_layout(model, hooked_modules(model, {}), LayoutProbe.of_task(task), "materialize")
 
     params = [p for p in model.parameters() if p.requires_grad]
     reference = []

@@ -37,7 +37,15 @@ def test_the_fixture_covers_every_case():
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_output_equals_the_reference(reference, case, engine):
+def test_engine_output_equals_the_reference(reference, case, engine, monkeypatch):
+    if engine == "materialize":
+        # The fixture predates materialize's padding-row correction (Opacus's sampler gave an
+        # Embedding's padding row a gradient; the rows_* cases hold one): compared without it here,
+        # and proven against autograd one example at a time in test_grad_sample_layers.py.
+        from dpbench.privacy import layers, per_sample
+
+        monkeypatch.setattr(per_sample, "opacus_corrections",
+                            lambda model, embeddings: layers.opacus_corrections(model, embeddings=False))
     expected = reference["results"][case][engine]
     actual = run(case, engine, seed=reference["seeds"][case])
     where = f"{case}/{engine} (reference made at {reference['made_with']['commit'][:10]})"

@@ -1,0 +1,253 @@
+"""Which rows belong to which example: the per-example engines' layout contract, checked before
+training, and the layer kinds no engine takes.
+
+Every engine (materialize, ghost, bk) reads a hooked layer's input and output gradient with its
+examples along dimension 0: R = k·B rows, example b owning rows b·k .. b·k + k − 1 (k = 1; OPT's
+[B·T, d] flattening before fc1/fc2, k = T; candidate scoring's K rows per example, k = K). A
+layer fed [T, B, d] (a sequence-first model, `DPMultiheadAttention(batch_first=False)`) breaks it:
+its "examples" would mix every example's tokens, and the clipped sum's sensitivity with them.
+
+`check_layout` proves the contract on the model itself, once, before the engine hooks it: a
+float64 copy runs the task's per-example loss on a few records, then again with one record
+replaced (the neighbouring relation) and its loss weighted differently; in every hooked layer's
+inputs and output gradient only that example's rows may change. In a right layout the other
+rows are bit for bit the same whatever the records hold (each row is computed on its own), so
+the outcome depends on the model's structure, not on the records' values. A layer that fails is
+refused in one line naming it and the fix.
+
+`check_layers` refuses, before any engine is built, the layer kinds whose per-example gradient
+the engines do not form right: torch's MultiheadAttention and recurrent layers (Opacus's DP
+versions instead; its DPLSTM/DPGRU/DPRNN with materialize only), EmbeddingBag, and an Embedding
+with `scale_grad_by_freq` (its gradient scales by counts over the whole batch, so one example's
+gradient depends on the others).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from dpbench.errors import UserError
+
+FLOAT64_COPY_LIMIT = 2**31  # bytes of a float64 copy beyond which the model is probed in place, in its dtype
+REPLACEMENT_TRIES = 16  # records tried for a replacement whose batch has the same shapes (padding)
+# Relative change (of the tensor's largest entry) below which a row counts as unchanged: other
+# examples' rows are bit-identical in a right layout; mixing moves them by far more.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+@dataclass(frozen=True)
+class LayoutProbe:
+    """What the probe needs of the task: its per-example loss, its batches and how many records
+    `batch` indexes (`Task.per_sample_loss`, `Task.batch`, `Task.train_size`)."""
+
+    losses: Callable[[nn.Module, Any], torch.Tensor]
+    batch: Callable[[list[int]], Any]
+    size: int
+
+    @classmethod
+    def of_task(cls, task) -> "LayoutProbe":
+        return cls(task.per_sample_loss, task.batch, int(task.train_size))
+
+
+def check_layers(model: nn.Module, engine: str) -> None:
+    """One line naming the first layer whose per-example gradient no engine forms right, and the fix."""
+    for name, module in model.named_modules():
+        if not any(p.requires_grad for p in module.parameters()):
+            continue
+        fix = _unsupported(module, engine)
+        if fix:
+            raise UserError(f"algo.per_sample={engine}: layer {name or 'model'} ({type(module).__name__}) {fix}")
+
+
+def _unsupported(module: nn.Module, engine: str) -> str | None:
+    from opacus.layers.dp_rnn import DPRNNBase
+
+    if isinstance(module, nn.MultiheadAttention):
+        return ("has no per-example gradient rule in dpbench's engines; "
+                "use opacus.layers.DPMultiheadAttention(batch_first=True) instead")
+    if isinstance(module, nn.RNNBase):
+        kind = {nn.LSTM: "DPLSTM", nn.GRU: "DPGRU"}.get(type(module), "DPRNN")
+        return (f"has no per-example gradient rule in dpbench's engines; use opacus.layers.{kind}(batch_first=True) "
+                "with algo.per_sample=materialize instead")
+    if isinstance(module, DPRNNBase) and engine != "materialize":  # its cells' functorch pieces fail in these hooks
+        return "is served by algo.per_sample=materialize only; use that"
+    if isinstance(module, nn.EmbeddingBag):  # Opacus's sampler: 2-D input fails, 1-D with offsets gave wrong norms
+        return ("has no per-example gradient rule in dpbench's engines; use nn.Embedding and reduce each "
+                "example's bag (sum or mean) in the forward")
+    if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+        return ("scales its gradient by token counts over the whole batch, so one example's gradient "
+                "depends on the others; set scale_grad_by_freq=False")
+    return None
+
+
+def check_layout(model: nn.Module, modules: Iterable[nn.Module], probe: LayoutProbe, engine: str) -> None:
+    """Refuse, in one line, a hooked layer whose inputs or output gradient do not keep each
+    example's rows together along dimension 0 (module doc). Needs 3 records (2 to keep, 1 to
+    replace); a sharded model (train.sharding=fsdp) is not copied and not probed."""
+    if probe.size < 3 or any(hasattr(p, "to_local") for p in model.parameters()):
+        return
+    names = {m: n for n, m in model.named_modules()}
+    targets = [(names[m], m) for m in modules if m in names]
+    if not targets:
+        return
+    subject, dtype = _probe_model(model)
+    copies = dict(subject.named_modules())
+    targets = [(name, copies[name]) for name, _ in targets]
+    kept = [0, 1, 2] if probe.size >= 4 else [0, 1]
+    base = probe.batch(kept)
+    replaced, allowed = _neighbour(probe, kept, base)
+    weights = torch.ones(len(kept), dtype=torch.float64)
+    changed_weights = weights.clone()
+    changed_weights[1] = 2.0  # the replaced example's loss also moves its output gradients
+    first = _record(subject, targets, probe, _widen(base, dtype), weights)
+    second = _record(subject, targets, probe, _widen(replaced, dtype), changed_weights)
+    for name, module in targets:
+        for call, (a, b) in enumerate(zip(first[module], second[module])):
+            for what, x, y in _pairs(a, b):
+                problem = _rows_problem(x, y, len(kept), allowed, TOLERANCE.get(dtype, 1e-2))
+                if problem:
+                    raise UserError(
+                        f"algo.per_sample={engine}: layer {name or 'model'} ({type(module).__name__}): its {what} "
+                        f"{tuple(x.shape)} {problem}; every per-example engine needs each example's rows together "
+                        "along dimension 0: feed it batch-first tensors (e.g. batch_first=True)")
+
+
+def _probe_model(model: nn.Module) -> tuple[nn.Module, torch.dtype]:
+    """A float64 copy of the model, or, where that copy would be too large, the model itself
+    (its forward and backward run; no parameter's .grad is touched)."""
+    params = list(model.parameters()) + list(model.buffers())
+    if sum(p.numel() for p in params if p.is_floating_point()) * 8 <= FLOAT64_COPY_LIMIT:
+        return copy.deepcopy(model).double(), torch.float64
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    return model, torch.float32 if dtypes <= {torch.float32, torch.float64} else torch.bfloat16
+
+
+def _neighbour(probe: LayoutProbe, kept: list[int], base) -> tuple[Any, set[int]]:
+    """The batch with example 1 replaced by another record whose batch has the same shapes
+    (language batches pad to their longest row), and the examples allowed to change. Fallback
+    where no record fits: examples 1 and 2 swapped (then only example 0 must stay)."""
+    shapes = _shapes(base)
+    for record in range(len(kept), min(probe.size, len(kept) + REPLACEMENT_TRIES)):
+        indices = [kept[0], record, *kept[2:]]
+        candidate = probe.batch(indices)
+        if _shapes(candidate) == shapes:
+            return candidate, {1}
+    if len(kept) == 3:
+        return probe.batch([kept[0], kept[2], kept[1]]), {1, 2}
+    return base, {1}  # (two records and no fit: the loss weight alone moves example 1)
+
+
+def _record(model: nn.Module, targets, probe: LayoutProbe, batch, weights: torch.Tensor) -> dict:
+    """{module: [(its tensor inputs, its output gradient) per call]} for Σ_i w_i ℓ_i."""
+    calls: dict[nn.Module, list] = {m: [] for _, m in targets}
+    edges: list = []
+
+    def hook(module, inputs, output):
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        edge = get_gradient_edge(first) if torch.is_tensor(first) and first.grad_fn is not None else None
+        calls[module].append([[t.detach() for t in inputs if torch.is_tensor(t)], edge])
+        edges.append((module, len(calls[module]) - 1, edge))
+
+    handles = [m.register_forward_hook(hook) for _, m in targets]
+    devices = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)  # the same dropout masks in both forwards
+            losses = probe.losses(model, batch)
+            loss = (losses.double() * weights.to(losses.device)).sum()
+            wanted = [(m, i, e) for m, i, e in edges if e is not None]
+            grads = torch.autograd.grad(loss, [e for _, _, e in wanted], allow_unused=True) if wanted else []
+    finally:
+        for handle in handles:
+            handle.remove()
+    for (module, index, _), grad in zip(wanted, grads):
+        calls[module][index][1] = grad
+    for module in calls:
+        for call in calls[module]:
+            if not torch.is_tensor(call[1]):
+                call[1] = None
+    return calls
+
+
+def _pairs(a, b):
+    """(what, tensor from the first batch, from the neighbouring one) for every compared tensor."""
+    for k, (x, y) in enumerate(zip(a[0], b[0])):
+        yield ("input" if k == 0 else f"input {k}"), x, y
+    if a[1] is not None and b[1] is not None:
+        yield "output gradient", a[1], b[1]
+
+
+def _rows_problem(x: torch.Tensor, y: torch.Tensor, examples: int, allowed: set[int], tolerance: float) -> str | None:
+    """What breaks the layout in one compared tensor, or None."""
+    if x.shape != y.shape:
+        return "changes shape when another example is replaced"
+    if x.dim() == 0:
+        return "has no example dimension"
+    rows = x.shape[0]
+    if rows % examples:
+        return f"has {rows} rows along dimension 0 for {examples} examples" + _found_at(x, y, examples, tolerance)
+    moved = _moved(x, y, tolerance)
+    blocks = moved.reshape(examples, -1).any(dim=1)
+    if any(bool(blocks[b]) for b in range(examples) if b not in allowed):
+        return "mixes examples within the rows of dimension 0" + _found_at(x, y, examples, tolerance)
+    return None
+
+
+def _moved(x: torch.Tensor, y: torch.Tensor, tolerance: float) -> torch.Tensor:
+    if not x.is_floating_point():
+        return x != y
+    scale = torch.maximum(x.abs().max(), y.abs().max()).double()
+    return (x.double() - y.double()).abs() > tolerance * scale
+
+
+def _found_at(x: torch.Tensor, y: torch.Tensor, examples: int, tolerance: float) -> str:
+    """' (its examples lie along dimension d)' where one dimension of size B holds the changes."""
+    moved = _moved(x, y, tolerance)
+    for d in range(1, x.dim()):
+        if x.shape[d] == examples and bool(moved.any()):
+            others = moved.movedim(d, 0).reshape(examples, -1).any(dim=1)
+            if int(others.sum()) == 1:
+                return f" (its examples lie along dimension {d})"
+    return ""
+
+
+def _shapes(batch) -> list:
+    return [tuple(t.shape) for t in _tensors(batch)]
+
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [t for f in dataclasses.fields(batch) for t in _tensors(getattr(batch, f.name))]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _widen(batch, dtype: torch.dtype):
+    """The batch with its floating tensors in `dtype` (a float64 copy reads float64 inputs)."""
+    if dtype != torch.float64:
+        return batch
+    if torch.is_tensor(batch):
+        return batch.double() if batch.is_floating_point() else batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _widen(getattr(batch, f.name), dtype)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, dict):
+        return type(batch)((k, _widen(v, dtype)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(_widen(v, dtype) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_widen(v, dtype) for v in batch)
+    return batch
