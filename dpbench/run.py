@@ -235,7 +235,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         config=resolved_config(cfg),
     )
     results.epsilon_covers = epsilon_covers(results, job.privacy is None or job.privacy.log_private_stats,
-                                            [*algorithm.unnoised_results, *counters])
+                                            [*algorithm.unnoised_results, *counters], PRIVATE_STATISTIC_FIGURES)
     return results
 
 

@@ -259,14 +259,15 @@ def _declared(kind: str) -> list[str]:
     return keys
 
 
-def epsilon_covers(results: RunResults, log_private_stats: bool, unnoised_algorithm_keys=()) -> dict:
+def epsilon_covers(results: RunResults, log_private_stats: bool, unnoised_algorithm_keys=(),
+                   private_statistic_figures: dict[str, tuple[str, ...]] | None = None) -> dict:
     """results.json's `epsilon_covers`, from the declarations: the RELEASE keys (and the algorithm's
     own facts but its `unnoised_results` and counters) are covered by a private run's epsilon; the
-    UNNOISED keys, privacy.plan.PRIVATE_STATISTIC_FIGURES and the status (a run halts on a
+    UNNOISED keys, `private_statistic_figures` (privacy.plan.PRIVATE_STATISTIC_FIGURES, passed by
+    the caller: this module imports nothing of the core) and the status (a run halts on a
     non-finite loss) are outside it, listed only when the run writes them (log_private_stats).
     A non-private run: nothing is covered."""
-    from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES
-
+    PRIVATE_STATISTIC_FIGURES = private_statistic_figures or {}
     algorithm = sorted((results.algorithm or {}).keys())
     unnoised = set(unnoised_algorithm_keys)
     covered = [*_declared(RELEASE), *(f"algorithm.{k}" for k in algorithm if k not in unnoised)]

@@ -12,6 +12,7 @@ from dpbench.logging.console import summary_table
 from dpbench.logging.results import (
     SCHEMA_VERSION, EvalRecord, RunResults, epsilon_covers, eval_summary, read_results, write_results,
 )
+from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES
 from dpbench.tools.report import load_rows
 from dpbench.run import run_job
 
@@ -108,7 +109,7 @@ def test_without_private_statistics_nothing_outside_epsilon_is_written(tmp_path)
     stored = read_results(tmp_path)
     assert stored["epsilon_covers"]["outside_epsilon"] == []
     logged = RunResults.from_json(stored)
-    withheld = epsilon_covers(logged, True)  # what a run that logs them would list
+    withheld = epsilon_covers(logged, True, (), PRIVATE_STATISTIC_FIGURES)  # what a run that logs them would list
     for key in withheld["outside_epsilon"]:
         if key in ("status",) or key.startswith(("history[]", "algorithm.")):
             continue
