@@ -52,6 +52,8 @@ class SentenceClassificationTask(Task):
         self.cfg, self.device = cfg, device
         loader, self.num_classes = SENTENCE_SETS[data.name]
         train, test = loader(data)
+        if data.get("num_test"):  # smoke runs: the first n test examples (file order), not a sample
+            test = test[: int(data.num_test)]
         self.eval_batch_size = int(data.get("eval_batch_size", 64))
         # dataset.validation_fraction: the keyed hash of each item's group (a movie) holds groups out
         self.split = split_training_set(data, [item.movie.encode("utf-8") for item in train])

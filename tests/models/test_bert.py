@@ -84,6 +84,14 @@ def test_family_record_freezing_and_split(files):
     assert sorted(select_projected_modules(model, None)) == sorted(
         f"bert.encoder.layer.1.{n}" for n in ("attention.self.query", "attention.self.key", "attention.self.value",
                                              "attention.output.dense", "intermediate.dense", "output.dense"))
+    # No functorch path: transformers' BERT mask code is not vmap-compatible, and no layer needs it
+    # (every module the engines hook has a rule or an Opacus grad sampler), embeddings trained too.
+    from dpbench.privacy.layers import by_functorch, hooked_modules
+
+    everything = task.build_model(bert_cfg(files, "model.freeze_embeddings=false").model)
+    hooked = hooked_modules(everything, {})
+    assert {type(m).__name__ for m in hooked} == {"Linear", "Embedding", "LayerNorm"}
+    assert not [m for m in hooked if by_functorch(m)]
     embeddings_only = task.build_model(bert_cfg(files).model)  # the default: embeddings frozen, every layer trained
     frozen = {n for n, p in embeddings_only.named_parameters() if not p.requires_grad}
     assert frozen == {n for n, _ in embeddings_only.named_parameters() if n.startswith("bert.embeddings.")}
