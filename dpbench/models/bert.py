@@ -29,10 +29,9 @@ from dpbench.errors import UserError
 from dpbench.models import apply_opacus_fixes
 from dpbench.models.language import LanguageFamily, register_language_family
 
-FAMILY = "bert"
 POOLINGS = ("mean", "pooler")
 
-register_language_family(FAMILY, LanguageFamily(
+BERT = LanguageFamily(
     objective="encoder",  # a bare encoder (AutoModel) with dpbench's classification head
     language_task="sentence_classification",
     model_type="bert",
@@ -44,7 +43,11 @@ register_language_family(FAMILY, LanguageFamily(
     lora_targets=("query", "value"),  # as for RoBERTa (MeZO's and DPZero's LoRA baseline)
     trained_modules=("classifier",),  # the fresh head stays trained beside LoRA adapters
     block_modules=("*encoder.layer.*",),  # train.sharding=fsdp wraps each encoder layer
-))
+)
+# model=bert: any local BERT folder (model.path); model=minilm: the fetched all-MiniLM-L6-v2 (its
+# config names the asset). One record: the same architecture, so the same facts.
+for name in ("bert", "minilm"):
+    register_language_family(name, BERT)
 
 
 class SentenceClassifier(nn.Module):

@@ -112,7 +112,7 @@ def test_a_sentence_model_with_another_dataset_is_a_user_error(files, tmp_path):
     from helpers.text_data import write_dataset
 
     sst2 = write_dataset(tmp_path, "sst2", n_train=4, n_test=2)
-    with pytest.raises(UserError, match="dataset=sst2 is not a sentence classification data set for model=bert"):
+    with pytest.raises(UserError, match="dataset=sst2 is not a sentence classification data set for model=minilm"):
         build_task(compose([*OFFLINE, "model=minilm", f"model.path={files[0]}", "dataset=sst2", f"dataset.path={sst2}"]), CPU)
 
 
@@ -128,7 +128,7 @@ def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
     cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *FIXED_SIGMA, "train.batch_size=2", "train.steps=1",
                    "train.eval_every=1", "train.lr=1e-3")
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results.status == "completed" and results.model == "bert"
+    assert results.status == "completed" and results.model == "minilm"
     assert 0 <= results.metrics.test_accuracy <= 1
     assert results.metrics.train_loss == results.metrics.train_loss  # not NaN
     assert results.privacy.private == (algo != "adam")

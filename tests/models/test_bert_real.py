@@ -38,5 +38,5 @@ def test_one_real_step_of_each_algorithm_family(real_assets, algo, tmp_path):
                    *FAMILIES[algo], *FIXED_SIGMA, "train.batch_size=8", "train.steps=1", "train.eval_every=1",
                    "train.lr=1e-4"])
     results = run_job(cfg, tmp_path, show_progress=False)
-    assert results.status == "completed" and results.model == "bert"
+    assert results.status == "completed" and results.model == "minilm"
     assert 0 <= results.metrics.test_accuracy <= 1 and results.metrics.train_loss == results.metrics.train_loss
