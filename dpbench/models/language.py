@@ -29,7 +29,8 @@ from dpbench.errors import UserError
 from dpbench.models import MODELS, ModelFamily, RegisteredModel, apply_opacus_fixes, language_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_CLASSES = {"masked": "AutoModelForMaskedLM", "causal": "AutoModelForCausalLM"}
+AUTO_CLASSES = {"masked": "AutoModelForMaskedLM", "causal": "AutoModelForCausalLM",
+                "encoder": "AutoModel"}  # encoder: a bare encoder its task puts a head on (bert.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,7 +139,7 @@ def test_toy_families_train_end_to_end(algo, sst2, tmp_path):
 
 
 def test_a_model_used_with_the_wrong_kind_of_dataset_is_a_user_error(sst2):
-    with pytest.raises(UserError, match="is a language task; use model=opt or model=roberta or model=toyllama"):
+    with pytest.raises(UserError, match="is a language task; use model=bert or model=minilm or model=opt or model=roberta or model=toyllama"):
         build_task(compose(["dataset=sst2", f"dataset.path={sst2}", "model=vit"]), CPU)
     with pytest.raises(UserError, match="model=roberta is a language model"):
         build_model(compose(["model=roberta"]).model, DataSpec(num_classes=2))

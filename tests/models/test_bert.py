@@ -1,0 +1,134 @@
+"""BERT-family sentence classification (model=minilm's family) on a tiny random BERT written in the
+real on-disk format and a tiny corpus in the Rotten Tomatoes layout: the per-example engines
+against one-example-at-a-time autograd (float64), the family record, freezing, and one step of
+each algorithm family end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.config import FIXED_SIGMA, OFFLINE, compose
+from helpers.tiny_bert import write_corpus, write_tiny_bert
+
+from dpbench.errors import UserError
+from dpbench.models import family_of
+from dpbench.privacy.engines import PER_SAMPLE_ENGINES, build_engine
+from dpbench.tasks import build_task
+from dpbench.tasks.sentence_classification import SentenceClassificationTask
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    return write_tiny_bert(folder / "model"), write_corpus(folder / "corpus.csv.bz2")
+
+
+def bert_cfg(files, *extra):
+    model, corpus = files
+    return compose([*OFFLINE, "model=minilm", f"model.path={model}", "dataset=rt_snippets", f"dataset.path={corpus}",
+                    "dataset.test_fraction=0.5", "dataset.max_length=8", *extra])
+
+
+@pytest.mark.parametrize("pooling", ["mean", pytest.param("pooler", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", PER_SAMPLE_ENGINES.names())
+def test_engines_match_per_example_autograd_in_float64(files, mode, pooling):
+    """Every layer trains (embeddings too): each engine's per-example norms and its clipped sum
+    Σ f_i g_i equal autograd's on each example alone. Padded batch: the pads must not count."""
+    cfg = bert_cfg(files, "model.freeze_embeddings=false", f"model.pooling={pooling}")
+    task = build_task(cfg, CPU)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model).double().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == sum(1 for _ in model.parameters())
+    lengths = [len(task.train_ids[i]) for i in range(len(task.train_ids))]
+    indices = [lengths.index(min(lengths)), lengths.index(max(lengths)), 1]  # the shortest one is padded
+    assert min(lengths) < max(lengths)
+    reference = [torch.autograd.grad(task.per_sample_loss(model, task.batch([i])).sum(), params) for i in indices]
+    expected_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads)) for grads in reference])
+    factors = torch.tensor([0.25, 1.0, 0.5], dtype=torch.float64)
+    seen = []
+
+    def factors_fn(norms):
+        seen.append(norms.detach().clone())
+        return factors.to(norms)
+
+    engine = build_engine(mode, model)
+    try:
+        sums = engine.clipped_sum(task.per_sample_loss(model, task.batch(indices)), factors_fn)
+    finally:
+        engine.detach()
+    torch.testing.assert_close(seen[0].double(), expected_norms, rtol=1e-5, atol=1e-9)
+    expected = [sum(f * grads[position] for f, grads in zip(factors, reference)) for position in range(len(params))]
+    # the engines sum in fp32: rounding is relative to the call's largest entry (some tensors, like
+    # the attention keys' biases, have a gradient that is zero up to float64 rounding)
+    scale = max(float(e.abs().max()) for e in expected)
+    for actual, wanted in zip(sums, expected):
+        torch.testing.assert_close(actual.double(), wanted, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_family_record_freezing_and_split(files):
+    cfg = bert_cfg(files, "model.trained_blocks=1")
+    task = build_task(cfg, CPU)
+    assert isinstance(task, SentenceClassificationTask)
+    model = task.build_model(cfg.model)
+    family = family_of(model)
+    assert family.language_task == "sentence_classification" and family.model_type == "bert"
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(("bert.encoder.layer.1.", "classifier.")) for n in trained)
+    assert {"classifier.weight", "classifier.bias"} <= trained
+    from dpbench.algorithms.projected_adam import select_projected_modules
+
+    # DP-GRAPE projects the trained block's Linears only (frozen ones have no gradient to project)
+    assert sorted(select_projected_modules(model, None)) == sorted(
+        f"bert.encoder.layer.1.{n}" for n in ("attention.self.query", "attention.self.key", "attention.self.value",
+                                             "attention.output.dense", "intermediate.dense", "output.dense"))
+    # No functorch path: transformers' BERT mask code is not vmap-compatible, and no layer needs it
+    # (every module the engines hook has a rule or an Opacus grad sampler), embeddings trained too.
+    from dpbench.privacy.layers import by_functorch, hooked_modules
+
+    everything = task.build_model(bert_cfg(files, "model.freeze_embeddings=false").model)
+    hooked = hooked_modules(everything, {})
+    assert {type(m).__name__ for m in hooked} == {"Linear", "Embedding", "LayerNorm"}
+    assert not [m for m in hooked if by_functorch(m)]
+    embeddings_only = task.build_model(bert_cfg(files).model)  # the default: embeddings frozen, every layer trained
+    frozen = {n for n, p in embeddings_only.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in embeddings_only.named_parameters() if n.startswith("bert.embeddings.")}
+    with pytest.raises(UserError, match="model.trained_blocks=3 must lie in 1..2"):
+        task.build_model(bert_cfg(files, "model.trained_blocks=3").model)
+    with pytest.raises(UserError, match="model.pooling=cls is not known"):
+        task.build_model(bert_cfg(files, "model.pooling=cls").model)
+
+
+def test_validation_fraction_holds_out_whole_movies(files):
+    task = build_task(bert_cfg(files, "dataset.validation_fraction=0.3"), CPU)
+    assert task.split is not None and task.split.validation_indices and task.validation_labels
+    assert task.train_size == len(task.split.train_indices) == len(task.train_labels)
+    assert len(task.validation_scores(task.build_model(bert_cfg(files).model))) == len(task.validation_labels)
+
+
+def test_a_sentence_model_with_another_dataset_is_a_user_error(files, tmp_path):
+    from helpers.text_data import write_dataset
+
+    sst2 = write_dataset(tmp_path, "sst2", n_train=4, n_test=2)
+    with pytest.raises(UserError, match="dataset=sst2 is not a sentence classification data set for model=minilm"):
+        build_task(compose([*OFFLINE, "model=minilm", f"model.path={files[0]}", "dataset=sst2", f"dataset.path={sst2}"]), CPU)
+
+
+# One step per algorithm family: non-private, DP first-order (each engine above), projected,
+# LoRA, zeroth-order. B = 2, T = 8.
+FAMILIES = {"adam": [], "dpadam": ["algo.per_sample=bk"], "grape": [], "dplora": [], "dpzero": []}
+
+
+@pytest.mark.parametrize("algo", sorted(FAMILIES))
+def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
+    from dpbench.run import run_job
+
+    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *FIXED_SIGMA, "train.batch_size=2", "train.steps=1",
+                   "train.eval_every=1", "train.lr=1e-3")
+    results = run_job(cfg, tmp_path, show_progress=False)
+    assert results.status == "completed" and results.model == "minilm"
+    assert 0 <= results.metrics.test_accuracy <= 1
+    assert results.metrics.train_loss == results.metrics.train_loss  # not NaN
+    assert results.privacy.private == (algo != "adam")
