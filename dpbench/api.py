@@ -34,9 +34,11 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
         show_progress: bool = True) -> RunResults:
-    """Compose, run one job and return its results (docs/running.md, "What a run writes")."""
+    """Compose, run one job and return its results (docs/running.md, "What a run writes").
+    Bad input, as the console script refuses it, raises `dpbench.errors.UserError` (one line)."""
     from omegaconf import open_dict
 
+    from dpbench.preflight import check_environment
     from dpbench.run import run_job
 
     cfg = compose(overrides)
@@ -44,6 +46,7 @@ def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, r
         cfg.resume = resume
     if run_dir is None:
         run_dir = Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.algo.name}_{cfg.dataset.name}_api"
+    check_environment(cfg, run_dir, "run_dir")  # device, W&B login, writable folder: before any work
     return run_job(cfg, Path(run_dir), show_progress=show_progress)
 
 

@@ -91,6 +91,60 @@ class GridFailures(Callback):
             grid_selection_note(Path(config.hydra.sweep.dir))
 
 
+# Run folders this process's Hydra is about to make (they did not exist before the command), each with
+# its nearest folder that did: a job refused in one removes what Hydra made for it (mkdir -p) again.
+_new_run_dirs: dict[Path, Path] = {}
+
+
+class Preflight(Callback):
+    """Before Hydra makes the run or sweep folder (registered in conf/config.yaml, hydra.callbacks):
+    the machine checks of dpbench/preflight.py, so that a missing GPU, a missing W&B login or an
+    unwritable folder is one line and exit 2 with nothing made (dpbench.preflight)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        folder = Path(str(config.hydra.run.dir)).absolute()
+        self._check(config, folder, "hydra.run.dir")
+        if not folder.exists():
+            _new_run_dirs[folder] = next(p for p in folder.parents if p.exists())
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, Path(str(config.hydra.sweep.dir)).absolute(), "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: DictConfig, folder: Path, key: str) -> None:
+        from dpbench.preflight import Refused, check_environment
+
+        try:
+            check_environment(config, folder, key)
+        except UserError as error:
+            raise Refused(error) from None  # past Hydra's callback guard, to main()'s one line
+
+
+# What a refused single run leaves in a folder Hydra made for it: Hydra's log and dpbench's .hydra/
+REFUSED_RUN_FILES = {"cli.log", ".hydra", ".hydra/config.yaml", ".hydra/overrides.yaml"}
+
+
+def remove_refused_run_dir(run_dir: Path) -> None:
+    """Remove the folder of a refused single run when this command made it and it holds nothing else."""
+    import shutil
+
+    from dpbench.cli import _new_run_dirs as made  # the callback's module, also under `python -m`
+
+    run_dir = Path(run_dir).absolute()
+    if run_dir not in made or not run_dir.is_dir():
+        return
+    if not {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")} <= REFUSED_RUN_FILES:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.parents:  # outputs/runs/ too, when this command made it and it is empty
+        if parent == made[run_dir] or not parent.is_relative_to(made[run_dir]):
+            break
+        try:
+            parent.rmdir()  # only an empty folder
+        except OSError:
+            break
+
+
 SELECTION_FILE = "grid_selection.json"
 
 
@@ -213,6 +267,11 @@ def _main(cfg: DictConfig) -> float:
     private_trial = in_grid and str(HydraConfig.get().sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[1]
     was_quiet, console.quiet = console.quiet, console.quiet or private_trial
     try:
+        if in_grid:  # a grid's own points may set device or logger (the sweep's base was checked by Preflight)
+            from dpbench.preflight import check_device, check_wandb_login
+
+            check_device(cfg)
+            check_wandb_login(cfg)
         return objective(cfg, run_job(cfg, run_dir, show_progress=not private_trial, on_start=starting))
     except Preempted as error:  # the whole process stops (a grid too): rerunning resumes it
         console.print(f"[bold yellow]stopped:[/] {error}", soft_wrap=True)
@@ -220,6 +279,7 @@ def _main(cfg: DictConfig) -> float:
     except UserError as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
         if not in_grid:
+            remove_refused_run_dir(run_dir)  # a refused command leaves no run folder behind
             _exit(EXIT_BAD_INPUT)
         _record_failure(run_dir, f"error: {error}")
     except DivergedError as error:
@@ -259,6 +319,7 @@ def shared_run_dir(argv: list[str]) -> list[str]:
 def main() -> None:
     from dpbench import distributed
     from dpbench.logging.console import console
+    from dpbench.preflight import Refused
 
     if "--version" in sys.argv[1:]:
         from dpbench import __version__
@@ -272,6 +333,9 @@ def main() -> None:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
         run_app(_main)  # schemas registered; a type or choice error: one line, exit 2
+    except Refused as refused:  # by Preflight, before Hydra made a folder
+        console.print(f"[bold red]error:[/] {refused.error}", soft_wrap=True)
+        sys.exit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
         sys.exit(EXIT_INTERRUPTED)

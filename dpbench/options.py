@@ -90,7 +90,7 @@ class ReportMetric(Choice):
 
 @dataclass
 class PrivacyOptions:
-    epsilon: Optional[float] = 8.0
+    epsilon: Optional[float] = None  # null: dpbench.run_config.DEFAULT_EPSILON unless noise_multiplier is set
     delta: float = 1.0e-5
     noise_multiplier: Optional[float] = None
     clip_norm: float = 1.0

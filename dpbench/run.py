@@ -274,7 +274,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     for message in job.privacy.notes if job.privacy else []:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
-    epsilon = f"eps={cfg.privacy.epsilon}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"
+    epsilon = f"eps={job.privacy.target_epsilon:g}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"  # issue 43: the target used
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})

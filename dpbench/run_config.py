@@ -3,12 +3,14 @@ plain-data form of it that results.json, checkpoints and W&B store."""
 
 from __future__ import annotations
 
-import torch
+import math
+
 from omegaconf import DictConfig, OmegaConf
 
 from dpbench.data.validation import validation_fraction
 from dpbench.errors import UserError
 from dpbench.logging.console import console
+from dpbench.preflight import check_device
 from dpbench.schema import check_keys
 
 
@@ -18,10 +20,10 @@ def validate(cfg: DictConfig) -> None:
     for note in check_keys(cfg):
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     p, t = cfg.privacy, cfg.train
-    if p.noise_multiplier is None:
-        if p.epsilon is None or not p.epsilon > 0:
-            raise UserError(f"privacy.epsilon must be positive, got {p.epsilon}; or set privacy.noise_multiplier")
-    elif not p.noise_multiplier > 0:
+    check_privacy_choice(cfg)
+    if p.epsilon is not None and not p.epsilon > 0:
+        raise UserError(f"privacy.epsilon must be positive, got {p.epsilon}; or set privacy.noise_multiplier")
+    if p.noise_multiplier is not None and not p.noise_multiplier > 0:
         raise UserError(f"privacy.noise_multiplier must be positive, got {p.noise_multiplier}")
     if p.delta is None or not 0 < p.delta < 1:
         raise UserError(f"privacy.delta must lie strictly between 0 and 1, got {p.delta}")
@@ -54,8 +56,62 @@ def validate(cfg: DictConfig) -> None:
     if not t.get("evaluate_test", True) and names_test_metric(cfg) and not selects_validation:
         raise UserError(f"optimize={cfg.get('optimize')} is a test metric but train.evaluate_test=false evaluates no test "
                         "set; set dataset.validation_fraction > 0 (optimize=validation_score), or train.evaluate_test=true")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+    check_device(cfg)
+
+
+# The target when neither privacy.epsilon nor privacy.noise_multiplier is given (conf/config.yaml):
+# a default in code, not in the YAML, so that a given epsilon and a given sigma can be told apart.
+DEFAULT_EPSILON = 8.0
+
+
+def target_epsilon(cfg: DictConfig) -> float | None:
+    """The epsilon a private run's sigma is calibrated to: privacy.epsilon, DEFAULT_EPSILON when
+    neither it nor privacy.noise_multiplier is given, None when sigma is given (epsilon is computed)."""
+    p = cfg.privacy
+    if p.noise_multiplier is not None:
+        return None
+    return DEFAULT_EPSILON if p.epsilon is None else float(p.epsilon)
+
+
+def _names(private: bool) -> str:
+    from dpbench.algorithms import ALGORITHMS, algorithm_class
+
+    return ", ".join(f"algo={n}" for n in ALGORITHMS.names() if algorithm_class(n).private is private)
+
+
+def in_grid() -> bool:
+    """Whether this job is one of a Hydra multirun (a grid or a search)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def check_privacy_choice(cfg: DictConfig) -> None:
+    """One rule each, so that no privacy setting is silently ignored: sigma and epsilon both given
+    (by the command, the Python call or a preset: the YAML default of both is null) is refused; a
+    budget with a non-private algorithm is refused (in a grid over algorithms it is the private
+    jobs' budget: noted); epsilon = inf is refused (a non-private algorithm is the honest name)."""
+    from dpbench.algorithms import algorithm_class
+
+    p = cfg.privacy
+    if p.epsilon is not None and p.noise_multiplier is not None:
+        raise UserError(f"privacy.epsilon={p.epsilon:g} and privacy.noise_multiplier={p.noise_multiplier:g} both set the "
+                        "noise: give one (privacy.epsilon calibrates sigma; privacy.noise_multiplier fixes sigma and "
+                        "epsilon is computed), and set the other to null if a preset gave it")
+    if not algorithm_class(cfg.algo.name).private:
+        given = [f"privacy.{k}={p[k]:g}" for k in ("epsilon", "noise_multiplier") if p[k] is not None]
+        if not given:
+            return
+        if in_grid():  # a grid over algorithms shares its privacy keys: they are the private jobs'
+            console.print(f"[yellow]note:[/] algo={cfg.algo.name} is not private: {given[0]} does not apply to it",
+                          soft_wrap=True)
+            return
+        raise UserError(f"algo={cfg.algo.name} is not private, so {given[0]} would be ignored: drop it for a "
+                        f"non-private run, or pick a private algorithm ({_names(private=True)})")
+    if p.epsilon is not None and math.isinf(p.epsilon):
+        raise UserError(f"privacy.epsilon={p.epsilon:g} is no privacy guarantee: for non-private training use a "
+                        f"non-private algorithm ({_names(private=False)}), e.g. algo=adam")
 
 
 DEFAULT_OPTIMIZE = "test_accuracy"  # dpbench.options.Config.optimize
@@ -69,5 +125,13 @@ def names_test_metric(cfg: DictConfig) -> bool:
 
 def resolved_config(cfg: DictConfig) -> dict:
     """The config as plain data (choices as their strings): what results.json, checkpoints and
-    W&B store and what resume compares."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    W&B store and what resume compares. A private run's privacy.epsilon is the target its sigma
+    was calibrated to (DEFAULT_EPSILON when neither it nor sigma was given), as runs stored it before
+    the default moved out of the YAML."""
+    from dpbench.algorithms import algorithm_class
+
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    privacy, algo = plain.get("privacy"), (plain.get("algo") or {}).get("name")
+    if isinstance(privacy, dict) and "epsilon" in privacy and algo and algorithm_class(algo).private:
+        privacy["epsilon"] = target_epsilon(cfg)
+    return plain

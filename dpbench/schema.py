@@ -228,20 +228,56 @@ def composition_error_message(error: BaseException) -> str | None:
     return f"{cause.full_key} is not a known key; {where} takes: {', '.join(_declared(schema))}"
 
 
+OPTIONS_SHOWN = 20  # a group with more options (experiment) points to --help instead of listing them
+
+
+def missing_option_message(error: BaseException) -> str | None:
+    """One line for a config-group option that does not exist (`algo=grpae`,
+    `hydra/sweeper=private_serch`): the closest option ("did you mean") and the group's options;
+    None for other errors."""
+    import difflib
+
+    from hydra.errors import MissingConfigException
+
+    if not isinstance(error, MissingConfigException) or not error.missing_cfg_file or error.options is None:
+        return None
+    group, _, name = str(error.missing_cfg_file).rpartition("/")
+    if not group:
+        return None
+    close = difflib.get_close_matches(name, error.options, n=1, cutoff=0.6)
+    hint = f"; did you mean {group}={close[0]}?" if close else ""
+    listed = (", ".join(error.options) if len(error.options) <= OPTIONS_SHOWN
+              else f"{len(error.options)} options, listed by `dpbench --help`")
+    return f"{group}={name} is not an option of {group}{hint} ({group}: {listed})"
+
+
+def one_line(error: BaseException) -> str:
+    """Any error of Hydra's composition as one line: the schema's wording, the "did you mean" of a
+    missing option, or Hydra's own message with its lines joined."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    message = composition_error_message(error) or missing_option_message(error)
+    if message is None:
+        cause = error.__cause__
+        text = str(error) + (f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else "")
+        # Hydra's grammar errors point at the column with a caret line: it means nothing once joined
+        lines = [line.strip() for line in text.splitlines() if line.strip() and set(line.strip()) != {"^"}]
+        message = "; ".join(lines)
+    return message
+
+
 @contextlib.contextmanager
 def checked_composition() -> Iterator[None]:
-    """Around a call of Hydra's compose API: the schemas registered, and a value or key the
-    schema rejects raised as a one-line UserError instead of Hydra's exception."""
+    """Around a call of Hydra's compose API: the schemas registered, and any composition error (a
+    value or key the schema rejects, a missing option, bad override grammar) raised as a one-line
+    UserError instead of Hydra's exception, as the console script reports it."""
     from hydra.errors import HydraException
 
     register()
     try:
         yield
     except HydraException as error:
-        message = composition_error_message(error)
-        if message is None:
-            raise
-        raise UserError(message) from error
+        raise UserError(one_line(error)) from error
 
 
 def run_app(app: Callable[[], Any]) -> Any:
@@ -249,7 +285,6 @@ def run_app(app: Callable[[], Any]) -> Any:
     on stderr and exit status 2 (Hydra would print several lines and exit 1). Errors raised by
     the job itself are the app's to report."""
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     register()
     if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's full stack traces
@@ -258,11 +293,7 @@ def run_app(app: Callable[[], Any]) -> Any:
     try:
         return app()
     except HydraException as error:
-        message = composition_error_message(error)
-        if message is None:  # Hydra's own wording (what it would have printed)
-            cause = error.__cause__
-            message = str(error) + (f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else "")
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -273,6 +273,8 @@ class PrivacyPlan:
 
 def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.device) -> PrivacyPlan:
     """Calibrate (or take) sigma for the planned run and build what the algorithm needs."""
+    from dpbench.run_config import target_epsilon  # the one rule for the default target (not imported at the top: a cycle)
+
     p = cfg.privacy
     relation = neighboring(cfg)  # validated with the config (dpbench.run_config.validate)
     accountant = build_accountant(cfg.accountant.name)
@@ -308,7 +310,7 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
                 f"accountant={accountant.name} can under-report epsilon, so it does not calibrate sigma; "
                 "use accountant=pld, prv or rdp, or set privacy.allow_approximate_accountant=true"
             )
-        target = float(p.epsilon)
+        target = target_epsilon(cfg)  # privacy.epsilon, or the default target when neither is given
         if parallel:
             score_alone = accountant.epsilon(ledger_of_plan(lambda step: [], 0, None, final), float(p.delta))
             if score_alone > target:

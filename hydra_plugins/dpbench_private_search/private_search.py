@@ -440,9 +440,11 @@ class PrivateSearchSweeper(Sweeper):
         return summary
 
     def _new_state(self, base, planner, fixed, dimensions, settings, budget) -> dict:
+        from dpbench.run_config import target_epsilon
+
         score_sigma = None
         if budget:
-            target, delta = float(base.privacy.epsilon), float(base.privacy.delta)
+            target, delta = target_epsilon(base), float(base.privacy.delta)  # privacy.epsilon, or the default target
             score_sigma = study.score_noise_multiplier_for_share(self.score_share, target, delta, self.mean_trials, self.shape)
             sigma = study.per_trial_noise_multiplier_for_budget(
                 lambda s: planner.event(base, s, score_sigma), target, delta, self.mean_trials, self.shape,
@@ -458,7 +460,7 @@ class PrivateSearchSweeper(Sweeper):
         draws = [{"index": i, "values": draw_values(dimensions, rng)} for i in range(k)]
         return {"format": publish.STATE_FORMAT, "study_id": secrets.token_hex(8),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "settings": settings, "trials": k,
-                "budget_epsilon": float(base.privacy.epsilon) if budget else None, "noise_multiplier": sigma,
+                "budget_epsilon": target_epsilon(base) if budget else None, "noise_multiplier": sigma,
                 "score_noise_multiplier": score_sigma, "draws": draws, "outcomes": {}}
 
     @staticmethod
@@ -467,9 +469,12 @@ class PrivateSearchSweeper(Sweeper):
         # rerun finds each trial's results.json where it left it (dpbench's resume skips it).
         # No trial reads the test set: it saves its final model, and only the selected one is evaluated.
         # A trial publishes nothing of its own: no W&B run, no un-noised statistic (privacy.log_private_stats).
+        # Budget mode: the study's epsilon became each trial's sigma, so the trial is given sigma alone
+        # (a trial given both is refused: dpbench.run_config.check_privacy_choice).
         own = [o for o in fixed if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] != "logger"
-               and o.split("=", 1)[0] != "privacy.log_private_stats"]
-        return [*own, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}"] if budget else []),
+               and o.split("=", 1)[0] != "privacy.log_private_stats"
+               and not (budget and o.lstrip("+~").split("=", 1)[0] == "privacy.epsilon")]
+        return [*own, *trial["values"], *([f"privacy.noise_multiplier={sigma!r}", "privacy.epsilon=null"] if budget else []),
                 *([f"privacy.validation_noise_multiplier={score_sigma!r}"] if score_sigma is not None else []),
                 "train.evaluate_test=false", "privacy.log_private_stats=false", "logger=none",
                 f"hydra.sweep.subdir={publish.trial_subdir(folder, trial['index'])}"]

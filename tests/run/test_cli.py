@@ -94,8 +94,133 @@ def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: privacy.epsilon must be positive")
     unknown = dpbench_in_process("algo=nope", cwd=tmp_path)
-    assert unknown.returncode != 0
-    assert "Could not find 'algo/nope'" in unknown.stderr and "dpadam" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "algo=nope is not an option of algo" in unknown.stderr and "dpadam" in unknown.stderr
+
+
+def unwritable_folder(tmp_path):
+    """A folder this user cannot write: permission bits, or (root ignores them) one in /proc, where
+    no folder can be made."""
+    import os
+    from pathlib import Path
+
+    if os.geteuid() == 0:
+        return Path("/proc/dpbench-test/run")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder / "run"
+
+
+# The eight bad inputs of issue 43 (a contradiction, a missing part of the machine, a typo) and a
+# piece of the one line each prints. `{unwritable}` is filled by `unwritable_folder`.
+REFUSED = {
+    "sigma and epsilon": (["privacy.noise_multiplier=1", "privacy.epsilon=3"], "both set the noise: give one"),
+    "budget, non-private": (["algo=adam", "privacy.epsilon=1"], "algo=adam is not private, so privacy.epsilon=1 would be ignored"),
+    "infinite epsilon": (["privacy.epsilon=inf"], "privacy.epsilon=inf is no privacy guarantee"),
+    "no CUDA": (["device=cuda"], "device=cuda but no CUDA GPU is visible"),
+    "no W&B login": (["logger=wandb", "logger.mode=online"], "logger.mode=online but no W&B login is found"),
+    "unwritable folder": (["hydra.run.dir={unwritable}"], "is not writable; set hydra.run.dir="),
+    "algo typo": (["algo=grpae"], "algo=grpae is not an option of algo; did you mean algo=grape?"),
+    "sweeper typo": (["hydra/sweeper=private_serch"], "did you mean hydra/sweeper=private_search?"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_each_refused_input_is_one_line_exit_2_and_leaves_no_folder(case, tmp_path):
+    import torch
+
+    overrides, message = REFUSED[case]
+    if case == "no CUDA" and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    overrides = [o.format(unwritable=unwritable_folder(tmp_path)) for o in overrides]
+    work = tmp_path / "work"
+    work.mkdir()
+    # HOME=work (no netrc there) and no WANDB_API_KEY: no W&B login, whatever this machine has
+    result = dpbench_in_process(*TINY, *overrides, cwd=work, WANDB_MODE="", WANDB_API_KEY="")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Warning" not in result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (work / "outputs").exists()  # Hydra's run folder was not made, or was removed again
+    assert [p.name for p in work.iterdir()] == []
+
+
+def test_a_refusal_inside_the_job_removes_the_run_folder_it_made_and_only_that(tmp_path):
+    made = tmp_path / "new" / "run"
+    refused = dpbench_in_process(*TINY, "privacy.epsilon=1e-9", "train.steps=50", f"hydra.run.dir={made}", cwd=tmp_path)
+    assert refused.returncode == 2 and "no noise multiplier reaches" in refused.stderr
+    assert not (tmp_path / "new").exists()  # the run folder and the parent Hydra made for it
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    again = dpbench_in_process(*TINY, "privacy.epsilon=1e-9", "train.steps=50", f"hydra.run.dir={kept}", cwd=tmp_path)
+    assert again.returncode == 2 and (kept / "notes.txt").read_text() == "mine"  # a folder it did not make is left
+
+
+def test_a_w_and_b_login_is_found_offline_in_the_key_or_netrc(tmp_path, monkeypatch):
+    from dpbench.preflight import wandb_login_found
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not wandb_login_found()  # no netrc file
+    (tmp_path / "netrc").write_text("machine example.org login user password secret\n")
+    assert not wandb_login_found()  # an entry for another host
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password secret\n")
+    assert wandb_login_found()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert not wandb_login_found()  # a self-hosted server: its own host's entry
+    monkeypatch.setenv("WANDB_API_KEY", "key")
+    assert wandb_login_found()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo=grpae"], "did you mean algo=grape?"),
+    (["privacy.noise_multiplier=1", "privacy.epsilon=3"], "both set the noise"),
+    (["dataset.data_dir=~/data"], "dataset.data_dir=~/data"),
+])
+def test_the_python_api_raises_user_errors_in_one_line(overrides, message, tmp_path):
+    from dpbench.api import run
+
+    with pytest.raises(UserError, match=message.replace(".", r"\.").replace("?", r"\?")) as raised:
+        run(TINY + overrides, run_dir=tmp_path / "run", show_progress=False)
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_target_applies_only_when_neither_epsilon_nor_sigma_is_given(tiny_cfg):
+    from dpbench.run_config import DEFAULT_EPSILON, resolved_config, target_epsilon
+
+    default, fixed, typed = tiny_cfg(), tiny_cfg(*FIXED_SIGMA), tiny_cfg("privacy.epsilon=3")
+    for cfg in (default, fixed, typed):
+        validate(cfg)  # each gives at most one of the two
+    assert default.privacy.epsilon is None and target_epsilon(default) == DEFAULT_EPSILON
+    assert resolved_config(default)["privacy"]["epsilon"] == DEFAULT_EPSILON  # what results.json records
+    assert target_epsilon(fixed) is None and resolved_config(fixed)["privacy"]["epsilon"] is None
+    assert target_epsilon(typed) == 3.0
+    assert resolved_config(tiny_cfg("algo=adam"))["privacy"]["epsilon"] is None  # nothing to calibrate
+
+
+def test_a_preset_that_gives_epsilon_contradicts_a_typed_sigma():
+    # dpgrape_fig3 sets privacy.epsilon: 6: a sigma typed beside it is refused, and null clears it
+    with pytest.raises(UserError, match="both set the noise"):
+        validate(compose(["experiment=dpgrape_fig3", "privacy.noise_multiplier=1"]))
+    validate(compose(["experiment=dpgrape_fig3", "privacy.noise_multiplier=1", "privacy.epsilon=null"]))
+
+
+def test_a_grid_over_algorithms_keeps_its_budget_for_the_private_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = dpbench_in_process("-m", "algo=adam,dpsgd", *TINY, "privacy.epsilon=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "algo=adam is not private: privacy.epsilon=8 does not apply to it" in result.stderr
+    assert len(list(sweep.glob("*/results.json"))) == 2
+
+
+def test_a_calibrated_run_spends_at_most_its_typed_epsilon(tiny_cfg, tmp_path):
+    results = run_job(tiny_cfg("algo=dpsgd", "privacy.epsilon=3"), tmp_path, show_progress=False)
+    assert results.privacy.target_epsilon == 3.0
+    assert 0 < results.privacy.epsilon <= 3.0
 
 
 def test_large_delta_warns(tiny_cfg, tmp_path, capsys):
