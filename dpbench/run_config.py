@@ -14,13 +14,14 @@ from dpbench.preflight import check_device
 from dpbench.schema import check_keys
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, grid: bool | None = None) -> None:
     """Reject bad input before anything expensive happens, with the fix in the message. Types and
-    choices were checked by Hydra against dpbench/schema.py while it composed; here: values."""
+    choices were checked by Hydra against dpbench/schema.py while it composed; here: values.
+    `grid`: whether the job is a point of a grid (None: whether Hydra runs a multirun)."""
     for note in check_keys(cfg):
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     p, t = cfg.privacy, cfg.train
-    check_privacy_choice(cfg)
+    check_privacy_choice(cfg, in_grid() if grid is None else grid)
     if p.epsilon is not None and not p.epsilon > 0:
         raise UserError(f"privacy.epsilon must be positive, got {p.epsilon}; or set privacy.noise_multiplier")
     if p.noise_multiplier is not None and not p.noise_multiplier > 0:
@@ -87,7 +88,7 @@ def in_grid() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def check_privacy_choice(cfg: DictConfig) -> None:
+def check_privacy_choice(cfg: DictConfig, grid: bool) -> None:
     """One rule each, so that no privacy setting is silently ignored: sigma and epsilon both given
     (by the command, the Python call or a preset: the YAML default of both is null) is refused; a
     budget with a non-private algorithm is refused (in a grid over algorithms it is the private
@@ -103,7 +104,7 @@ def check_privacy_choice(cfg: DictConfig) -> None:
         given = [f"privacy.{k}={p[k]:g}" for k in ("epsilon", "noise_multiplier") if p[k] is not None]
         if not given:
             return
-        if in_grid():  # a grid over algorithms shares its privacy keys: they are the private jobs'
+        if grid:  # a grid over algorithms shares its privacy keys: they are the private jobs'
             console.print(f"[yellow]note:[/] algo={cfg.algo.name} is not private: {given[0]} does not apply to it",
                           soft_wrap=True)
             return

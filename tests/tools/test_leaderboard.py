@@ -290,7 +290,7 @@ def test_every_grid_point_of_the_bench_presets_composes(name):
     for point in points:
         cfg = compose_point(point, bases)
         assert OmegaConf.get_type(cfg.algo) is algo_schemas()[cfg.algo.name]
-        validate(cfg)  # values a run would refuse (physical batch > batch, ...), before any training
+        validate(cfg, grid=True)  # values a run would refuse (physical batch > batch, ...), before any training
         jobs.append(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     methods = {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs}
     algos = {a for a, _ in methods}
