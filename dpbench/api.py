@@ -58,11 +58,11 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     evaluates only the model it selected (by its validation score) this way. A run evaluated
     before returns its stored figures: the test set is not read again."""
     import torch
-    from omegaconf import OmegaConf
 
     from dpbench.errors import UserError
     from dpbench.logging.results import read_results, write_results
     from dpbench.run import FINAL_MODEL_FILE, setup
+    from dpbench.run_config import stored_config
 
     run_dir = Path(run_dir)
     stored, saved = read_results(run_dir), run_dir / FINAL_MODEL_FILE
@@ -71,7 +71,7 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     results = RunResults.from_json(stored)
     if results.saved_model_test:  # evaluated already (a resumed study): the test set is read once
         return dict(results.saved_model_test)
-    job = setup(OmegaConf.create(results.config))  # same seed: the frozen parts are rebuilt as they were
+    job = setup(stored_config(results.config))  # same seed: the frozen parts are rebuilt as they were
     state = torch.load(saved, map_location=job.device)
     trainable = dict(job.model.named_parameters())
     with torch.no_grad():

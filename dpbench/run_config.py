@@ -136,3 +136,13 @@ def resolved_config(cfg: DictConfig) -> dict:
     if isinstance(privacy, dict) and "epsilon" in privacy and algo and algorithm_class(algo).private:
         privacy["epsilon"] = target_epsilon(cfg)
     return plain
+
+
+def stored_config(config: dict) -> DictConfig:
+    """A config as results.json stored it, readable by today's checks: runs stored before sigma and
+    epsilon were exclusive hold the old default epsilon beside a fixed sigma, which they ignored."""
+    cfg = OmegaConf.create(config)
+    privacy = cfg.get("privacy")
+    if privacy is not None and privacy.get("noise_multiplier") is not None:
+        privacy.epsilon = None
+    return cfg
