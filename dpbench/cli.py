@@ -117,15 +117,16 @@ class Preflight(Callback):
         try:
             check_environment(config, folder, key)
         except UserError as error:
-            raise Refused(error) from None  # past Hydra's callback guard, to main()'s one line
+            raise Refused(error) from None  # past Hydra's callback guard, to run_app's one line
 
 
-# What a refused single run leaves in a folder Hydra made for it: Hydra's log and dpbench's .hydra/
-REFUSED_RUN_FILES = {"cli.log", ".hydra", ".hydra/config.yaml", ".hydra/overrides.yaml"}
+# What a refused single run leaves in a folder Hydra made for it: Hydra's <job name>.log and dpbench's .hydra/
+REFUSED_RUN_FILES = {".hydra", ".hydra/config.yaml", ".hydra/overrides.yaml"}
 
 
 def remove_refused_run_dir(run_dir: Path) -> None:
-    """Remove the folder of a refused single run when this command made it and it holds nothing else."""
+    """Remove the folder of a refused single run when this command made it and it holds nothing else
+    (any Hydra app composing conf/config.yaml, dpbench-audit too: its Preflight recorded the folder)."""
     import shutil
 
     from dpbench.cli import _new_run_dirs as made  # the callback's module, also under `python -m`
@@ -133,7 +134,8 @@ def remove_refused_run_dir(run_dir: Path) -> None:
     run_dir = Path(run_dir).absolute()
     if run_dir not in made or not run_dir.is_dir():
         return
-    if not {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")} <= REFUSED_RUN_FILES:
+    left = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")}
+    if not all(name in REFUSED_RUN_FILES or ("/" not in name and name.endswith(".log")) for name in left):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     for parent in run_dir.parents:  # outputs/runs/ too, when this command made it and it is empty
@@ -319,7 +321,6 @@ def shared_run_dir(argv: list[str]) -> list[str]:
 def main() -> None:
     from dpbench import distributed
     from dpbench.logging.console import console
-    from dpbench.preflight import Refused
 
     if "--version" in sys.argv[1:]:
         from dpbench import __version__
@@ -332,10 +333,7 @@ def main() -> None:
     try:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
-        run_app(_main)  # schemas registered; a type or choice error: one line, exit 2
-    except Refused as refused:  # by Preflight, before Hydra made a folder
-        console.print(f"[bold red]error:[/] {refused.error}", soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        run_app(_main)  # schemas registered; a type or choice error or a Preflight refusal: one line, exit 2
     except KeyboardInterrupt:
         console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
         sys.exit(EXIT_INTERRUPTED)

@@ -286,14 +286,19 @@ def run_app(app: Callable[[], Any]) -> Any:
     the job itself are the app's to report."""
     from hydra.errors import HydraException
 
+    from dpbench.preflight import Refused
+
     register()
-    if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's full stack traces
-        return app()
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its errors instead of printing them
     try:
+        if os.environ.get("HYDRA_FULL_ERROR"):  # the user asked for Hydra's full stack traces
+            return app()
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its errors instead of printing them
         return app()
     except HydraException as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
+        sys.exit(2)
+    except Refused as refused:  # the machine checks before Hydra made a folder (dpbench.cli.Preflight)
+        print(f"error: {refused.error}", file=sys.stderr)
         sys.exit(2)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
