@@ -128,21 +128,35 @@ def resolved_config(cfg: DictConfig) -> dict:
     """The config as plain data (choices as their strings): what results.json, checkpoints and
     W&B store and what resume compares. A private run's privacy.epsilon is the target its sigma
     was calibrated to (DEFAULT_EPSILON when neither it nor sigma was given), as runs stored it before
-    the default moved out of the YAML."""
+    the default moved out of the YAML; a non-private run records neither (a grid's epsilon is its
+    private jobs'), so that its stored config passes `validate` when the model is rebuilt."""
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    _privacy_as_run(plain, cfg)
+    return plain
+
+
+def _privacy_as_run(plain: dict, cfg: DictConfig) -> None:
     from dpbench.algorithms import algorithm_class
 
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     privacy, algo = plain.get("privacy"), (plain.get("algo") or {}).get("name")
-    if isinstance(privacy, dict) and "epsilon" in privacy and algo and algorithm_class(algo).private:
+    if not (isinstance(privacy, dict) and "epsilon" in privacy and algo):
+        return  # a hand-made config (tests)
+    if algorithm_class(algo).private:
         privacy["epsilon"] = target_epsilon(cfg)
-    return plain
+    else:
+        privacy.update(epsilon=None, noise_multiplier=None)
 
 
 def stored_config(config: dict) -> DictConfig:
     """A config as results.json stored it, readable by today's checks: runs stored before sigma and
-    epsilon were exclusive hold the old default epsilon beside a fixed sigma, which they ignored."""
+    epsilon were exclusive hold the old default epsilon beside a fixed sigma (which they ignored),
+    and non-private runs the old default epsilon."""
     cfg = OmegaConf.create(config)
     privacy = cfg.get("privacy")
     if privacy is not None and privacy.get("noise_multiplier") is not None:
         privacy.epsilon = None
+    if privacy is not None and cfg.get("algo") is not None:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        _privacy_as_run(plain, cfg)
+        cfg = OmegaConf.create(plain)
     return cfg

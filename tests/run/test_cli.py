@@ -190,7 +190,7 @@ def test_the_python_api_raises_user_errors_in_one_line(overrides, message, tmp_p
 
 
 def test_the_default_target_applies_only_when_neither_epsilon_nor_sigma_is_given(tiny_cfg):
-    from dpbench.run_config import DEFAULT_EPSILON, resolved_config, target_epsilon
+    from dpbench.run_config import DEFAULT_EPSILON, resolved_config, stored_config, target_epsilon
 
     default, fixed, typed = tiny_cfg(), tiny_cfg(*FIXED_SIGMA), tiny_cfg("privacy.epsilon=3")
     for cfg in (default, fixed, typed):
@@ -200,6 +200,16 @@ def test_the_default_target_applies_only_when_neither_epsilon_nor_sigma_is_given
     assert target_epsilon(fixed) is None and resolved_config(fixed)["privacy"]["epsilon"] is None
     assert target_epsilon(typed) == 3.0
     assert resolved_config(tiny_cfg("algo=adam"))["privacy"]["epsilon"] is None  # nothing to calibrate
+    old_fixed = {**resolved_config(fixed), "privacy": {**resolved_config(fixed)["privacy"], "epsilon": 8.0}}
+    validate(stored_config(old_fixed))  # stored before the rule: the default epsilon beside a fixed sigma
+
+
+def test_a_non_private_job_of_a_grid_records_no_privacy_keys(tiny_cfg):
+    from dpbench.run_config import resolved_config, stored_config
+
+    config = resolved_config(tiny_cfg("algo=adam", "privacy.epsilon=3"))  # a grid's point (validate(grid=True) notes it)
+    assert config["privacy"]["epsilon"] is None and config["privacy"]["noise_multiplier"] is None
+    validate(stored_config(config))  # rebuilt outside the grid (a kept model): not refused
 
 
 def test_a_preset_that_gives_epsilon_contradicts_a_typed_sigma():
