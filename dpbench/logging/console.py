@@ -38,7 +38,7 @@ def summary_table(results: RunResults) -> Table:
     table = Table(
         title=f"dpbench · {results.algo} · {results.model} · {results.dataset} · {figures['status']}",
         caption=f"peak memory: {figures['memory/kind']}"
-                + ("; best acc*: the best of the test evaluations, i.e. selected on the test set (not a held-out figure)"
+                + ("; best acc*: max over evaluations, selected on test"
                    if figures["test/best_accuracy"] is not None else ""),
     )
     validated = figures["validation/score"] is not None  # a validation split: its noisy score, beside test
