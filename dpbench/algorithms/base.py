@@ -82,6 +82,9 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
+    # whether a step's release sets state (beyond the parameters) that the next step's release reads:
+    # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
+    release_carries_state: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:

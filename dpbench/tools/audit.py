@@ -73,6 +73,8 @@ from dpbench.tools.audit_noise import noise_check
 from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, family_corrected
 from dpbench.tools.audit_sampler import sampler_check
 from dpbench.tools.audit_sensitivity import sensitivity_check
+from dpbench.tools.audit_two_step import two_step_checks
+from dpbench.tools.audit_validation import validation_checks
 from dpbench.tools.one_run import one_run_audit
 
 
@@ -101,7 +103,8 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
         derived = job.privacy.setup.derived  # an algorithm's own calibration (DC-DPSGD's EpsilonSplit: sigma_tr)
         for key, value in (derived.fixed_noise_options() if derived is not None else {}).items():
             OmegaConf.update(fixed, f"algo.{key}", value)
-        checks = [*noise_check(fixed), *sensitivity_check(fixed), *sampler_check(fixed, job), *accounting]
+        checks = [*noise_check(fixed), *sensitivity_check(fixed), *two_step_checks(fixed), *validation_checks(fixed),
+                  *sampler_check(fixed, job), *accounting]
     family_corrected(checks, float(cfg.audit.alpha))  # the audit's false-alarm rate is at most audit.alpha
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
     return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks), run_dir)
