@@ -15,6 +15,8 @@ from the un-noised batch (a threshold from the un-noised score histogram) moves 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dpbench.tools.audit_harness import audited_job, audited_step, dropout_off, physical_chunks
@@ -61,17 +63,25 @@ def two_step_checks(cfg) -> list[Check]:
     generator = torch.Generator().manual_seed(3)
     worst: dict[str, tuple[float, float, str]] = {}
     for step in range(int(cfg.audit.sensitivity_steps)):
-        for trial in range(trials):
+        # the neighbours of the sensitivity check, and a record added to an EMPTY batch (Poisson batches
+        # can be empty): alone in the step's statistics, it moves any state read from them the most;
+        # its loss weight 0 (a zero gradient, so it scores 0 in DC-DPSGD) or the full scale
+        kinds = [("add", "remove", "replace")[trial % 3] for trial in range(trials)] + ["add to empty", "add to empty"]
+        for trial, kind in enumerate(kinds):
             pair = [audited_job(cfg, zero_noise=True) for _ in range(2)]
             n = pair[0][0].task.train_size
             order = torch.randperm(n, generator=generator).tolist()
             base, outsider = order[:batch], order[batch]
             following = order[batch + 1: batch + 1 + NEXT_BATCH * batch] or base
             sign = 1.0 if trial % 2 == 0 else -1.0
-            kind = ("add", "remove", "replace")[trial % 3]
-            neighbour = {"add": (base + [outsider], [scale] * batch + [sign * scale]),
-                         "remove": (base[:-1], [scale] * (batch - 1)),
-                         "replace": (base[:-1] + [outsider], [scale] * (batch - 1) + [sign * scale])}[kind]
+            first = (base, [scale] * batch)
+            if kind == "add to empty":
+                first = ([], [])
+                neighbour = ([outsider], [0.0 if trial == trials else sign * scale])
+            else:
+                neighbour = {"add": (base + [outsider], [scale] * batch + [sign * scale]),
+                             "remove": (base[:-1], [scale] * (batch - 1)),
+                             "replace": (base[:-1] + [outsider], [scale] * (batch - 1) + [sign * scale])}[kind]
             for job, _ in pair:
                 dropout_off(job.model)
             for warm in range(step):  # identical history up to step t
@@ -79,7 +89,7 @@ def two_step_checks(cfg) -> list[Check]:
                     torch.manual_seed(warm)
                     audited_step(job, recorder, physical_chunks(job, base, [scale] * batch), warm)
             held = [_HeldRelease(job.algorithm) for job, _ in pair]
-            for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbour]):
+            for (job, recorder), (indices, weights) in zip(pair, [first, neighbour]):
                 torch.manual_seed(10_000 + step)
                 audited_step(job, recorder, physical_chunks(job, indices, weights), step)
                 held[1].held = held[0].recorded  # the neighbour releases what the first run released
@@ -89,9 +99,10 @@ def two_step_checks(cfg) -> list[Check]:
                 torch.manual_seed(20_000 + step)
                 audited_step(job, recorder, physical_chunks(job, following, [scale] * len(following)), step + 1)
             for part, distance, sensitivity in _release_differences(pair[0][1], pair[1][1]):
-                ratio = distance / sensitivity if sensitivity > 0 else float(distance > 0) * float("inf")
+                ratio = distance / sensitivity if sensitivity > 0 else (math.inf if distance > 0 else 0.0)
                 if part not in worst or ratio > worst[part][0]:
-                    worst[part] = (ratio, distance, f"{kind} at step {step}, step {step + 1}'s release")
+                    weight = f", loss weight {neighbour[1][-1]:g}" if kind == "add to empty" else ""
+                    worst[part] = (ratio, distance, f"{kind}{weight} at step {step}, step {step + 1}'s release")
     return [Check(TWO_STEP, part, ratio, TOLERANCE, ratio <= TOLERANCE,
                   f"largest change {distance:.4g} = {ratio:.4g} x the declared sensitivity ({how}; step t's release held "
                   f"fixed, step t+1 on {NEXT_BATCH} x audit.batch examples without the record): a state set from the "

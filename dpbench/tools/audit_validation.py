@@ -15,7 +15,8 @@ own, made once after training.
                  (a "noise precision" row, audit_precision.py).
 
 A training record changes the model too; parallel composition covers that through the training
-mechanism, so every job here scores one model (the first job's parameters).
+mechanism, so every neighbouring data set (its task rebuilt without the records) is scored by one
+and the same model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from unittest import mock
 
 import torch
 
+from dpbench.tasks import build_task
 from dpbench.tools.audit_harness import audited_job, chi_square_p_value
 from dpbench.tools.audit_precision import precision_checks
 from dpbench.tools.audit_report import VALIDATION, Check
@@ -77,7 +79,7 @@ def validation_checks(cfg) -> list[Check]:
         return [Check(VALIDATION, "validation score", 0.0, 0.0, True,
                       "not applicable: no validation split (dataset.validation_fraction=0), no validation release")]
     job, recorder = audited_job(cfg, zero_noise=False)
-    split, model = job.task.split, job.model.state_dict()
+    split = job.task.split
     parallel = bool(job.privacy.parallel_final)
     sensitivity = COUNT_SENSITIVITY["add_remove"]  # the count's, under add/remove-one (replace-one: 2 x its part's)
     count = _released(job, recorder)[0]
@@ -90,13 +92,14 @@ def validation_checks(cfg) -> list[Check]:
         neighbours.append((f"half of the training part ({len(half)} records) left out", half, set(), True))
     neighbours.append((f"validation record {held[0]} left out", set(), {held[0]}, False))
     worst = {True: (0.0, ""), False: (0.0, "")}  # training / validation neighbours: (largest |change|, which)
+    task = job.task
     for what, drop_train, drop_validation, training in neighbours:
         with _left_out(drop_train, drop_validation):
-            other, other_recorder = audited_job(cfg, zero_noise=False)
-        other.model.load_state_dict(model)  # one model: the score's own reading is what is measured
-        change = abs(_released(other, other_recorder)[0] - count)
+            job.task = build_task(cfg, job.device)  # the neighbouring data set, scored by the same model
+        change = abs(_released(job, recorder)[0] - count)
         if change >= worst[training][0]:
             worst[training] = (change, what)
+    job.task = task
     tolerance = 1e-6 * max(1.0, abs(count))  # float32 rounding of one and the same sum
     train_bound = 0.0 if parallel else sensitivity
     composition = "parallel" if parallel else "sequential"
@@ -113,11 +116,13 @@ def validation_checks(cfg) -> list[Check]:
     ]
     (planned,) = job.privacy.final_releases
     squares, stds = 0.0, set()
-    for _ in range(VALIDATION_DRAWS):
-        noiseless, noisy, stated, part_sensitivity = _released(job, recorder)
-        std = planned.noise_multiplier * part_sensitivity  # what the plan (and so epsilon) assumes
-        stds.add(std)
-        squares += ((noisy - noiseless) / std) ** 2
+    scores = job.task.validation_scores(job.model)  # one model, one count: the draws differ in their noise only
+    with mock.patch.object(job.task, "validation_scores", lambda model: scores):
+        for _ in range(VALIDATION_DRAWS):
+            noiseless, noisy, stated, part_sensitivity = _released(job, recorder)
+            std = planned.noise_multiplier * part_sensitivity  # what the plan (and so epsilon) assumes
+            stds.add(std)
+            squares += ((noisy - noiseless) / std) ** 2
     p_value = chi_square_p_value(squares, VALIDATION_DRAWS)
     ratio = math.sqrt(squares / VALIDATION_DRAWS)
     checks.append(Check(
