@@ -58,7 +58,7 @@ def two_step_checks(cfg) -> list[Check]:
         return [Check(TWO_STEP, "state across steps", 0.0, TOLERANCE, True,
                       f"not applicable: {cls.__name__} declares no state set by a release that the next step reads "
                       "(release_carries_state); its parameters are covered by release → update")]
-    batch, trials = int(cfg.audit.batch), int(cfg.audit.trials)
+    batch, trials = int(cfg.audit.batch), min(3, int(cfg.audit.trials))  # add, remove, replace: the state's neighbours
     scale = 1.0 if str(cfg.train.precision) == "fp16" else float(cfg.audit.loss_scale)  # every example clipped
     generator = torch.Generator().manual_seed(3)
     worst: dict[str, tuple[float, float, str]] = {}
