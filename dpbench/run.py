@@ -176,7 +176,8 @@ def validation_score(job: Job, trainer: Trainer) -> float | None:
     count = scores[distributed.rank()::distributed.world_size()].sum().reshape(1).to(job.device)
     part = ReleasePart([count], COUNT_SENSITIVITY[relation], plan.validation_noise_multiplier)
     (noisy,), mechanism = gaussian_release("validation score", [part], noise=plan.setup.noise, sample_rate=1.0,
-                                           neighboring=relation, charge=trainer.state.ledger.add_release)
+                                           neighboring=relation, charge=trainer.state.ledger.add_release,
+                                           observer=job.algorithm.release_observer)  # dpbench-audit sees it too
     plan.check_final_release(mechanism)
     return float(noisy[0]) / task.split.planned_validation_size
 
