@@ -50,33 +50,34 @@ def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, r
     return run_job(cfg, Path(run_dir), show_progress=show_progress)
 
 
-def evaluate_saved(run_dir: str | Path) -> dict:
-    """Evaluate a run's saved final model (train.evaluate_test=false wrote final_model.pt) on the
-    test set, once: the task and model are rebuilt from the config stored in its results.json,
-    the saved trainable parameters loaded, and the task's test metrics (with `metric`, what
-    `accuracy` holds) written into results.json as `saved_model_test` and returned. A search
-    evaluates only the model it selected (by its validation score) this way. A run evaluated
-    before returns its stored figures: the test set is not read again."""
-    import torch
+def load_model(run_dir: str | Path, overrides: list[str] | None = None):
+    """The trained model a run kept (`model.safetensors`, docs/running.md "What a run writes"): the
+    task, model and algorithm rebuilt from the config saved with it (`overrides`: dataset.*, device,
+    threads), its weights loaded, in eval mode. A torch.nn.Module."""
+    from dpbench.saved_model import load_model as load
 
+    return load(run_dir, overrides)
+
+
+def evaluate_saved(run_dir: str | Path) -> dict:
+    """Evaluate a run's saved final model (model.safetensors; final_model.pt of an older run) on the
+    test set, once: the task and model are rebuilt from the saved config, the saved weights loaded,
+    and the task's test metrics (with `metric`, what `accuracy` holds) written into results.json as
+    `saved_model_test` and returned. A search evaluates only the model it selected (by its
+    validation score) this way. A run evaluated before returns its stored figures: the test set is
+    not read again."""
     from dpbench.errors import UserError
     from dpbench.logging.results import read_results, write_results
-    from dpbench.run import FINAL_MODEL_FILE, setup
-    from dpbench.run_config import stored_config
+    from dpbench.saved_model import rebuild
 
     run_dir = Path(run_dir)
-    stored, saved = read_results(run_dir), run_dir / FINAL_MODEL_FILE
-    if stored is None or not saved.is_file():
-        raise UserError(f"{run_dir} holds no results.json and {FINAL_MODEL_FILE}: run it with train.evaluate_test=false first")
+    stored = read_results(run_dir)
+    if stored is None:
+        raise UserError(f"{run_dir} holds no results.json: run it to the end first")
     results = RunResults.from_json(stored)
     if results.saved_model_test:  # evaluated already (a resumed study): the test set is read once
         return dict(results.saved_model_test)
-    job = setup(stored_config(results.config))  # same seed: the frozen parts are rebuilt as they were
-    state = torch.load(saved, map_location=job.device)
-    trainable = dict(job.model.named_parameters())
-    with torch.no_grad():
-        for name, value in state.items():
-            trainable[name].copy_(value)
+    job = rebuild(run_dir)  # same seed: the frozen parts are rebuilt as they were
     metrics = {"metric": job.task.metric_name, **job.task.evaluate(job.model)}
     results.saved_model_test = metrics
     write_results(run_dir, results)

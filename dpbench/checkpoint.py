@@ -1,10 +1,11 @@
 """Checkpoints of a run in progress, and the preemption signals that trigger them.
 
-`train.checkpoint_every=N` writes `checkpoint.pt` into the run folder every N steps and after
-every evaluation; SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit) lets
+`checkpoint.pt` is written into the run folder after every evaluation (train.checkpoint=true, the
+default) and also every N steps with `train.checkpoint_every=N`; SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit) lets
 the current step finish, writes one and stops the process with exit status 75. Rerunning the same
 command (same run folder, same config) continues from it; the file is deleted once results.json
-is written.
+is written. A checkpoint is internal, never a release: the one model a run releases is
+`model.safetensors` (dpbench/saved_model.py), written once its epsilon is final.
 
 What a checkpoint holds (torch.save of plain containers and tensors, read back with
 `weights_only=True`): the trainer's step counter, privacy ledger, history, window loss and
@@ -236,9 +237,12 @@ class Checkpointer:
     """Decides when the trainer writes a checkpoint and writes it (see the module docstring)."""
 
     def __init__(self, run_dir: Path, config: dict, every: int | None, signals: StopSignals | None = None,
-                 sharded: bool = False):
+                 sharded: bool = False, at_evaluations: bool = True):
         self.run_dir, self.config, self.every = Path(run_dir), config, every
+        # after every evaluation (also whenever `every` is set: what is shown must be covered)
+        self.at_evaluations = at_evaluations or every is not None
         self.signals = signals
+        self.saved_step: int | None = None  # the step of the last checkpoint written (or resumed from)
         # Rank 0's state is the run's only where every rank holds the whole model; a sharded run
         # (train.sharding=fsdp) writes its model and optimizer state with torch.distributed.checkpoint.
         self.sharded = sharded
@@ -253,12 +257,12 @@ class Checkpointer:
         stop = self.signals is not None and self.signals.received is not None
         if distributed.is_distributed():  # every rank stops at the same step (or none waits forever)
             stop = distributed.all_reduce_scalars(float(stop))[0] > 0
-        if step >= trainer.config.steps:
-            return  # the run is complete: results.json follows
-        periodic = self.every is not None and (step % self.every == 0 or evaluated)
-        if stop or periodic:
+        final = step >= trainer.config.steps  # the run is complete: results.json follows, no stop
+        # the final evaluation too: it is shown before results.json is written
+        due = (evaluated and self.at_evaluations) or (not final and self.every is not None and step % self.every == 0)
+        if (stop and not final) or due:
             self.save(trainer)
-        if stop:
+        if stop and not final:
             self.signals.chain(step, self.path)
 
     def save(self, trainer) -> Path:
@@ -277,7 +281,19 @@ class Checkpointer:
             except Exception as failure:  # noqa: BLE001 - every rank stops with it (raise_together)
                 error = failure
         distributed.raise_together(error, f"writing the checkpoint {self.path}")
+        self.saved_step = trainer.state.step
         return self.path
+
+    def interrupted_message(self, step: int, planned: int) -> str:
+        """What Ctrl-C prints: where a rerun of the same command continues, or why it starts over."""
+        if self.saved_step is not None:
+            return (f"interrupted at step {step} of {planned}: {self.path} holds step {self.saved_step}; "
+                    "rerun the same command to continue from it")
+        if not self.at_evaluations:
+            return (f"interrupted at step {step} of {planned} with no checkpoint (train.checkpoint=false): a rerun "
+                    "starts from step 0; set train.checkpoint=true (or train.checkpoint_every=N) to resume")
+        return (f"interrupted at step {step} of {planned} before the first checkpoint (written with the first "
+                "evaluation, train.eval_every; train.checkpoint_every=N writes one every N steps): a rerun starts from step 0")
 
     def _save_shards(self, trainer) -> dict:
         """Every rank's shards into a fresh folder (its name from rank 0), then the checkpoint.pt

@@ -252,6 +252,11 @@ def _main(cfg: DictConfig) -> float:
         except UserError as error:  # every trial would be refused alike: stop the sweep
             console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
             _exit(EXIT_BAD_INPUT)
+    # [resume] a single run's folder is named by its start time: continue an interrupted attempt of this config instead
+    if not in_grid and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in HydraConfig.get().overrides.hydra):
+        from dpbench.resume import continue_unfinished_attempt
+
+        run_dir = continue_unfinished_attempt(cfg, run_dir)
     with open_dict(cfg):
         if cfg.get("threads") is None and (threads := launcher_threads()):
             cfg.threads = threads
@@ -335,7 +340,9 @@ def main() -> None:
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
         run_app(_main)  # schemas registered; a type or choice error or a Preflight refusal: one line, exit 2
     except KeyboardInterrupt:
-        console.print("interrupted: finished jobs keep their results.json; rerun the same command to resume")
+        # [resume] run_job printed where a single run continues (its checkpoint) or why it cannot
+        console.print("interrupted: finished jobs keep their results.json, checkpointed ones their checkpoint; "
+                      "rerun the same command to resume")
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exit_:
         # Hydra reports its own errors (unknown override, bad grammar, missing config) with exit

@@ -118,9 +118,11 @@ class TrainOptions:
     precision: PrecisionName = PrecisionName.fp32
     eval_every: int = 20
     train_eval_size: int = 0
+    checkpoint: bool = True  # checkpoint.pt after each evaluation, so that a rerun resumes (false: none)
     checkpoint_every: Optional[int] = None
     sharding: Sharding = Sharding.none
-    evaluate_test: bool = True  # false: no test evaluation; the final model is saved (final_model.pt)
+    evaluate_test: bool = True  # false: no test evaluation; the final model is saved (model.safetensors)
+    save_model: bool = True  # model.safetensors at the end of a completed run
 
 
 @dataclass

@@ -1,5 +1,9 @@
 """Resuming a run: a stored results.json or checkpoint is reused only when it is of the same config,
-and a run that starts over in a folder an earlier attempt used says so in its results."""
+and a run that starts over in a folder an earlier attempt used says so in its results.
+
+A grid's job folder is named by its overrides, so the same command finds it again. A single run's
+folder is named by the time it started: `unfinished_attempt` finds the folder of an interrupted
+run of the same config (a checkpoint, no results.json) beside it, and the run continues there."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dpbench.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, read_checkpoint
+from dpbench.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_path, read_checkpoint
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
@@ -70,3 +74,45 @@ def resumable_checkpoint(cfg: DictConfig, run_dir: Path) -> dict | None:
     if (stored := read_checkpoint(run_dir) if cfg.resume else None) is None:
         return None
     return stored if matches_config(stored, cfg, f"the checkpoint in {run_dir} is", "starting from step 0") else None
+
+
+def stored_config(run_dir: Path) -> dict | None:
+    """The config of the checkpoint in `run_dir`, read without loading its tensors (None: unreadable)."""
+    import torch
+
+    try:
+        payload = torch.load(checkpoint_path(run_dir), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - damaged or not a checkpoint: not an attempt to continue
+        return None
+    return payload.get("config") if isinstance(payload, dict) else None
+
+
+def unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The newest folder beside `run_dir` (a single run's timestamped folder) holding a checkpoint of
+    this config and no results.json: an interrupted attempt of this run, to continue (resume=true)."""
+    run_dir = Path(run_dir)
+    if not cfg.resume or not run_dir.parent.is_dir():
+        return None
+    current = resolved_config(cfg)
+    attempts = [path.parent for path in run_dir.parent.glob(f"*/{CHECKPOINT_FILE}")
+                if path.parent != run_dir and not (path.parent / RESULTS_FILE).exists()]
+    for folder in sorted(attempts, key=lambda folder: checkpoint_path(folder).stat().st_mtime, reverse=True):
+        stored = stored_config(folder)
+        if stored is not None and not config_differences(stored, current):
+            return folder
+    return None
+
+
+def continue_unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path:
+    """The folder a single run runs in: an unfinished attempt of the same config if there is one (the
+    new, still empty folder is then removed), else `run_dir`."""
+    earlier = unfinished_attempt(cfg, run_dir)
+    if earlier is None:
+        return run_dir
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and all(p.is_file() and p.stat().st_size == 0 for p in run_dir.iterdir()):
+        for leftover in run_dir.iterdir():  # Hydra's empty job log
+            leftover.unlink()
+        run_dir.rmdir()
+    console.print(f"continuing the interrupted run in {earlier} (resume=false starts a new one)", soft_wrap=True)
+    return earlier

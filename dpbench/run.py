@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dpbench import distributed, sharding
+from dpbench import distributed, saved_model, sharding
 from dpbench.algorithms import Algorithm, algorithm_class
 from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
@@ -116,7 +116,7 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     log_private_stats = job.privacy.log_private_stats if job.privacy else True
     checkpointer = None if run_dir is None else Checkpointer(
         run_dir, resolved_config(cfg), cfg.train.get("checkpoint_every"), StopSignals(),
-        sharded=sharding.requested(cfg) != sharding.NONE)
+        sharded=sharding.requested(cfg) != sharding.NONE, at_evaluations=bool(cfg.train.get("checkpoint", True)))
     seeded_sampler = job.privacy is None  # private runs draw their batches from fresh entropy
     trainer = Trainer(
         job.task,
@@ -138,6 +138,7 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
         except (CheckpointMismatch, KeyError, TypeError, ValueError, RuntimeError) as error:
             raise incompatible(checkpointer.path, str(error).strip("'\"")) from error
         distributed.check_replicas(job.model)  # every rank loaded the same state
+        checkpointer.saved_step = trainer.state.step
         console.print(f"resuming from step {trainer.state.step} of {job.steps} ({checkpointer.path})", soft_wrap=True)
         for note in trainer.resume_notes:
             console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -147,6 +148,11 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
             trainer.fit()
     except DivergedError as error:
         return trainer, "diverged", error
+    except KeyboardInterrupt:  # Ctrl-C: say where the same command continues (cli.py prints the rest)
+        if checkpointer is not None and distributed.is_main_process():
+            console.print(f"[bold yellow]{checkpointer.interrupted_message(trainer.state.step, job.steps)}[/]",
+                          soft_wrap=True)
+        raise
     finally:  # what runs after training (score, saved model, results) reads each rank's shards only
         sharding.reshard(job.model)
     return trainer, "completed", None
@@ -170,21 +176,10 @@ def validation_score(job: Job, trainer: Trainer) -> float | None:
     count = scores[distributed.rank()::distributed.world_size()].sum().reshape(1).to(job.device)
     part = ReleasePart([count], COUNT_SENSITIVITY[relation], plan.validation_noise_multiplier)
     (noisy,), mechanism = gaussian_release("validation score", [part], noise=plan.setup.noise, sample_rate=1.0,
-                                           neighboring=relation, charge=trainer.state.ledger.add_release)
+                                           neighboring=relation, charge=trainer.state.ledger.add_release,
+                                           observer=job.algorithm.release_observer)  # dpbench-audit sees it too
     plan.check_final_release(mechanism)
     return float(noisy[0]) / task.split.planned_validation_size
-
-
-FINAL_MODEL_FILE = "final_model.pt"
-
-
-def save_final_model(job: Job, run_dir: Path) -> Path:
-    """The final model's trainable parameters (train.evaluate_test=false), for `dpbench.api.evaluate_saved`."""
-    state = {name: p.detach().cpu() for name, p in job.model.named_parameters() if p.requires_grad}
-    path = Path(run_dir) / FINAL_MODEL_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-    return path
 
 
 def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str],
@@ -239,6 +234,15 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     return results
 
 
+def keep_model(job: Job, run_dir: Path, results: RunResults) -> None:
+    """model.safetensors (dpbench/saved_model.py); a sharded run's model is split over the ranks: not kept yet."""
+    if sharding.requested(job.cfg) != sharding.NONE:
+        results.notes = [*(results.notes or []), "the model of a sharded run (train.sharding=fsdp) is not saved: model.safetensors "
+                             "holds whole tensors, and gathering the shards is not implemented"]
+        return
+    saved_model.save_model(job.model, job.cfg, results.config, run_dir)
+
+
 def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> RunResults:
     """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json).
 
@@ -289,8 +293,6 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     if status == "completed":
         try:
             score = validation_score(job, trainer)  # once, on the final model (charged to the ledger)
-            if not cfg.train.get("evaluate_test", True) and main:
-                save_final_model(job, run_dir)
         except Exception as error:  # noqa: BLE001 - every rank stops with it
             score_error = error
     distributed.raise_together(score_error, "scoring the validation split")
@@ -304,6 +306,10 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     results_file, write_error = None, None
     if main:
         try:
+            # the model, once the ledger is complete and record() computed the run's epsilon; before
+            # results.json, so that a run folder with results.json has its model
+            if status == "completed" and saved_model.wanted(cfg):
+                keep_model(job, run_dir, results)
             results_file = write_results(run_dir, results)
             delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
         except Exception as error:  # noqa: BLE001 - every rank stops with it

@@ -94,7 +94,8 @@ def schemas() -> dict[str, type]:
 # Config keys that change neither what a run computes nor where it lives: a stored run that
 # differs only in these is reused on resume, and a grid's job folder names leave them out
 # (conf/config.yaml's override_dirname.exclude_keys reads them through `excluded_from_dirname`).
-RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every")
+RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every",
+                      "train.checkpoint", "train.save_model")
 
 
 def excluded_from_dirname() -> list[str]:

@@ -119,6 +119,9 @@ class Algorithm(ABC):
     # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
     canary_site: ClassVar[str | None] = None
     step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (step hooks, above)
+    # whether a step's release sets state (beyond the parameters) that the next step's release reads:
+    # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
+    release_carries_state: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:

@@ -326,6 +326,7 @@ def gradient_sensitivity_in_c2(cfg, ratio: float) -> float:
 @ALGORITHMS.register("dcdpsgd", options=DCDPSGDOptions)
 class DCDPSGD(DPFirstOrderAlgorithm):
     data_parallel = False  # the score release is a per-example vector, not a sum over ranks
+    release_carries_state = True  # threshold mode: tau_{t+1} from the released score histograms
     engine_capabilities = frozenset({PER_EXAMPLE_GRADIENTS})  # it scores per-example gradients
     # public projection RNG; threshold selection: the average of the released score histograms
     checkpoint_attributes = ("projection_generator", "tail_fraction_seen", "score_histogram_average")

@@ -88,6 +88,7 @@ def clip_alpha(alpha: torch.Tensor, clip: float, keep: torch.Tensor | None = Non
 @ALGORITHMS.register("dpdr", options=DPDROptions)
 class DPDR(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("bases",)
+    release_carries_state = True  # the next step's basis b_l is this step's noisy gradient direction
     engine_capabilities = frozenset({PER_EXAMPLE_GRADIENTS})  # it decomposes per-example gradients
     def __init__(self, model, task, cfg, lr, privacy):
         if cfg.decomposition_steps < 1:

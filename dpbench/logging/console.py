@@ -37,10 +37,12 @@ def summary_table(results: RunResults) -> Table:
     private = figures["privacy/private"]
     table = Table(
         title=f"dpbench · {results.algo} · {results.model} · {results.dataset} · {figures['status']}",
-        caption=f"peak memory: {figures['memory/kind']}",
+        caption=f"peak memory: {figures['memory/kind']}"
+                + ("; best acc*: max over evaluations, selected on test"
+                   if figures["test/best_accuracy"] is not None else ""),
     )
     validated = figures["validation/score"] is not None  # a validation split: its noisy score, beside test
-    columns = ("test acc", "best acc", *(("validation (noisy)",) if validated else ()), "ε spent", "δ", "σ",
+    columns = ("test acc", "best acc*", *(("validation (noisy)",) if validated else ()), "ε spent", "δ", "σ",
                "peak memory", "samples/s", "wall time")
     for column in columns:
         table.add_column(column, justify="right")

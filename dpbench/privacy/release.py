@@ -172,6 +172,8 @@ def _replicated(parts: list[ReleasePart], noise: GaussianNoise) -> list[list[tor
 
 def _plus(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """value + noise, into the fresh noise tensor where the result has its dtype (no third tensor)."""
+    if noise.dtype not in (torch.float32, torch.float64):  # a narrower noise would put the release on its grid
+        raise RuntimeError(f"privacy noise must be drawn in fp32 or wider, got {noise.dtype}; this is a bug, please report it")
     if torch.promote_types(value.dtype, noise.dtype) == noise.dtype and value.shape == noise.shape:
         return noise.add_(value)
     return value + noise

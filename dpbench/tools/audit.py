@@ -14,6 +14,9 @@ only with what the algorithm says it drew:
                 physical chunks, and where the algorithm runs DPFirstOrderAlgorithm's phases the
                 noise is the step's TOTAL (the release minus the clipped sums the engine formed,
                 chunk by chunk), else the release's noisy - noiseless;
+  noise precision  the residuals release - value of those releases, in the release's fp32: at most 1%
+                of the informative ones exactly representable in bf16 or fp16 (noise rounded to a
+                narrow format before it is added lies on its grid; audit_precision.py);
   noise across runs  the two fresh jobs (same config, same seed) draw different noise: the pooled
                 correlation of their noise at the same step is within z / sqrt(n) of 0;
   independence  that noise is independent across steps: the pooled correlation of the
@@ -27,6 +30,9 @@ only with what the algorithm says it drew:
                 tail from another one; an added record whose loss is NaN never halts a step; an
                 added copy of an example, against it, outweighing the whole batch (clipping the sum
                 instead of each example moves it by up to 2x);
+  two-step sensitivity  for an algorithm that declares `release_carries_state` (DC-DPSGD's threshold,
+                DPDR's basis): a record at step t only, step t's release held fixed, step t+1's
+                noiseless release must not move (audit_two_step.py);
   release → update  at every audited step of the noise check, the optimizer's input is the recorded
                 noisy release / the expected batch size (public post-processing only), and for a
                 plain SGD the parameter change is -lr x it (DPFirstOrderAlgorithm's phases: dpsgd,
@@ -34,6 +40,9 @@ only with what the algorithm says it drew:
                 algorithm, no model buffer changes during a step (no dpbench algorithm writes a
                 buffer from its release, so a change is un-noised batch data in the model:
                 BatchNorm's running statistics);
+  validation score  with a validation split: a training record leaves the final score's noiseless
+                count where it was under parallel composition (<= 1 under sequential), a validation
+                record moves it by <= 1, and its noise has the planned std (audit_validation.py);
   sampler       the run's sampler, built as the run builds it: Poisson sizes ~ Binomial(n, q) and
                 independent inclusions across steps where Poisson is accounted (shuffled: batches
                 of B, disjoint within an epoch), and two fresh samplers of one seed draw differently;
@@ -48,8 +57,10 @@ its k tests passes when its p-value is above audit.alpha / k (Bonferroni, `famil
 a clean run fails one of them with probability at most audit.alpha.
 
 Where each lives: audit_harness.py (the jobs, the recorder of releases, the neighbours),
-audit_noise.py (noise, independence, noise across runs), audit_sensitivity.py, audit_update.py
-(release → update, buffers), audit_sampler.py, audit_accounting.py; this module runs them.
+audit_noise.py (noise, independence, noise across runs), audit_precision.py, audit_sensitivity.py,
+audit_two_step.py, audit_update.py (release → update, buffers), audit_validation.py,
+audit_sampler.py, audit_accounting.py; this module runs them. audit_margins.py measures how often
+the catalogue's statistical rows miss.
 
 Prints a table, writes audit.json in the run folder, exits 0 when every check holds, else 1.
 `audit.seeded_bug=NAME|all` runs the audit under seeded bugs instead (dpbench/tools/seeded_bugs.py).
@@ -73,6 +84,8 @@ from dpbench.tools.audit_noise import noise_check
 from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, family_corrected
 from dpbench.tools.audit_sampler import sampler_check
 from dpbench.tools.audit_sensitivity import sensitivity_check
+from dpbench.tools.audit_two_step import two_step_checks
+from dpbench.tools.audit_validation import validation_checks
 from dpbench.tools.one_run import one_run_audit
 
 
@@ -101,7 +114,8 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
         derived = job.privacy.setup.derived  # an algorithm's own calibration (DC-DPSGD's EpsilonSplit: sigma_tr)
         for key, value in (derived.fixed_noise_options() if derived is not None else {}).items():
             OmegaConf.update(fixed, f"algo.{key}", value)
-        checks = [*noise_check(fixed), *sensitivity_check(fixed), *sampler_check(fixed, job), *accounting]
+        checks = [*noise_check(fixed), *sensitivity_check(fixed), *two_step_checks(fixed), *validation_checks(fixed),
+                  *sampler_check(fixed, job), *accounting]
     family_corrected(checks, float(cfg.audit.alpha))  # the audit's false-alarm rate is at most audit.alpha
     checks.sort(key=lambda c: CHECK_ORDER.index(c.name))  # stable: each kind's rows keep their order
     return _written(AuditReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, checks), run_dir)

@@ -93,8 +93,12 @@ class ReleaseRecorder:
         self.chunks: dict[int, int] = {}
         self.updates: dict[int, Update] = {}
         self.buffers: dict[int, dict[str, float]] = {}  # step -> buffer -> relative change by the step
+        self.precision: dict = {}  # release part -> PrecisionTally (audit_precision.py), in the release's dtype
 
     def __call__(self, name, parts, noisy, mechanism) -> None:
+        from dpbench.tools.audit_precision import tally_release
+
+        tally_release(self.precision, name, parts, noisy)  # before anything is converted to float64
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]
         noisy = [[v.detach().double().clone() for v in values] for values in noisy]
         self.releases.append(Release(self.step, name, list(parts), noiseless, noisy, mechanism))

@@ -29,6 +29,7 @@ from dpbench.tools.audit_harness import (
 from dpbench.tools.audit_report import (
     Check,
 )
+from dpbench.tools.audit_precision import merged, precision_checks
 from dpbench.tools.audit_update import buffer_check, update_check
 
 SCALAR_DRAWS = 200  # empty-batch steps added when a release is one number per step
@@ -205,4 +206,5 @@ def noise_check(cfg) -> list[Check]:
         drawn.add_job(job.privacy, recorder)
     alpha = float(cfg.audit.alpha)
     return [*drawn.std_checks(alpha, jobs[0][0].privacy.setup.expected_batch_size),
+            *precision_checks(merged(recorder for _, recorder in jobs)),
             *drawn.independence_checks(alpha), drawn.ledger_check(), update_check(jobs), buffer_check(jobs)]

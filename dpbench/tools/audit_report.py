@@ -30,7 +30,11 @@ def family_corrected(checks: list[Check], alpha: float) -> list[Check]:
 
 
 UPDATE = "release → update"  # the optimizer reads the noisy release after public post-processing only
-CHECK_ORDER = ("noise", "noise across runs", "independence", "sensitivity", UPDATE, "sampler", "accounting")
+PRECISION = "noise precision"  # release - value is not on the bf16 / fp16 grid (audit_precision.py)
+TWO_STEP = "two-step sensitivity"  # state a release sets moves the next release only through the release (audit_two_step.py)
+VALIDATION = "validation score"  # the final validation release: what it reads and its noise (audit_validation.py)
+CHECK_ORDER = ("noise", PRECISION, "noise across runs", "independence", "sensitivity", TWO_STEP, UPDATE, VALIDATION,
+               "sampler", "accounting")
 
 
 @dataclass

@@ -322,7 +322,59 @@ def _dcdpsgd_mixture_noise(cfg):
     return mock.patch.object(DCDPSGD, "gaussian_release", mixture_release)
 
 
-BATCHNORM_MODEL = ("model=cnn",)  # the catalogue's model with GroupNorm, which the BatchNorm bugs swap out
+# ----------------------------------------------- the noise's precision, the validation score, DC-DPSGD's state
+
+
+def _noise_bf16_rounded(cfg):
+    """Noise drawn in fp32 and rounded to bfloat16 before it is added (back in fp32): its std is right,
+    but release - value lies on bf16's grid."""
+    from dpbench.privacy.noise import GaussianNoise
+
+    original = GaussianNoise.sample
+    return mock.patch.object(GaussianNoise, "sample", lambda self, shape, std, dtype=torch.float32:
+                             original(self, shape, std, dtype).to(torch.bfloat16).to(dtype))
+
+
+def _validation_on_training(cfg):
+    """The validation score's per-example scores taken from the training part (the image task's
+    correct predictions on its training images) while the validation part stays aside."""
+    from dpbench.tasks.image import ImageClassificationTask
+
+    @torch.no_grad()
+    def on_training(self, model):
+        was_training = model.training
+        model.eval()
+        images, labels = self.data.train_images.to(self.device), self.data.train_labels.to(self.device)
+        correct = (model(images).argmax(dim=1) == labels).float()
+        model.train(was_training)
+        return correct
+
+    return mock.patch.object(ImageClassificationTask, "validation_scores", on_training)
+
+
+def _dcdpsgd_threshold_unnoised(cfg):
+    """DC-DPSGD's threshold tau_{t+1} from the un-noised score histogram; the noisy one is still
+    released (and charged) with the gradient."""
+    from dpbench.algorithms.dcdpsgd import DCDPSGD, HISTOGRAM_DECAY
+
+    add_noise = DCDPSGD.add_noise
+
+    def unnoised_average(self, sums):
+        histogram = self.pending_histogram
+        before = None if self.score_histogram_average is None else self.score_histogram_average.clone()
+        noisy = add_noise(self, sums)  # releases the noisy histogram and the gradient
+        if self.threshold_selection and histogram is not None:
+            clean = histogram.detach().float()
+            self.score_histogram_average = clean if before is None else \
+                before.mul_(HISTOGRAM_DECAY).add_(clean, alpha=1 - HISTOGRAM_DECAY)
+        return noisy
+
+    return mock.patch.object(DCDPSGD, "add_noise", unnoised_average)
+
+
+BATCHNORM_MODEL = ("model=cnn",)
+# the validation score's bug: a validation split, its score composed in parallel with training
+VALIDATION_SPLIT = ("dataset.validation_fraction=0.2", "privacy.validation_composition=parallel")  # the catalogue's model with GroupNorm, which the BatchNorm bugs swap out
 
 CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
     SeededBug("noise_half", "noise", "noise x 0.5: the run's epsilon is that of sigma / 2, the reported one that of sigma",
@@ -373,6 +425,17 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
               "the DC-DPSGD code's gradient noise p N(0, (sigma c1)^2) + (1 - p) N(0, (sigma c2)^2) for p = k/B "
               "tail examples: about sigma c1 / 7 at p = 0.1 (sigma c2 before any tail), where sensitivity c1 needs "
               "sigma c1", _dcdpsgd_mixture_noise, overrides=("algo=dcdpsgd",), algos=("dcdpsgd",)),
+    SeededBug("noise_bf16_rounded", "noise precision",
+              "noise drawn in fp32 but rounded to bfloat16 before it is added: the std is right, but release - value "
+              "lies on bf16's grid, so neighbouring values are told apart (Mironov 2012)", _noise_bf16_rounded),
+    SeededBug("validation_on_training", "validation score",
+              "the noisy validation score counted on training records while validation_composition=parallel charges "
+              "max(training, score): a training record is read by both mechanisms, epsilon is understated",
+              _validation_on_training, overrides=VALIDATION_SPLIT),
+    SeededBug("dcdpsgd_threshold_unnoised", "two-step sensitivity",
+              "DC-DPSGD's next threshold from the un-noised score histogram (the noisy one still released and "
+              "charged): the record moves every later step's clipping, which no release covers",
+              _dcdpsgd_threshold_unnoised, overrides=("algo=dcdpsgd",), algos=("dcdpsgd",)),
 ]}
 
 

@@ -3,6 +3,7 @@ rerun (so `wandb sync` uploads the job once); a grid's failed jobs are summarise
 process exit 1 whichever launcher ran them."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -88,3 +89,46 @@ def test_a_grid_run_by_worker_processes_reports_its_failed_jobs_and_exits_1(tmp_
     assert len(list(sweep.glob(f"*/{ERROR_FILE}"))) == 2  # the grid went on past the first failure
     assert "2 job(s) of the grid failed" in done.stderr and "privacy.epsilon must be positive" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # three runs of the command, end to end
+def test_ctrl_c_after_an_evaluation_then_the_same_command_continues_from_it_with_its_ledger(tmp_path, monkeypatch):
+    """A single run's folder is named by its start time: the rerun finds the interrupted attempt
+    (a checkpoint of the same config, no results.json) and continues it there."""
+    from helpers.cli import dpbench_in_process
+
+    from dpbench.algorithms import Algorithm
+
+    command = [*TINY, *FIXED_SIGMA, "algo=dpsgd", "train.steps=4", "train.eval_every=2"]
+    original = Algorithm.train_step
+
+    def ctrl_c_at(step):
+        def train_step(self, batches, step_index):
+            if step_index == step:
+                raise KeyboardInterrupt
+            return original(self, batches, step_index)
+        return train_step
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Algorithm, "train_step", ctrl_c_at(1))  # before the first evaluation: nothing to resume
+        early = dpbench_in_process(*command, cwd=tmp_path)
+        assert early.returncode == 130 and "before the first checkpoint" in early.stderr
+        patch.setattr(Algorithm, "train_step", ctrl_c_at(3))  # after the evaluation at step 2
+        stopped = dpbench_in_process(*command, cwd=tmp_path)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "holds step 2; rerun the same command to continue from it" in stopped.stderr
+    runs = tmp_path / "outputs" / "runs"
+    (attempt,) = [folder for folder in runs.iterdir() if (folder / "checkpoint.pt").is_file()]
+    before = set(runs.iterdir())
+
+    time.sleep(1.1)  # a new second: the rerun's own folder would have another name
+    resumed = dpbench_in_process(*command, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"continuing the interrupted run in {attempt}" in resumed.stderr
+    assert "resuming from step 2 of 4" in resumed.stderr
+    assert set(runs.iterdir()) == before  # no new folder: the attempt's own
+    results = json.loads((attempt / "results.json").read_text())
+    assert results["resumed_from_step"] == 2 and results["privacy"]["steps"] == 4
+    assert sum(m["count"] for m in results["privacy"]["ledger"]) == 4  # its ledger went on from the checkpoint's
+    assert [h["step"] for h in results["history"]] == [2, 4]
+    assert (attempt / "model.safetensors").is_file() and not (attempt / "checkpoint.pt").exists()

@@ -415,7 +415,7 @@ def test_a_study_through_the_console_script(tmp_path):
     assert "━" not in output and "it/s" not in output and "results:" not in output  # no trial's bar or table
     # the selected run is kept beside study.json, without un-noised statistics
     kept = sweep / publish.SELECTED_DIR
-    assert (kept / "final_model.pt").is_file()
+    assert (kept / "model.safetensors").is_file()
     results = json.loads((kept / "results.json").read_text())
     assert results["metrics"].get("test_accuracy") is None  # a trial reads no test example
     assert results["privacy"]["log_private_stats"] is False and results["epsilon_covers"]["outside_epsilon"] == []
@@ -438,7 +438,7 @@ def test_a_study_through_the_console_script(tmp_path):
     # the same command again, without keep_private: the finished study is shown, and its private area removed
     again = dpbench(*STUDY, cwd=tmp_path)
     assert again.returncode == 0 and json.loads((sweep / "study.json").read_text()) == summary
-    assert not (sweep / publish.PRIVATE_DIR).exists() and (kept / "final_model.pt").is_file()
+    assert not (sweep / publish.PRIVATE_DIR).exists() and (kept / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

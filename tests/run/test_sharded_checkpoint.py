@@ -120,7 +120,7 @@ def test_three_ranks_resume_what_two_wrote_resharded(two, three):
         for name, value in loaded["params"].items():
             pieces = torch.chunk(value, 3)
             assert torch.equal(loaded["own_params"][name], pieces[rank] if rank < len(pieces) else value[:0]), name
-        assert sorted(got["saved"]) == [5]  # train.checkpoint_every=1: a 3-rank checkpoint of uneven shards
+        assert sorted(got["saved"]) == [5, 6]  # checkpoint_every=1, and the final evaluation: 3-rank checkpoints of uneven shards
         resumed = got["resumed"]
         assert resumed["resumed_from_step"] == 4 and resumed["steps"] == STEPS
         assert resumed["ledger"] == two[0]["whole"]["ledger"] and resumed["epsilon"] == two[0]["whole"]["epsilon"]

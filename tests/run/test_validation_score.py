@@ -136,7 +136,8 @@ def test_skipping_the_test_set_while_optimizing_a_test_metric_is_a_one_line_erro
 @pytest.mark.slow  # two tiny runs end to end: seconds
 def test_without_test_evaluation_the_saved_model_is_evaluated_once_afterwards(tmp_path, monkeypatch):
     from dpbench.api import evaluate_saved
-    from dpbench.run import FINAL_MODEL_FILE, run_job
+    from dpbench.run import run_job
+    from dpbench.saved_model import MODEL_FILE
     from dpbench.tasks.image import ImageClassificationTask
 
     calls = []
@@ -145,7 +146,7 @@ def test_without_test_evaluation_the_saved_model_is_evaluated_once_afterwards(tm
     results = run_job(compose(TINY + FIXED_SIGMA + SPLIT + ["algo=dpsgd", "train.evaluate_test=false"]), tmp_path,
                       show_progress=False)
     assert calls == [] and results.history == [] and results.metrics.test_accuracy is None
-    assert results.metrics.validation_score is not None and (tmp_path / FINAL_MODEL_FILE).is_file()
+    assert results.metrics.validation_score is not None and (tmp_path / MODEL_FILE).is_file()
     assert len(results.privacy.ledger) == 2  # the steps' mechanism and the score's
     metrics = evaluate_saved(tmp_path)
     assert calls == [1] and 0 <= metrics["accuracy"] <= 1
