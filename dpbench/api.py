@@ -50,13 +50,37 @@ def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, r
     return run_job(cfg, Path(run_dir), show_progress=show_progress)
 
 
+def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
+    """The run's job (task, model, algorithm) rebuilt from the config saved with its model, with dotted
+    `overrides` (dataset.*, device, threads: what the weights do not depend on), its saved weights
+    loaded, in eval mode. (Here, not in dpbench.saved_model: rebuilding runs `setup`, and run.py
+    imports saved_model to write the file.)"""
+    from omegaconf import OmegaConf
+
+    from dpbench.errors import UserError
+    from dpbench.run import setup
+    from dpbench.run_config import stored_config
+    from dpbench.saved_model import load_weights, saved_config
+
+    run_dir = Path(run_dir)
+    config = stored_config(saved_config(run_dir))  # older runs' epsilon beside sigma reads as today's checks want
+    allowed = ("dataset.", "device=", "threads=")
+    for override in overrides or []:
+        if not override.startswith(allowed) or "=" not in override:
+            raise UserError(f"cannot override {override.split('=')[0]!r} when evaluating a saved model: only "
+                            "dataset.*, device and threads (the weights depend on the rest)")
+    config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
+    job = setup(config)
+    load_weights(job.model, run_dir)
+    job.model.eval()
+    return job
+
+
 def load_model(run_dir: str | Path, overrides: list[str] | None = None):
     """The trained model a run kept (`model.safetensors`, docs/running.md "What a run writes"): the
     task, model and algorithm rebuilt from the config saved with it (`overrides`: dataset.*, device,
     threads), its weights loaded, in eval mode. A torch.nn.Module."""
-    from dpbench.saved_model import load_model as load
-
-    return load(run_dir, overrides)
+    return rebuild(run_dir, overrides).model
 
 
 def evaluate_saved(run_dir: str | Path) -> dict:
@@ -68,8 +92,6 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     not read again."""
     from dpbench.errors import UserError
     from dpbench.logging.results import read_results, write_results
-    from dpbench.saved_model import rebuild
-
     run_dir = Path(run_dir)
     stored = read_results(run_dir)
     if stored is None:

@@ -204,3 +204,15 @@ class Config:
     # a private study's search space, {key: "tag(log, interval(a, b))" | "choice(a, b)" | ...}, read by
     # hydra/sweeper=private_search beside its params and the command line (a tuned preset: one per algo)
     search_space: Any = None
+
+
+DEFAULT_EPSILON = 8.0
+
+
+def target_epsilon(cfg) -> float | None:
+    """The epsilon a private run's sigma is calibrated to: privacy.epsilon, DEFAULT_EPSILON when
+    neither it nor privacy.noise_multiplier is given, None when sigma is given (epsilon is computed)."""
+    p = cfg.privacy
+    if p.noise_multiplier is not None:
+        return None
+    return DEFAULT_EPSILON if p.epsilon is None else float(p.epsilon)

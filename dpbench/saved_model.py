@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from dpbench.errors import UserError
 from dpbench.paths import atomic_write
@@ -165,27 +165,3 @@ def load_weights(model: torch.nn.Module, run_dir: Path) -> None:
             check_frozen(model, header["frozen"])
     except CheckpointMismatch as error:
         raise UserError(f"{path}: {error}; the base checkpoint does not rebuild the trained model") from error
-
-
-def rebuild(run_dir: Path, overrides: list[str] | None = None):
-    """The run's job (task, model, algorithm) rebuilt from its saved config with dotted `overrides`
-    (dataset.*, device, threads: what the weights do not depend on), its saved weights loaded."""
-    from dpbench.run import setup
-    from dpbench.run_config import stored_config
-
-    config = stored_config(saved_config(run_dir))  # issue 43: older runs' epsilon beside sigma reads as today's checks want
-    allowed = ("dataset.", "device=", "threads=")
-    for override in overrides or []:
-        if not override.startswith(allowed) or "=" not in override:
-            raise UserError(f"cannot override {override.split('=')[0]!r} when evaluating a saved model: only "
-                            "dataset.*, device and threads (the weights depend on the rest)")
-    config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
-    job = setup(config)
-    load_weights(job.model, run_dir)
-    job.model.eval()
-    return job
-
-
-def load_model(run_dir: str | Path, overrides: list[str] | None = None) -> torch.nn.Module:
-    """The run's trained model, rebuilt from its saved config and loaded with its saved weights."""
-    return rebuild(Path(run_dir), overrides).model

@@ -273,7 +273,7 @@ class PrivacyPlan:
 
 def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.device) -> PrivacyPlan:
     """Calibrate (or take) sigma for the planned run and build what the algorithm needs."""
-    from dpbench.run_config import target_epsilon  # the one rule for the default target (not imported at the top: a cycle)
+    from dpbench.options import target_epsilon  # the one rule for the default target
 
     p = cfg.privacy
     relation = neighboring(cfg)  # validated with the config (dpbench.run_config.validate)

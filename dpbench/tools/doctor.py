@@ -88,10 +88,14 @@ class SyncCounter:
 
 
 def overrides(algo: str, precision: str, device: str, steps: int) -> list[str]:
-    """A tiny job: the micro ViT on synthetic 8x8 images, a fixed noise multiplier (no calibration)."""
+    """A tiny job: the micro ViT on synthetic 8x8 images; a private algorithm at a fixed noise
+    multiplier (no calibration), a non-private one without (a budget for it is refused)."""
+    from dpbench.algorithms import algorithm_class
+
+    sigma = ["privacy.noise_multiplier=1.0"] if algorithm_class(algo).private else []
     return ["dataset=synthetic", "model=vit", "model.size=micro", f"algo={algo}", f"train.precision={precision}",
             f"device={device}", "logger=none", "train.batch_size=16", f"train.steps={steps}",
-            f"train.eval_every={steps}", "privacy.noise_multiplier=1.0", "privacy.sampling=shuffle"]
+            f"train.eval_every={steps}", *sigma, "privacy.sampling=shuffle"]
 
 
 def check(algo: str, precision: str, device: torch.device, steps: int) -> Row:

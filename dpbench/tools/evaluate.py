@@ -30,7 +30,7 @@ def evaluate(run_dir: str, overrides: list[str] | None = None) -> tuple[str, dic
     """(the metric's name, the task's test metrics) of the saved model."""
     from pathlib import Path
 
-    from dpbench.saved_model import rebuild
+    from dpbench.api import rebuild
 
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir} is not a folder; give a run folder such as outputs/runs/<run>")

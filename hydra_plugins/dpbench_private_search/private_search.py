@@ -440,7 +440,7 @@ class PrivateSearchSweeper(Sweeper):
         return summary
 
     def _new_state(self, base, planner, fixed, dimensions, settings, budget) -> dict:
-        from dpbench.run_config import target_epsilon
+        from dpbench.options import target_epsilon
 
         score_sigma = None
         if budget:

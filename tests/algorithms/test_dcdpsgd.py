@@ -336,7 +336,7 @@ def test_dcdpsgd_t3_points_beyond_the_projection_limit_run(k):
     cfg = compose(["experiment=dcdpsgd_t3", f"algo.subspace_dim={k}", "dataset=synthetic", "dataset.channels=3",
                    "dataset.image_size=32", "dataset.num_classes=10", "dataset.train_size=64", "dataset.test_size=8",
                    "logger=none", "device=cpu", "train.batch_size=4", "train.steps=2", "privacy.noise_multiplier=1.0",
-                   "algo.score_noise_multiplier=1.0"])
+                   "privacy.epsilon=null", "algo.score_noise_multiplier=1.0"])
     job = setup(cfg)
     algorithm = job.algorithm
     assert algorithm.subspaces.blocks > 1

@@ -13,7 +13,7 @@ TINY = ["dataset=synthetic", "logger=none", "train.batch_size=32", "train.steps=
 OFFLINE = ["logger=none", "device=cpu"]
 # A fixed noise multiplier instead of one calibrated to privacy.epsilon: the calibration's bisection
 # over the RDP accountant is most of a tiny run's time. For tests that do not check calibration.
-FIXED_SIGMA = ["privacy.noise_multiplier=1.0"]
+FIXED_SIGMA = ["privacy.noise_multiplier=1.0", "privacy.epsilon=null"]  # sigma fixed, epsilon computed (a preset's epsilon cleared)
 
 
 def compose(overrides: list[str] | None = None):

@@ -22,7 +22,7 @@ STEPS = ["train.steps=4", "train.eval_every=2"]
 
 def test_a_run_keeps_its_model_and_evaluating_it_again_gives_the_final_test_figures(tmp_path, capsys):
     from dpbench.api import load_model
-    from dpbench.saved_model import rebuild
+    from dpbench.api import rebuild
     from dpbench.tools import evaluate
 
     results = run_job(compose(TINY + STEPS + FIXED_SIGMA + ["algo=dpsgd"]), tmp_path, show_progress=False)
