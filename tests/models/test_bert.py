@@ -200,3 +200,17 @@ def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
     assert 0 <= results.metrics.test_accuracy <= 1
     assert results.metrics.train_loss == results.metrics.train_loss  # not NaN
     assert results.privacy.private == (algo != "adam")
+
+
+def test_a_dataset_config_sets_the_train_defaults_it_needs():
+    """dataset=rt_snippets's train_defaults replace config.yaml's train values; the command line
+    still wins; a data set without train_defaults keeps config.yaml's own (digits: 30 epochs)."""
+    from omegaconf import OmegaConf
+
+    real = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets"])
+    wanted = OmegaConf.to_container(real.dataset.train_defaults)
+    assert {key: real.train[key] for key in wanted} == wanted
+    assert compose([*OFFLINE, "model=minilm", "dataset=rt_snippets", "train.lr=5e-4"]).train.lr == 5e-4
+    digits = compose(OFFLINE)
+    assert "train_defaults" not in digits.dataset
+    assert digits.train.epochs == 30 and digits.train.lr == 2e-2 and digits.train.physical_batch_size is None
