@@ -214,3 +214,24 @@ def test_a_dataset_config_sets_the_train_defaults_it_needs():
     digits = compose(OFFLINE)
     assert "train_defaults" not in digits.dataset
     assert digits.train.epochs == 30 and digits.train.lr == 2e-2 and digits.train.physical_batch_size is None
+
+
+def test_the_audits_dropout_off_silences_attention_dropout(files):
+    """dpbench-audit's sensitivity check needs two runs that differ in the neighbour only.
+    transformers 5's BERT attention applies dropout functionally, with the Dropout module's p and
+    the attention module's training flag: putting the Dropout modules in eval mode alone left it on
+    (the audit of MiniLM, attention dropout 0.1, saw 1.05-1.15x the stated sensitivity)."""
+    from dpbench.tools.audit_harness import dropout_off
+
+    cfg = bert_cfg(files, "model.trained_blocks=null", "model.cache_frozen=false")
+    task = build_task(cfg, CPU)
+    model = task.build_model(cfg.model).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    batch = task.batch([0, 1, 2, 3])
+    assert not torch.equal(model(batch.input_ids, batch.attention_mask), model(batch.input_ids, batch.attention_mask))
+    dropout_off(model)
+    assert model.training
+    torch.testing.assert_close(model(batch.input_ids, batch.attention_mask), model(batch.input_ids, batch.attention_mask),
+                               rtol=0, atol=0)
