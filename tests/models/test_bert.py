@@ -193,7 +193,7 @@ FAMILIES = {"adam": [], "dpadam": ["algo.per_sample=bk"], "grape": [], "dplora":
 def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
     from dpbench.run import run_job
 
-    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *FIXED_SIGMA, "train.batch_size=2", "train.steps=1",
+    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *FIXED_SIGMA, "train.batch_size=2", "train.physical_batch_size=2", "train.steps=1",
                    "train.eval_every=1", "train.lr=1e-3")
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results.status == "completed" and results.model == "minilm"
