@@ -60,20 +60,49 @@ class SentenceClassifier(nn.Module):
         self.pooling = pooling
         self.classifier = nn.Linear(encoder.config.hidden_size, num_classes)
         self.config = encoder.config  # model_type "bert": family_of finds the record on a copy too
+        self.prefix_cache = None  # model.cache_frozen: the frozen lower part's outputs (bert_prefix.py)
+        self.lora_targets: list[str] | None = None  # with trained_blocks: the trained layers' query/value only
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # Position ids per example ([B, T], not BertEmbeddings' shared [1, T] buffer): the per-example
-        # engines read an Embedding's input as one row per example; a shared row would hand them the
-        # batch's summed gradient as if it were one example's (caught by tests/models/test_bert.py).
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        out = self.bert(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                        token_type_ids=torch.zeros_like(input_ids))
-        if self.pooling == "pooler":
-            return self.classifier(out.pooler_output)
-        hidden = out.last_hidden_state
+        hidden = self._from_cache(input_ids, attention_mask)
+        if hidden is None:
+            # Position ids per example ([B, T], not BertEmbeddings' shared [1, T] buffer): the per-example
+            # engines read an Embedding's input as one row per example; a shared row would hand them the
+            # batch's summed gradient as if it were one example's (caught by tests/models/test_bert.py).
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            token_type_ids=torch.zeros_like(input_ids))
+            if self.pooling == "pooler":  # BertModel ran its pooler (once: the engines hook each call)
+                return self.classifier(out.pooler_output)
+            hidden = out.last_hidden_state
+        elif self.pooling == "pooler":
+            return self.classifier(self.bert.pooler(hidden))
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         # masked mean over real tokens; every sequence has [CLS] and [SEP], so the count is >= 1
         return self.classifier((hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0))
+
+    def _from_cache(self, input_ids, attention_mask) -> torch.Tensor | None:
+        """The last hidden states from the cached frozen part and the trained top layers; None when
+        there is no cache or something below the cached depth trains (then the whole encoder runs)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        layers = self.bert.encoder.layer
+        below = [self.bert.embeddings, *layers[: cache.depth]]
+        if any(p.requires_grad for module in below for p in module.parameters()):
+            return None
+        hidden = cache.lookup(input_ids, attention_mask)
+        if hidden is None:
+            return None
+        from dpbench.models.bert_prefix import run_layers
+
+        hidden = hidden.to(self.classifier.weight.dtype)  # the probe's float64 copy reads the fp32 cache
+        return run_layers(layers[cache.depth:], self.config, hidden, attention_mask)
+
+    def expect(self, sequences: list[list[int]]) -> None:
+        """The task's sentences, computed through the cached frozen part up front (no-op without one)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.expect(sequences)
 
 
 def source_folder(model_cfg):
@@ -132,19 +161,33 @@ def load_classifier(model_cfg, num_classes: int, vocab_size: int) -> SentenceCla
         raise UserError(f"the tokenizer has {vocab_size} tokens but the model only "
                         f"{encoder.get_input_embeddings().num_embeddings}; load both from the same folder")
     model = SentenceClassifier(encoder, num_classes, pooling)
-    freeze(model, bool(model_cfg.get("freeze_embeddings", False)), model_cfg.get("trained_blocks"))
-    return apply_opacus_fixes(model, str(model_cfg.name))
+    depth = freeze(model, bool(model_cfg.get("freeze_embeddings", False)), model_cfg.get("trained_blocks"))
+    model = apply_opacus_fixes(model, str(model_cfg.name))
+    if model_cfg.get("cache_frozen") and depth is not None:
+        from dpbench.models.bert_prefix import prefix_cache
+
+        model.prefix_cache = prefix_cache(folder, model.bert, depth)
+    return model
 
 
-def freeze(model: SentenceClassifier, embeddings: bool, trained_blocks) -> None:
-    """Freeze the embedding block, and with trained_blocks = k every encoder layer below the top k."""
+def freeze(model: SentenceClassifier, embeddings: bool, trained_blocks) -> int | None:
+    """Freeze the embedding block, and with trained_blocks = k every encoder layer below the top k
+    (k = 0: the head alone, on the frozen encoder: the linear probe). Returns how many encoder
+    layers are frozen below the trained ones (None: the embeddings train, nothing is frozen below)."""
     layers = model.bert.encoder.layer
+    depth = 0
     if trained_blocks is not None:
         k = int(trained_blocks)
-        if not 1 <= k <= len(layers):
-            raise UserError(f"model.trained_blocks={trained_blocks} must lie in 1..{len(layers)} (null: every layer)")
-        embeddings = True
-        for layer in layers[: len(layers) - k]:
+        if not 0 <= k <= len(layers):
+            raise UserError(f"model.trained_blocks={trained_blocks} must lie in 0..{len(layers)} "
+                            "(0: the head alone; null: every layer)")
+        embeddings, depth = True, len(layers) - k
+        for layer in layers[:depth]:
             layer.requires_grad_(False)
+        # DP-LoRA adapts the trained layers only (the frozen ones stay as the checkpoint has them)
+        model.lora_targets = [f"bert.encoder.layer.{i}.attention.self.{name}"
+                              for i in range(depth, len(layers)) for name in ("query", "value")]
     if embeddings:
         model.bert.embeddings.requires_grad_(False)
+        return depth
+    return None

@@ -22,7 +22,9 @@ def inject_lora(model: nn.Module, cfg) -> nn.Module:
     from peft import LoraConfig, inject_adapter_in_model
 
     family = family_of(model) or ModelFamily()
-    targets = list(cfg.target_modules) if cfg.get("target_modules") else list(family.lora_targets)
+    own = getattr(model, "lora_targets", None)  # a model that trains only some layers names their modules
+    targets = list(cfg.target_modules) if cfg.get("target_modules") else list(
+        family.lora_targets if own is None else own)
     if not targets:
         raise UserError(f"algo={cfg.name}: no default LoRA targets for a {type(model).__name__} model; "
                         "set algo.target_modules=[...]")

@@ -76,7 +76,10 @@ class SentenceClassificationTask(Task):
     def build_model(self, model_cfg) -> nn.Module:
         from dpbench.models.bert import load_classifier
 
-        return load_classifier(model_cfg, self.num_classes, len(self.tokenizer))
+        model = load_classifier(model_cfg, self.num_classes, len(self.tokenizer))
+        # model.cache_frozen: every sentence of the run through the frozen lower part, once, length-sorted
+        model.expect(self.train_ids + self.validation_ids + self.eval_ids)
+        return model
 
     def make_batch(self, sequences: list[list[int]], labels: list[int]) -> SentenceBatch:
         width = max((len(s) for s in sequences), default=1)

@@ -275,3 +275,4 @@ def dropout_off(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.eval()
+            module.p = 0.0  # transformers 5 attention reads the module's p with its parent's training flag

@@ -36,7 +36,7 @@ def bert_cfg(files, *extra):
 def test_engines_match_per_example_autograd_in_float64(files, mode, pooling):
     """Every layer trains (embeddings too): each engine's per-example norms and its clipped sum
     Σ f_i g_i equal autograd's on each example alone. Padded batch: the pads must not count."""
-    cfg = bert_cfg(files, "model.freeze_embeddings=false", f"model.pooling={pooling}")
+    cfg = bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null", f"model.pooling={pooling}")
     task = build_task(cfg, CPU)
     torch.manual_seed(0)
     model = task.build_model(cfg.model).double().train()
@@ -88,17 +88,85 @@ def test_family_record_freezing_and_split(files):
     # (every module the engines hook has a rule or an Opacus grad sampler), embeddings trained too.
     from dpbench.privacy.layers import by_functorch, hooked_modules
 
-    everything = task.build_model(bert_cfg(files, "model.freeze_embeddings=false").model)
+    everything = task.build_model(bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null").model)
     hooked = hooked_modules(everything, {})
     assert {type(m).__name__ for m in hooked} == {"Linear", "Embedding", "LayerNorm"}
     assert not [m for m in hooked if by_functorch(m)]
     embeddings_only = task.build_model(bert_cfg(files).model)  # the default: embeddings frozen, every layer trained
     frozen = {n for n, p in embeddings_only.named_parameters() if not p.requires_grad}
     assert frozen == {n for n, _ in embeddings_only.named_parameters() if n.startswith("bert.embeddings.")}
-    with pytest.raises(UserError, match="model.trained_blocks=3 must lie in 1..2"):
+    with pytest.raises(UserError, match=r"model.trained_blocks=3 must lie in 0..2"):
         task.build_model(bert_cfg(files, "model.trained_blocks=3").model)
     with pytest.raises(UserError, match="model.pooling=cls is not known"):
         task.build_model(bert_cfg(files, "model.pooling=cls").model)
+
+
+@pytest.mark.parametrize("pooling", ["mean", pytest.param("pooler", marks=pytest.mark.slow)])
+def test_cached_frozen_part_gives_the_uncached_logits_and_gradients(files, pooling):
+    """model.cache_frozen: the top k layers and the head on the cached lower part compute what the
+    whole encoder computes (eval mode: the cache is taken without dropout), gradients included, for
+    k = 0 (the probe) .. L; a padded batch; the float64 copy (the layout probe's) shares the cache."""
+    import copy
+
+    task = build_task(bert_cfg(files), CPU)
+    indices = [0, 1, 2, 3]
+    batch = task.batch(indices)
+    assert int(batch.attention_mask.sum(dim=1).min()) < batch.attention_mask.shape[1]  # padded
+    for k in (0, 1, 2):
+        cfg = bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}")
+        torch.manual_seed(0)
+        cached = task.build_model(cfg.model).eval()
+        assert cached.prefix_cache is not None and cached.prefix_cache.depth == 2 - k
+        torch.manual_seed(0)
+        plain = task.build_model(bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}",
+                                          "model.cache_frozen=false").model).eval()
+        assert plain.prefix_cache is None
+        got, want = cached(batch.input_ids, batch.attention_mask), plain(batch.input_ids, batch.attention_mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        trained = [p for p in cached.parameters() if p.requires_grad]
+        assert len(trained) == len([p for p in plain.parameters() if p.requires_grad])
+        for a, b in zip(torch.autograd.grad(got.square().sum(), trained),
+                        torch.autograd.grad(want.square().sum(), [p for p in plain.parameters() if p.requires_grad])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        double = copy.deepcopy(cached).double()
+        assert double.prefix_cache is cached.prefix_cache
+        torch.testing.assert_close(double(batch.input_ids, batch.attention_mask).float(), want, rtol=1e-4, atol=1e-5)
+    # the whole task's sentences were computed once, on the first lookup
+    assert len(cached.prefix_cache.store) == len({tuple(s) for s in task.train_ids + task.eval_ids})
+
+
+def test_cached_model_under_each_engine_matches_autograd(files):
+    """The top block and head trained on the cached lower part: each engine's per-example norms
+    equal autograd's one example at a time (the cache hands each example its own rows)."""
+    cfg = bert_cfg(files, "model.trained_blocks=1")
+    task = build_task(cfg, CPU)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model).double().train()
+    model.bert.encoder.layer[1].attention.self.dropout.p = 0.0  # the tiny BERT's dropout is 0; stay exact
+    params = [p for p in model.parameters() if p.requires_grad]
+    indices = [0, 1, 2]
+    reference = [torch.autograd.grad(task.per_sample_loss(model, task.batch([i])).sum(), params) for i in indices]
+    expected = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads)) for grads in reference])
+    for mode in PER_SAMPLE_ENGINES.names():
+        seen = []
+        engine = build_engine(mode, model)
+        try:
+            engine.clipped_sum(task.per_sample_loss(model, task.batch(indices)),
+                               lambda norms: seen.append(norms.detach().clone()) or torch.ones_like(norms))
+        finally:
+            engine.detach()
+        torch.testing.assert_close(seen[0].double(), expected, rtol=1e-5, atol=1e-9)
+
+
+def test_dplora_adapts_the_trained_layers_only(files):
+    from dpbench.models.lora import inject_lora
+
+    cfg = bert_cfg(files, "model.trained_blocks=1", "algo=dplora")
+    task = build_task(cfg, CPU)
+    model = inject_lora(task.build_model(cfg.model), cfg.algo)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(("bert.encoder.layer.1.attention.self.", "classifier.")) for n in trained)
+    assert any("lora_" in n for n in trained)
 
 
 def test_validation_fraction_holds_out_whole_movies(files):
@@ -126,10 +194,46 @@ def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
     from dpbench.run import run_job
 
     sigma = FIXED_SIGMA if algo != "adam" else []  # a non-private run refuses a privacy setting
-    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *sigma, "train.batch_size=2", "train.steps=1",
+    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *sigma, "train.batch_size=2", "train.physical_batch_size=2",
+                   "train.steps=1",
                    "train.eval_every=1", "train.lr=1e-3")
     results = run_job(cfg, tmp_path, show_progress=False)
     assert results.status == "completed" and results.model == "minilm"
     assert 0 <= results.metrics.test_accuracy <= 1
     assert results.metrics.train_loss == results.metrics.train_loss  # not NaN
     assert results.privacy.private == (algo != "adam")
+
+
+def test_a_dataset_config_sets_the_train_defaults_it_needs():
+    """dataset=rt_snippets's train_defaults replace config.yaml's train values; the command line
+    still wins; a data set without train_defaults keeps config.yaml's own (digits: 30 epochs)."""
+    from omegaconf import OmegaConf
+
+    real = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets"])
+    wanted = OmegaConf.to_container(real.dataset.train_defaults)
+    assert {key: real.train[key] for key in wanted} == wanted
+    assert compose([*OFFLINE, "model=minilm", "dataset=rt_snippets", "train.lr=5e-4"]).train.lr == 5e-4
+    digits = compose(OFFLINE)
+    assert "train_defaults" not in digits.dataset
+    assert digits.train.epochs == 30 and digits.train.lr == 2e-2 and digits.train.physical_batch_size is None
+
+
+def test_the_audits_dropout_off_silences_attention_dropout(files):
+    """dpbench-audit's sensitivity check needs two runs that differ in the neighbour only.
+    transformers 5's BERT attention applies dropout functionally, with the Dropout module's p and
+    the attention module's training flag: putting the Dropout modules in eval mode alone left it on
+    (the audit of MiniLM, attention dropout 0.1, saw 1.05-1.15x the stated sensitivity)."""
+    from dpbench.tools.audit_harness import dropout_off
+
+    cfg = bert_cfg(files, "model.trained_blocks=null", "model.cache_frozen=false")
+    task = build_task(cfg, CPU)
+    model = task.build_model(cfg.model).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    batch = task.batch([0, 1, 2, 3])
+    assert not torch.equal(model(batch.input_ids, batch.attention_mask), model(batch.input_ids, batch.attention_mask))
+    dropout_off(model)
+    assert model.training
+    torch.testing.assert_close(model(batch.input_ids, batch.attention_mask), model(batch.input_ids, batch.attention_mask),
+                               rtol=0, atol=0)
