@@ -54,7 +54,11 @@ class LayoutProbe:
 
     @classmethod
     def of_task(cls, task) -> "LayoutProbe":
-        return cls(task.per_sample_loss, task.batch, int(task.train_size))
+        def losses(model, batch):
+            task.set_step(0)  # a loss that reads the step (LDAM-DRW) sees the first; train_step sets each step's
+            return task.per_sample_loss(model, batch)
+
+        return cls(losses, task.batch, int(task.train_size))
 
 
 def check_layers(model: nn.Module, engine: str) -> None:

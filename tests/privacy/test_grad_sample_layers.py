@@ -234,6 +234,20 @@ def test_the_probe_accepts_flattened_and_candidate_rows(engine):
     build_engine(engine, RowsModel().double(), probe=probe).detach()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_probe_refuses_batchnorm_in_train_mode(engine):
+    """BatchNorm normalises each example with the batch's statistics (and writes them to its buffers):
+    every example's rows move with another's, so the probe refuses the model, as Opacus's
+    ModuleValidator does (audit.seeded_bug=batchnorm_* lift the probe to show the audit's checks)."""
+    pool = torch.randn(POOL, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2)).double()
+    model.train()
+    probe = LayoutProbe(lambda m, b: m(b).pow(2).sum(1), lambda i: pool[list(i)].double(), POOL)
+    with pytest.raises(UserError, match="mixes examples") as refused:
+        build_engine(engine, model, probe=probe)
+    assert "\n" not in str(refused.value)
+
+
 def test_a_private_algorithm_refuses_a_sequence_first_model_before_training():
     """DPFirstOrderAlgorithm builds its engine through the probe: the run stops at setup."""
     from helpers.projected import build
