@@ -54,8 +54,11 @@ class LayoutProbe:
 
     @classmethod
     def of_task(cls, task) -> "LayoutProbe":
+        set_step = getattr(task, "set_step", None)  # a loss that reads the step (LDAM-DRW) sees the first
+
         def losses(model, batch):
-            task.set_step(0)  # a loss that reads the step (LDAM-DRW) sees the first; train_step sets each step's
+            if set_step is not None:
+                set_step(0)  # train_step sets each step's own
             return task.per_sample_loss(model, batch)
 
         return cls(losses, task.batch, int(task.train_size))
