@@ -164,19 +164,28 @@ def test_every_private_algorithm_declares_its_canary_site(algo):
         assert site == EXAMPLES  # first order: canaries go through the engine and the clipping
 
 
-def test_canary_examples_go_through_the_engine_and_its_clipping():
-    """A present canary's per-example loss is s w_i: the engine forms its gradient s e_i and the
-    algorithm's clipping brings it to C e_i; the real examples' gradients are 0 on the canary layer."""
+def _canary_job(count: int, relation: str):
+    """(DP-SGD job on a width-8 cnn with a canary layer of `count` canaries, its canaries, the canary
+    weight's index among the algorithm's parameters)."""
     from dpbench.run import setup
-    from dpbench.tools.one_run_canaries import LOSS_SCALE, CanaryHook, add_canary_layer
+    from dpbench.tools.one_run_canaries import CanaryHook, add_canary_layer
 
     cfg = compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "algo=dpsgd",
                    "privacy.noise_multiplier=1", "privacy.clip_norm=0.5"])
     layers = []
-    job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, 12, cfg.algo)))
-    marks = Canaries([torch.Size([12, 1])], 12, 1.0, None, "replace_one", 0, own_space=True)
+    job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, count, cfg.algo)))
+    marks = Canaries([torch.Size([count, 1])], count, 1.0, None, relation, 0, own_space=True)
     CanaryHook.attach(marks, job.algorithm, layers[0])
     index = next(k for k, p in enumerate(job.algorithm.params) if p is layers[0].weight)
+    return job, marks, index
+
+
+def test_canary_examples_go_through_the_engine_and_its_clipping():
+    """A present canary's per-example loss is s w_i: the engine forms its gradient s e_i and the
+    algorithm's clipping brings it to C e_i; the real examples' gradients are 0 on the canary layer."""
+    from dpbench.tools.one_run_canaries import LOSS_SCALE
+
+    job, marks, index = _canary_job(12, "replace_one")
     marks.begin_step(0)  # q = 1, replace-one: every canary present, +1 if included, -1 if not
     sums, _ = job.algorithm.clip_and_accumulate([job.task.batch(list(range(8)))])
     expected = torch.as_tensor(np.where(marks.included, 0.5, -0.5), dtype=torch.float32)[:, None]
@@ -189,17 +198,10 @@ def test_canary_examples_go_through_the_engine_and_its_clipping():
 def test_without_clipping_a_canary_example_contributes_its_whole_gradient():
     from unittest import mock
 
-    from dpbench.run import setup
-    from dpbench.tools.one_run_canaries import LOSS_SCALE, CanaryHook, add_canary_layer
+    from dpbench.tools.one_run_canaries import LOSS_SCALE
     from dpbench.tools.seeded_bugs import _unclipped_factors
 
-    cfg = compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "algo=dpsgd",
-                   "privacy.noise_multiplier=1", "privacy.clip_norm=0.5"])
-    layers = []
-    job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, 6, cfg.algo)))
-    marks = Canaries([torch.Size([6, 1])], 6, 1.0, None, "add_remove", 0, own_space=True)
-    CanaryHook.attach(marks, job.algorithm, layers[0])
-    index = next(k for k, p in enumerate(job.algorithm.params) if p is layers[0].weight)
+    job, marks, index = _canary_job(6, "add_remove")
     marks.begin_step(0)
     with mock.patch.object(DPFirstOrderAlgorithm, "example_factors", _unclipped_factors):
         sums, _ = job.algorithm.clip_and_accumulate([job.task.batch([0, 1])])
