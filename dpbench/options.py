@@ -115,6 +115,7 @@ class TrainOptions:
     epochs: Optional[float] = 30.0  # fractional epochs are allowed
     steps: Optional[int] = None
     lr: float = 2.0e-2
+    head_lr_scale: float = 1.0  # the declared head's learning rate / lr (algorithms/learning_rates.py)
     precision: PrecisionName = PrecisionName.fp32
     eval_every: int = 20
     train_eval_size: int = 0

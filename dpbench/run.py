@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpbench import distributed, saved_model, sharding
 from dpbench.algorithms import Algorithm, algorithm_class
+from dpbench.algorithms.learning_rates import mark_head
 from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
@@ -27,6 +28,7 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.metering import PeakMemory
+from dpbench.models import ModelFamily, family_of
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
 from dpbench.privacy.plan import COUNT_SENSITIVITY, PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
 from dpbench.privacy.release import ReleasePart, gaussian_release
@@ -92,6 +94,8 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
     if sharding.requested(cfg) != sharding.NONE:  # train.sharding=fsdp: sharded before the algorithm is built
         distributed.check_replicas(model)  # whole tensors, before each rank keeps only its shard
         sharding.shard_model(model, sharding.block_patterns(str(cfg.model.name)), device)
+    mark_head(model, (family_of(model) or ModelFamily()).trained_modules, float(cfg.train.get("head_lr_scale", 1.0)),
+              str(cfg.model.name))  # train.head_lr_scale: before the algorithm builds its optimizer
     algo_cls = algorithm_class(cfg.algo.name)
     n = task.planning_size  # public: with a validation split n (1 - f), never the realised part's size
     steps = planned_steps(cfg, n)

@@ -43,6 +43,8 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
         raise UserError(f"train.steps must be >= 0, got {t.steps}")
     if not t.lr > 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
+    if not t.get("head_lr_scale", 1.0) > 0:
+        raise UserError(f"train.head_lr_scale must be positive (1: the head learns at train.lr), got {t.head_lr_scale}")
     if t.get("checkpoint_every") is not None and t.checkpoint_every < 1:
         raise UserError(f"train.checkpoint_every must be >= 1 or null (no periodic checkpoints), got {t.checkpoint_every}")
     fraction = validation_fraction(cfg.dataset)  # in [0, 1), or a one-line error

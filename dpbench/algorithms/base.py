@@ -17,6 +17,7 @@ from typing import Callable, ClassVar, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench import distributed, sharding
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
@@ -388,7 +389,7 @@ def adam(params: list[nn.Parameter], lr: float, cfg) -> torch.optim.Adam:
     (for-each) Adam reads every parameter's step counter with `.item()`, one host sync per
     parameter and step on a GPU; the fused one makes none."""
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) and params
-    return torch.optim.Adam(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+    return torch.optim.Adam(lr_groups(params, lr), lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
                             fused=bool(fused) or None)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
@@ -531,7 +532,7 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         return self.sigma_dp * self.tail_clip  # one N(0, (sigma_dp c1)^2) vector on the clipped sum
 
     def build_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
+        return torch.optim.SGD(lr_groups(params, self.lr), lr=self.lr, momentum=self.cfg.momentum)
 
     def epsilon_split_results(self) -> dict:
         """The paper-style budget of an epsilon split: eps_tr and eps_dp of each part alone over the

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
@@ -51,7 +52,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
         return [GaussianMechanism(noise_multiplier, sample_rate)]
 
     def build_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
+        return torch.optim.SGD(lr_groups(params, self.lr), lr=self.lr, momentum=self.cfg.momentum)
 
     def clipped_difference(self, differences: list[torch.Tensor]) -> list[torch.Tensor]:
         """sum_i clip_{C_d}(d_i) over one physical chunk; d_i flat-clipped over all tensors (a

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
@@ -112,7 +113,7 @@ class DPDR(DPFirstOrderAlgorithm):
         return [GaussianMechanism(effective_noise_multiplier(*decomposition_sigmas(cfg, noise_multiplier)), sample_rate)]
 
     def build_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum)
+        return torch.optim.SGD(lr_groups(params, self.lr), lr=self.lr, momentum=self.cfg.momentum)
 
     def refresh_bases(self, gradients: list[torch.Tensor]) -> None:
         """b_l = g~_l / ||g~_l|| (zero where the layer's noisy gradient is zero)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_scale
 from dpbench.algorithms.base import ALGORITHMS, CLIPPED_RELEASE, ReleasePart, StepResult
 from dpbench.algorithms.dpzero import Direction, ZerothOrderAlgorithm, ZerothOrderOptions
 from dpbench.privacy.mechanisms import GaussianMechanism
@@ -76,10 +77,11 @@ class DPGDZerothOrder(ZerothOrderAlgorithm):
             for p, g in zip(self.params, gradients):
                 if self.weight_decay and p.ndim >= 2:
                     g = g.add(p.float(), alpha=self.weight_decay)
+                lr = self.lr * lr_scale(p)  # train.head_lr_scale (learning_rates.py)
                 if p.dtype == torch.float32:
-                    p.sub_(g, alpha=self.lr)
+                    p.sub_(g, alpha=lr)
                 else:  # half-precision weights: update in fp32, then cast
-                    p.copy_(p.float().sub_(g, alpha=self.lr))
+                    p.copy_(p.float().sub_(g, alpha=lr))
 
     def step(self, batches: list[Batch], step_index: int) -> StepResult:
         seed = self.next_seed()

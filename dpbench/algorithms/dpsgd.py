@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
 from dpbench.options import AlgoOptions
 
@@ -24,4 +25,4 @@ class DPSGDOptions(AlgoOptions):
 @ALGORITHMS.register("dpsgd", options=DPSGDOptions)
 class DPSGD(DPFirstOrderAlgorithm):
     def build_optimizer(self, params):
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)
+        return torch.optim.SGD(lr_groups(params, self.lr), lr=self.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpbench.algorithms.learning_rates import lr_scale
 from dpbench import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, CLIPPED_SCALAR, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
@@ -258,10 +259,11 @@ class ZerothOrderAlgorithm(Algorithm):
                 update = z.mul_(projected_gradient * scale)
                 if self.weight_decay and p.ndim >= 2:  # MeZO/OPT: no decay on biases and norms
                     update.add_(target.float(), alpha=self.weight_decay)
+                lr = self.lr * lr_scale(p)  # train.head_lr_scale (learning_rates.py)
                 if target.dtype == torch.float32:
-                    target.sub_(update, alpha=self.lr)
+                    target.sub_(update, alpha=lr)
                 else:
-                    target.copy_(target.float().sub_(update, alpha=self.lr))
+                    target.copy_(target.float().sub_(update, alpha=lr))
 
     def optimizer_state_bytes(self) -> int:
         return 0  # plain SGD along z: the only state is the next seed

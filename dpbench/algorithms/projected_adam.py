@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from dpbench.algorithms.learning_rates import lr_scale
 from dpbench import sharding
 from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
@@ -165,9 +166,10 @@ class ProjectedAdam:
                 direction = back_project(direction, projector.to(direction.dtype), side, rows)  # (m, n) or its rows
             elif rows is not None:
                 direction = direction[rows]
+            lr = self.lr * lr_scale(p)  # train.head_lr_scale (learning_rates.py)
             if self.weight_decay:
-                target.mul_(1 - self.lr * self.weight_decay)
-            target.add_(direction.to(target.dtype), alpha=-self.lr / correction1)
+                target.mul_(1 - lr * self.weight_decay)
+            target.add_(direction.to(target.dtype), alpha=-lr / correction1)
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.state.values() for t in pair)

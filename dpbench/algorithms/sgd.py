@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions
@@ -26,5 +27,5 @@ class SGD(NonPrivateOptimizerAlgorithm):
         if cfg.nesterov and not cfg.momentum > 0:
             raise UserError(f"algo.nesterov=true needs a positive algo.momentum (got {cfg.momentum})")
         return torch.optim.SGD(
-            params, lr=self.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+            lr_groups(params, self.lr), lr=self.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
         )
