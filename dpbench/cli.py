@@ -335,6 +335,11 @@ def main() -> None:
     if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)
+    modes = [a for a in sys.argv[1:] if a in ("-m", "--multirun", "-c", "--cfg", "-i", "--info")]
+    if len(modes) > 1:  # Hydra raises a ValueError (a traceback) on two of them
+        console.print(f"error: {' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
+                      "(e.g. `dpbench experiment=NAME --cfg job`)")
+        sys.exit(EXIT_BAD_INPUT)
     try:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]

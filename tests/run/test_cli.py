@@ -293,6 +293,9 @@ def test_hydra_errors_and_missing_subcommands_exit_2_with_one_line(tmp_path):
     assert completion.returncode == 2 and "Traceback" not in completion.stderr
     grammar = dpbench_in_process("dataset.data_dir=~/data", cwd=tmp_path)
     assert grammar.returncode == 2
+    both = dpbench_in_process("-m", "algo=grape,dpadam", "--cfg", "job", cwd=tmp_path)
+    assert both.returncode == 2 and "Traceback" not in both.stderr
+    assert "-m and --cfg cannot be combined" in both.stdout + both.stderr
 
 
 def test_results_json_respects_the_umask(tiny_cfg, tmp_path):
