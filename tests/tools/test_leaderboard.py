@@ -313,3 +313,21 @@ def test_every_grid_point_of_the_bench_presets_composes(name):
         assert len(jobs) == sum(sizes) <= 40 and len(seeds) == 2 and epsilons == {3.0} and len(jobs[0]["report"]["expect"]) >= 3
     else:
         assert len(seeds) == 3 and epsilons == {1.0, 3.0, 8.0} and sizes == [9 * (len(algos) - 1), 18, 3]
+
+
+def test_rankings_at_two_epsilons_are_compared_with_kendalls_tau(bench):
+    from dpbench.tools.report.leaderboard import headline
+
+    (line,) = [line for line in headline(boards_of(bench)) if "Kendall" in line]
+    # every private method loses the same 0.125 / ε at ε = 1: the order (one tie included) is kept
+    assert "rankings at ε = 1 and ε = 8 agree with Kendall's τ = 1.00 over 5 methods" in line
+
+
+def test_the_dp_adam_reference_falls_back_to_the_engine_the_board_ran(tmp_path):
+    folder = tmp_path / "bk_only"
+    for method in ("adam", "dpadam_ghost", "grape"):
+        write_run(folder, method, 0, None if method == "adam" else 8.0)
+    (board,) = boards_of(folder)
+    grape = next(e for e in board.entries if e.method == "grape")
+    assert board.reference("dpadam").method == "dpadam_ghost"
+    assert grape.memory_ratio_private == pytest.approx(400 / 350)

@@ -109,3 +109,12 @@ def test_the_tuned_vs_paper_figure_needs_the_paper_board(tmp_path, monkeypatch):
     assert [e.paper_accuracy for e in board.entries] == [55.0, None]
     made = board_module.plot_tuned_vs_paper(board, tmp_path / "tuned.png")
     assert made.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kendalls_tau_between_the_tuned_and_the_paper_rankings(monkeypatch):
+    paper = {("digits", "vit-micro", 3.0): {"dpadam": 64.0, "grape": 55.0, "dpsgd": 50.0}}
+    monkeypatch.setattr(board_module, "_paper_ranks", lambda folder, metric: paper)
+    rows = [_row("grape", 70.0), _row("dpadam", 65.0), _row("dpsgd", 50.0)]
+    boards = build_study_boards(rows, compare_with="somewhere")
+    (line,) = [line for line in board_module.study_notes(boards) if "Kendall" in line]
+    assert "Kendall's τ = 0.33 over 3 methods" in line  # one of the three pairs swapped: (2 - 1) / 3

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from dpbench.tools.report.agreement import kendall
 from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
 from dpbench.tools.report.groups import Group, accuracy_percent
 from dpbench.tools.report.load import method_name
@@ -86,7 +87,10 @@ class Board:
         return "own peak = peak resident size minus the resident size at the start of the run"
 
     def reference(self, method: str) -> Entry | None:
-        return next((e for e in self.entries if e.method == method), None)
+        """The entry of `method`; else the same algorithm under another engine (`dpadam_bk` when the
+        board ran DP-Adam with book-keeping only)."""
+        exact = next((e for e in self.entries if e.method == method), None)
+        return exact or next((e for e in self.entries if e.method.startswith(method + "_")), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -285,7 +289,8 @@ def fairness_markdown(items: list[Fairness]) -> str:
 
 
 def headline(boards: list[Board]) -> list[str]:
-    """One line per board: the most accurate private method and the Pareto frontier."""
+    """One line per board: the most accurate private method and the Pareto frontier; then, per task
+    with several ε, how well the rankings at each pair of ε agree."""
     lines = []
     for b in boards:
         best = next((e for e in b.entries if e.rank == 1), None)
@@ -293,4 +298,22 @@ def headline(boards: list[Board]) -> list[str]:
         if best is not None:
             lines.append(f"{b.title}: most accurate private method {best.method} ({fmt(best.accuracy, '.1f')}%); "
                          f"accuracy-vs-memory Pareto frontier: {front or '—'}")
+    return lines + epsilon_agreement(boards)
+
+
+def private_accuracies(board: Board) -> dict[str, float]:
+    return {e.method: e.accuracy for e in board.entries if e.private and e.accuracy is not None}
+
+
+def epsilon_agreement(boards: list[Board]) -> list[str]:
+    """Kendall's τ between the private rankings of one task at two target ε (methods on both)."""
+    lines = []
+    for i, first in enumerate(boards):
+        for second in boards[i + 1:]:
+            if (first.dataset, first.model) != (second.dataset, second.model) or None in (first.epsilon, second.epsilon):
+                continue
+            agreement = kendall(private_accuracies(first), private_accuracies(second))
+            if agreement is not None:
+                lines.append(f"{first.task}: rankings at ε = {fmt_eps(first.epsilon)} and ε = {fmt_eps(second.epsilon)} "
+                             f"agree with {agreement.describe()}: {', '.join(agreement.methods)}")
     return lines

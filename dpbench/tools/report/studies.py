@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dpbench.logging.console import console
 from dpbench.study_publish import PRIVATE_DIR
+from dpbench.tools.report.agreement import kendall
 from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow, load_rows, method_name
 
@@ -247,6 +248,10 @@ def study_notes(boards: list[StudyBoard]) -> list[str]:
             "noisy validation score); a method's studies read the same data, so together they cost 'ε all studies'; "
             "the test records are treated as public; the realised numbers of trials are not shown (publishing them "
             "weakens the bound)")
+        untuned = {e.method: e.paper_accuracy for e in b.entries if e.paper_accuracy is not None}
+        agreement = kendall({e.method: e.accuracy for e in b.entries if e.accuracy is not None}, untuned)
+        if agreement is not None:
+            lines.append(f"{b.title}: the tuned and the paper-hyperparameter rankings agree with {agreement.describe()}")
         empty = [s.path for e in b.entries for s in e.studies if s.test_accuracy is None]
         if empty:
             lines.append(f"{b.title}: {len(empty)} studies released no model (K = 0, or every trial failed), left out "
