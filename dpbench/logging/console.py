@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -19,7 +20,7 @@ def training_progress() -> Progress:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  ε {task.fields[eps]}"),
+        TextColumn("ε {task.fields[eps]}  acc {task.fields[acc]}  {task.fields[loss_label]}{task.fields[loss]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
@@ -29,6 +30,10 @@ def training_progress() -> Progress:
 
 def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
+
+
+def _fmt_eps(epsilon: float | None) -> str:
+    return "0" if not epsilon else f"{epsilon:.2f}"
 
 
 def summary_table(results: RunResults) -> Table:
@@ -62,33 +67,47 @@ def summary_table(results: RunResults) -> Table:
 
 
 class ProgressCallback:
-    """The live progress bar: loss, accuracy and epsilon spent at each evaluation."""
+    """The live progress bar: the step and ε spent from the first step, test accuracy at each
+    evaluation, and the running training loss only where it may be shown (non-private runs, or
+    privacy.log_private_stats=true, where it is marked as outside ε)."""
+
+    MIN_INTERVAL_S = 1.0  # ε is recomputed at most this often, and at most 1/10 of the time (slow accountants)
 
     def __init__(self) -> None:
         self.progress: Progress | None = None
         self.bar = None
+        self._next_update = 0.0
 
     def on_fit_start(self, trainer) -> None:
         self.progress = training_progress()
         self.progress.start()
+        private = trainer.privacy is not None
+        shows_loss = trainer.config.log_private_stats or not private
         self.bar = self.progress.add_task(
-            type(trainer.algorithm).__name__, total=trainer.config.steps, completed=trainer.state.step, loss="—", acc="—",
-            eps="0" if trainer.privacy is not None else "∞",
+            type(trainer.algorithm).__name__, total=trainer.config.steps, completed=trainer.state.step, acc="—",
+            eps=_fmt_eps(trainer.epsilon_spent()) if private else "∞",
+            loss_label=("loss (outside ε) " if private else "loss ") if shows_loss else "", loss="—" if shows_loss else "",
         )
 
     def on_step(self, trainer, result) -> None:
         self.progress.advance(self.bar)
+        started = time.monotonic()
+        if started < self._next_update and trainer.state.step < trainer.config.steps:
+            return
+        fields = {}
+        if trainer.privacy is not None:
+            fields["eps"] = _fmt_eps(trainer.epsilon_spent())
+        if trainer.state.train_loss is not None:  # None unless it may be shown (log_private_stats)
+            fields["loss"] = _fmt(trainer.state.train_loss, ".3f")
+        self.progress.update(self.bar, **fields)
+        took = time.monotonic() - started
+        self._next_update = started + max(self.MIN_INTERVAL_S, 10 * took)
 
     def on_eval(self, trainer, record: EvalRecord) -> None:
         if self.progress is None:
             return
-        eps = record.epsilon
-        self.progress.update(
-            self.bar,
-            loss=_fmt(record.train_loss, ".3f"),
-            acc=_fmt(record.test_accuracy, ".3f"),
-            eps="∞" if eps is None else f"{eps:.2f}",
-        )
+        self.progress.update(self.bar, acc=_fmt(record.test_accuracy, ".3f"),
+                             eps="∞" if record.epsilon is None else _fmt_eps(record.epsilon))
 
     def on_fit_end(self, trainer) -> None:
         if self.progress is not None:
