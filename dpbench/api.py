@@ -6,8 +6,13 @@
 
 `run` composes conf/ exactly as `dpbench <overrides>` does, trains, writes results.json into
 `run_dir` (default: a new folder under outputs/runs/) and returns its `RunResults`
-(dpbench.logging.results: one typed section per block of the file; `to_json()` is the file). It reruns the
-job unless `resume=True` is passed and `run_dir` holds a run of the same config.
+(dpbench.logging.results: one typed section per block of the file; `to_json()` is the file), with
+`results.run_dir` the folder. It reruns the job unless `resume=True` is passed and `run_dir` holds a
+run of the same config. `quiet=True` prints nothing (no bar, no table, no notes).
+
+    from dpbench.api import grid, load_runs
+    grid(["logger=none"], {"algo": ["grape", "dpadam"], "seed": [0, 1]}, "outputs/multirun/mine")
+    load_runs("outputs/multirun/mine")   # a pandas.DataFrame: one row per run
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
-        show_progress: bool = True) -> RunResults:
-    """Compose, run one job and return its results (docs/running.md, "What a run writes").
+        show_progress: bool = True, quiet: bool = False) -> RunResults:
+    """Compose, run one job and return its results (docs/running.md, "What a run writes"), with
+    `results.run_dir` the folder it wrote. `quiet`: no output at all (errors still raise).
     Bad input, as the console script refuses it, raises `dpbench.errors.UserError` (one line)."""
     from omegaconf import open_dict
 
+    from dpbench.logging.console import console
     from dpbench.preflight import check_environment
     from dpbench.run import run_job
 
@@ -47,7 +54,51 @@ def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, r
     if run_dir is None:
         run_dir = Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.algo.name}_{cfg.dataset.name}_api"
     check_environment(cfg, run_dir, "run_dir")  # device, W&B login, writable folder: before any work
-    return run_job(cfg, Path(run_dir), show_progress=show_progress)
+    was_quiet, console.quiet = console.quiet, quiet or console.quiet
+    try:
+        results = run_job(cfg, Path(run_dir), show_progress=show_progress and not quiet)
+    finally:
+        console.quiet = was_quiet
+    results.run_dir = Path(run_dir)
+    return results
+
+
+def grid(overrides: list[str] | None, sweep: dict[str, list], folder: str | Path, quiet: bool = True,
+         resume: bool = True) -> list[RunResults]:
+    """Run every combination of `sweep` ({key: [values]}, as `dpbench -m key=a,b`) on top of
+    `overrides`, one job after another, each in `folder/<key=value,...>` (the CLI's folder names),
+    and return their results in order. `resume`: a job whose folder holds a finished run of the same
+    config is not run again (an interrupted grid, rerun, continues)."""
+    import itertools
+
+    from dpbench.run_config import API_GRID
+
+    keys = list(sweep)
+    out = []
+    token = API_GRID.set(True)  # a grid's shared privacy keys are notes for its non-private jobs, as with -m
+    try:
+        for values in itertools.product(*(sweep[k] for k in keys)):
+            point = [f"{k}={v}" for k, v in zip(keys, values)]
+            out.append(run([*(overrides or []), *point], Path(folder) / ",".join(point), resume=resume, quiet=quiet))
+    finally:
+        API_GRID.reset(token)
+    return out
+
+
+def load_runs(folder: str | Path):
+    """Every run under `folder` (results.json files, any schema version) as a pandas.DataFrame: one
+    row per run, with run_dir, status, algo, model, dataset, seed and the figures under the names
+    W&B and the summary table use ("test/accuracy", "privacy/epsilon", ...)."""
+    import pandas as pd
+
+    from dpbench.logging.results import RESULTS_FILE, read_results
+
+    rows = []
+    for path in sorted(Path(folder).rglob(RESULTS_FILE)):
+        results = RunResults.from_json(read_results(path.parent))
+        rows.append({"run_dir": str(path.parent), "algo": results.algo, "model": results.model,
+                     "dataset": results.dataset, "seed": results.seed, **results.summary()})
+    return pd.DataFrame(rows, columns=None if rows else ["run_dir", "algo", "model", "dataset", "seed"])
 
 
 def rebuild(run_dir: str | Path, overrides: list[str] | None = None):

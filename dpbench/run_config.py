@@ -3,6 +3,7 @@ plain-data form of it that results.json, checkpoints and W&B store."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 from omegaconf import DictConfig, OmegaConf
@@ -71,12 +72,15 @@ def _names(private: bool) -> str:
     return ", ".join(f"algo={n}" for n in ALGORITHMS.names() if algorithm_class(n).private is private)
 
 
+API_GRID = contextvars.ContextVar("dpbench_api_grid", default=False)  # set by dpbench.api.grid
+
+
 def in_grid() -> bool:
-    """Whether this job is one of a Hydra multirun (a grid or a search)."""
+    """Whether this job is one of a Hydra multirun (a grid or a search) or of `dpbench.api.grid`."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return API_GRID.get() or (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
 
 
 def check_privacy_choice(cfg: DictConfig, grid: bool) -> None:

@@ -237,6 +237,8 @@ class RunResults(Section):
     saved_model_test: dict | None = _figure(RELEASE, omit_if_none=True)
     # which data-dependent figures epsilon covers (version 7; `epsilon_covers` fills it)
     epsilon_covers: dict | None = _only_when_known()
+    # the folder the run wrote (set by dpbench.api.run; not a key of the file: a path is the reader's)
+    run_dir = None
 
     @classmethod
     def from_json(cls, data: dict | None) -> RunResults:
