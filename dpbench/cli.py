@@ -89,6 +89,20 @@ class GridFailures(Callback):
         _grid_failures.extend(failed_jobs(Path(config.hydra.sweep.dir), self.started))
         if str(config.hydra.sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[0]:  # Hydra's basic grid
             grid_selection_note(Path(config.hydra.sweep.dir))
+            print_grid_table(Path(config.hydra.sweep.dir))
+
+
+def print_grid_table(sweep_dir: Path) -> None:
+    """After a grid: its runs in one table, and the report command."""
+    from dpbench.api import load_runs
+    from dpbench.logging.console import console, grid_table
+
+    frame = load_runs(sweep_dir)
+    if frame.empty:
+        return
+    frame.columns = [c.replace("/", "_") for c in frame.columns]  # attribute names for itertuples
+    console.print(grid_table(frame, sweep_dir))
+    console.print(f"report: dpbench-report {sweep_dir}   (add --leaderboard for the ranked benchmark table)", soft_wrap=True)
 
 
 # Run folders this process's Hydra is about to make (they did not exist before the command), each with

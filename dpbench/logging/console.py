@@ -113,3 +113,21 @@ class ProgressCallback:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def grid_table(frame, sweep_dir) -> Table:
+    """The end-of-grid table (dpbench.api.load_runs' frame): one row per run of the sweep folder."""
+    table = Table(title=f"grid · {sweep_dir}", title_style="bold")
+    for name in ("run", "status", "test acc", "validation", "ε spent", "process peak", "wall time"):
+        table.add_column(name, justify="left" if name in ("run", "status") else "right")
+    for row in frame.sort_values("run_dir").itertuples(index=False):
+        figures = row._asdict()
+        value = lambda key: None if figures.get(key) != figures.get(key) else figures.get(key)  # NaN: missing
+        peak = value("memory_peak_bytes")
+        table.add_row(
+            str(figures["run_dir"]).removeprefix(str(sweep_dir)).lstrip("/") or ".", str(value("status") or "—"),
+            _fmt(value("test_accuracy"), ".4f"), _fmt(value("validation_score"), ".4f"),
+            "∞" if not value("privacy_private") else _fmt(value("privacy_epsilon"), ".3f"),
+            "—" if peak is None else f"{peak / 2**20:.0f} MiB", _fmt(value("throughput_wall_s"), ".1f") + " s",
+        )
+    return table

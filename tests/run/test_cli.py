@@ -225,6 +225,9 @@ def test_a_grid_over_algorithms_keeps_its_budget_for_the_private_jobs(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "algo=adam is not private: privacy.epsilon=8 does not apply to it" in result.stderr
     assert len(list(sweep.glob("*/results.json"))) == 2
+    # the grid ends with its table (one row a run: adam's ε ∞, dpsgd's spent) and the report command
+    table = result.stderr[result.stderr.index("grid · "):]
+    assert "completed" in table and "∞" in table and f"report: dpbench-report {sweep}" in table.replace("\n", "")
 
 
 def test_a_calibrated_run_spends_at_most_its_typed_epsilon(tiny_cfg, tmp_path):
