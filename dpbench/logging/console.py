@@ -10,7 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dpbench.logging.results import EvalRecord, RunResults
+from dpbench.metering import own_peak_bytes
 
+OWN_PEAK_RULE = "GPU: max allocated; CPU: peak resident size minus the size at the start"
 # Logs and CI have no terminal width; 120 columns keep the summary tables on one line a row.
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
@@ -42,16 +44,17 @@ def summary_table(results: RunResults) -> Table:
     private = figures["privacy/private"]
     table = Table(
         title=f"dpbench · {results.algo} · {results.model} · {results.dataset} · {figures['status']}",
-        caption=f"peak memory: {figures['memory/kind']}"
+        caption=f"own peak: what the run added ({OWN_PEAK_RULE}); process peak: {figures['memory/kind']} (docs/results.md: memory)"
                 + ("; best acc*: max over evaluations, selected on test"
                    if figures["test/best_accuracy"] is not None else ""),
     )
     validated = figures["validation/score"] is not None  # a validation split: its noisy score, beside test
     columns = ("test acc", "best acc*", *(("validation (noisy)",) if validated else ()), "ε spent", "δ", "σ",
-               "peak memory", "samples/s", "wall time")
+               "own peak", "process peak", "samples/s", "wall time")
     for column in columns:
         table.add_column(column, justify="right")
     peak, wall = figures["memory/peak_bytes"], figures["throughput/wall_s"]
+    own = own_peak_bytes(results.memory)
     table.add_row(
         _fmt(figures["test/accuracy"], ".4f"),
         _fmt(figures["test/best_accuracy"], ".4f"),
@@ -59,6 +62,7 @@ def summary_table(results: RunResults) -> Table:
         _fmt(figures["privacy/epsilon"], ".3f") if private else "∞",
         _fmt(figures["privacy/delta"], ".0e") if private else "—",
         _fmt(figures["privacy/noise_multiplier"], ".4f"),
+        "—" if own is None else f"{own / 2**20:.0f} MiB",
         "—" if peak is None else f"{peak / 2**20:.0f} MiB",
         _fmt(figures["throughput/samples_per_s"], ".1f"),
         "—" if wall is None else f"{wall:.1f} s",
