@@ -331,3 +331,11 @@ def test_the_dp_adam_reference_falls_back_to_the_engine_the_board_ran(tmp_path):
     grape = next(e for e in board.entries if e.method == "grape")
     assert board.reference("dpadam").method == "dpadam_ghost"
     assert grape.memory_ratio_private == pytest.approx(400 / 350)
+
+
+def test_the_linear_probe_is_its_own_method():
+    from dpbench.tools.report.load import RunRow, method_name
+
+    probe = RunRow(path="p", algo="dpadam", algo_config={"per_sample": "bk"}, config={"model.trained_blocks": 0})
+    assert method_name(probe) == "dpadam_bk_probe"
+    assert method_name(RunRow(path="q", algo="dpadam", config={"model.trained_blocks": 2})) == "dpadam"

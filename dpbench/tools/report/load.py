@@ -182,11 +182,13 @@ def _has_engines(algo: str | None) -> bool:
 
 
 def method_name(row: RunRow) -> str:
-    """'grape', 'dpadam' (materialised), 'dpadam_ghost', 'dpadam_bk', ..."""
+    """'grape', 'dpadam' (materialised), 'dpadam_ghost', 'dpadam_bk', ...; 'dpadam_probe' for the
+    frozen-encoder linear probe (model.trained_blocks=0: the head alone trains)."""
     engine = row.algo_config.get("per_sample")
+    name = str(row.algo)
     if engine and engine != DEFAULT_ENGINE and _has_engines(row.algo):
-        return f"{row.algo}_{engine}"
-    return str(row.algo)
+        name = f"{name}_{engine}"
+    return f"{name}_probe" if row.config.get("model.trained_blocks") == 0 else name
 
 
 def own_peak_bytes(results: RunResults) -> int | None:
