@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dpbench import distributed, saved_model, sharding
-from dpbench.algorithms import Algorithm, algorithm_class
+from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class
 from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
@@ -79,7 +79,7 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm.
     `prepare_model` (dpbench-audit's one-run canaries: their layer) sees the model first."""
     validate(cfg)
-    sharding.check_supported(cfg)  # train.sharding=fsdp: one line naming what is supported
+    sharding.check_supported(cfg, ALGORITHMS)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
     if str(cfg.train.precision) == "bf16" or str(cfg.model.get("dtype")) == "bfloat16":
         require_native_bf16(device)
@@ -253,7 +253,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     main = distributed.is_main_process()  # rank 0 alone decides, writes, logs and prints
     if (existing := distributed.broadcast_object(reusable_results(cfg, run_dir) if main else None)) is not None:
         return existing
-    sharding.check_supported(cfg)  # before require_data_parallel: names what train.sharding=fsdp supports
+    sharding.check_supported(cfg, ALGORITHMS)  # before require_data_parallel: names what train.sharding=fsdp supports
     distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
     if on_start is not None and main:
         on_start()

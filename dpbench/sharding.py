@@ -37,9 +37,10 @@ examples, as in one process:
   perturbs and updates its shard with its rows of the direction z, generated whole from the
   shared seed, and the forwards all-gather the perturbed shards.
 
-Supported: `algo=dpsgd|dpadam|grape` with `algo.per_sample=bk|ghost` (ghost's second backward goes
-through FSDP2's hooks again, all-gathering each block once more) and `algo=dpzero`, fp32, a model
-family that names its blocks, under torchrun. Everything else is refused in one line (`check_supported`).
+Supported: the algorithms whose class declares `shardable` (first-order ones with an engine that
+declares `sharded_sums`, bk or ghost: ghost's second backward goes through FSDP2's hooks again,
+all-gathering each block once more; zeroth-order ones without an engine), fp32, a model family
+that names its blocks, under torchrun. Everything else is refused in one line (`check_supported`).
 """
 
 from __future__ import annotations
@@ -52,16 +53,22 @@ from torch import nn
 
 from dpbench import distributed
 from dpbench.errors import UserError
+from dpbench.privacy.engines import SHARDED_SUMS, engine_spec, engines_with
 
 NONE, FSDP = "none", "fsdp"
-FIRST_ORDER = ("dpsgd", "dpadam", "grape")  # per-example engines in their hooks: algo.per_sample must be one of ENGINES
-ZEROTH_ORDER = ("dpzero",)  # forwards only: no engine
-SUPPORTED_ALGORITHMS = FIRST_ORDER + ZEROTH_ORDER
-SUPPORTED_ENGINES = ("bk", "ghost")
-SUPPORTED = (f"train.sharding=fsdp supports algo={'|'.join(FIRST_ORDER)} with "
-             f"algo.per_sample={'|'.join(SUPPORTED_ENGINES)} and algo={'|'.join(ZEROTH_ORDER)}, train.precision=fp32, "
-             "on a model whose family names its transformer blocks (vit, opt, roberta), under torchrun "
-             "with 2 or more processes")
+SUPPORTED_PRECISION = "fp32"
+
+
+def supported(algorithms) -> str:
+    """What train.sharding=fsdp runs, read from the registry `algorithms`: the algorithms that declare
+    `shardable`, with the per-example engines that hand each clipped sum to a reduce as it is formed."""
+    shardable = [name for name in algorithms.names() if algorithms.get(name).shardable]
+    with_engine = [name for name in shardable if algorithms.get(name).per_example_engine]
+    forwards_only = [name for name in shardable if not algorithms.get(name).per_example_engine]
+    return (f"train.sharding=fsdp supports algo={'|'.join(with_engine)} with "
+            f"algo.per_sample={'|'.join(engines_with(SHARDED_SUMS))} and algo={'|'.join(forwards_only)}, "
+            f"train.precision={SUPPORTED_PRECISION}, on a model whose family names its transformer blocks "
+            "(vit, opt, roberta), under torchrun with 2 or more processes")
 
 
 def requested(cfg) -> str:
@@ -69,25 +76,28 @@ def requested(cfg) -> str:
     return str(cfg.train.get("sharding") or NONE)
 
 
-def check_supported(cfg) -> None:
-    """One line naming what is supported, unless `train.sharding=fsdp` can run as configured."""
+def check_supported(cfg, algorithms) -> None:
+    """One line naming what is supported, unless `train.sharding=fsdp` can run as configured. What an
+    algorithm supports is its class's declaration (`shardable`, `per_example_engine`), read from the
+    registry `algorithms` (passed in: the algorithms import this module)."""
     if requested(cfg) == NONE:
         return
     algo = str(cfg.algo.name)
     engine = str(cfg.algo.get("per_sample", "materialize"))
+    algo_cls = algorithms.get(algo)
     problem = None
     if not distributed.launched():
         problem = "it needs several processes (torchrun --nproc_per_node=K, K >= 2), this is one"
-    elif algo not in SUPPORTED_ALGORITHMS:
+    elif not algo_cls.shardable:
         problem = f"algo={algo} is not supported"
-    elif algo in FIRST_ORDER and engine not in SUPPORTED_ENGINES:
+    elif algo_cls.per_example_engine and not engine_spec(engine).has(SHARDED_SUMS):
         problem = f"algo.per_sample={engine} is not supported"
-    elif str(cfg.train.get("precision", "fp32")) != "fp32":
+    elif str(cfg.train.get("precision", "fp32")) != SUPPORTED_PRECISION:
         problem = f"train.precision={cfg.train.precision} is not supported"
     elif not block_patterns(str(cfg.model.name)):
         problem = f"model={cfg.model.name} names no transformer blocks to shard"
     if problem is not None:
-        raise UserError(f"{problem}: {SUPPORTED}")
+        raise UserError(f"{problem}: {supported(algorithms)}")
 
 
 def block_patterns(model_name: str) -> tuple[str, ...]:

@@ -116,6 +116,8 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
+    shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/sharding.py asks)
+    per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
     # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
     canary_site: ClassVar[str | None] = None
     step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (step hooks, above)
@@ -171,6 +173,11 @@ class Algorithm(ABC):
     def privacy_notes(cls, cfg) -> list[str]:
         """Facts about this configuration that change what the reported epsilon means."""
         return []
+
+    @classmethod
+    def runs_stock_phases(cls) -> bool:
+        """Whether its update is DPFirstOrderAlgorithm's phases unchanged: release / expected batch size."""
+        return False
 
     # --- privacy: what ran ---------------------------------------------------------------------
     def gaussian_release(self, name: str, *parts: ReleasePart, layout: Layout = REPLICATED) -> list[list[torch.Tensor]]:
@@ -434,6 +441,18 @@ class DPFirstOrderAlgorithm(Algorithm):
     # scores per-example gradients, DPDR decomposes them, DIFF/DIFF2 take their differences.
     engine_capabilities: ClassVar[frozenset[str]] = frozenset()
     canary_site = EXAMPLES  # canaries are examples: the engine forms and clips their gradients
+    per_example_engine = True
+
+    # Opacus's DPOptimizer phases (the seeded bugs and the audit's release -> update row ask which
+    # classes run them unchanged: their update is release / expected batch size)
+    STOCK_PHASES: ClassVar[tuple[str, ...]] = ("step", "privatize", "clip_and_accumulate", "add_noise", "scale_grad",
+                                               "apply_update")
+
+    @classmethod
+    def runs_stock_phases(cls) -> bool:
+        """Whether this class runs DPFirstOrderAlgorithm's own phases, overriding none of them."""
+        return all(next(c for c in cls.__mro__ if name in vars(c)) is DPFirstOrderAlgorithm
+                   for name in cls.STOCK_PHASES)
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)

@@ -284,6 +284,8 @@ class DPZero(ZerothOrderAlgorithm):
     # loss difference along z would share one scalar with every real example and drown), so the
     # one-run audit does not exercise the scalar clipping here; the sensitivity check does.
     canary_site = CLIPPED_SCALAR
+    # train.sharding=fsdp: the scalar is released replicated; each rank perturbs its rows with its rows of z
+    shardable = True
     last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
 
     def privatize(self, clipped_sum: float) -> float:

@@ -15,6 +15,7 @@ asking an engine for one it lacks is a one-line error before training. The capab
     per_example_gradients   yes          -      -    PerExampleGradients: backward_per_sample, meter
     loss_scale              yes          -      -    LossScaled: loss_scale divided out (fp16)
     coverage_check          -            yes    yes  CoverageChecked: tolerance of the coverage check
+    sharded_sums            -            yes    yes  clipped_sum(..., reduce=): each sum reduced as formed (fsdp)
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ class CoverageChecked(Engine, Protocol):
 PER_EXAMPLE_GRADIENTS = "per_example_gradients"
 LOSS_SCALE = "loss_scale"
 COVERAGE_CHECK = "coverage_check"
+SHARDED_SUMS = "sharded_sums"
 CAPABILITIES = {  # capability -> what it means, as an error message says it
     PER_EXAMPLE_GRADIENTS: "every per-example gradient",
     LOSS_SCALE: "the loss scale divided out of the per-example gradients",
     COVERAGE_CHECK: "a coverage check",
+    SHARDED_SUMS: "each parameter's clipped sum handed to a reduce as it is formed (train.sharding=fsdp)",
 }
 
 
@@ -144,9 +147,9 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
 
 register_engine(EngineSpec("materialize", PerSampleGradients, frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE})))
 register_engine(EngineSpec("ghost", lambda model, overrides: BookKeeping(model, overrides, passes=2),
-                           frozenset({COVERAGE_CHECK})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
 register_engine(EngineSpec("bk", lambda model, overrides: BookKeeping(model, overrides, passes=1),
-                           frozenset({COVERAGE_CHECK})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
 
 
 def engine_spec(mode: str) -> EngineSpec:

@@ -35,8 +35,8 @@ only with what the algorithm says it drew:
                 noiseless release must not move (audit_two_step.py);
   release → update  at every audited step of the noise check, the optimizer's input is the recorded
                 noisy release / the expected batch size (public post-processing only), and for a
-                plain SGD the parameter change is -lr x it (DPFirstOrderAlgorithm's phases: dpsgd,
-                dpadam; "not applicable" for algorithms that override them); and, for every
+                plain SGD the parameter change is -lr x it (for the algorithms that declare
+                `runs_stock_phases`; "not applicable" for those that override them); and, for every
                 algorithm, no model buffer changes during a step (no dpbench algorithm writes a
                 buffer from its release, so a change is un-noised batch data in the model:
                 BatchNorm's running statistics);

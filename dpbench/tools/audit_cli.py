@@ -71,7 +71,7 @@ def _preflight(cfg) -> None:
     """What `dpbench.run.run_job` checks before setup under torchrun, and what the audit cannot do
     there: refused in one line on every rank alike (no collective has run yet)."""
     from dpbench import sharding
-    from dpbench.algorithms import algorithm_class
+    from dpbench.algorithms import ALGORITHMS, algorithm_class
     from dpbench.run import resolve_device
 
     if not distributed.is_distributed():
@@ -79,7 +79,7 @@ def _preflight(cfg) -> None:
     if cfg.audit.get("one_run", False):
         raise UserError("audit.one_run=true runs in one process only: under torchrun dpbench-audit runs the "
                         "self-audit (audit.one_run=false); run the one-run audit without torchrun")
-    sharding.check_supported(cfg)  # names what train.sharding=fsdp supports
+    sharding.check_supported(cfg, ALGORITHMS)  # names what train.sharding=fsdp supports
     distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
     distributed.bind_device(resolve_device(cfg.device))  # torchrun + CUDA: this rank's GPU
 

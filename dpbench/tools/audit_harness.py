@@ -140,20 +140,18 @@ def audited_job(cfg, zero_noise: bool):
     return job, recorder
 
 
-# DPFirstOrderAlgorithm's phases (clip_and_accumulate -> add_noise -> scale_grad -> apply_update): an
-# algorithm that overrides none of them releases the clipped sum of the engine and updates with
-# release / expected batch size, which the audit checks (`update_checks`, total noise).
-BASE_PHASES = ("step", "privatize", "clip_and_accumulate", "add_noise", "scale_grad", "apply_update")
-
-
 def base_phases(algorithm) -> bool:
-    """Whether `algorithm` runs DPFirstOrderAlgorithm's own phases (dpsgd, dpadam)."""
-    from dpbench.algorithms.base import DPFirstOrderAlgorithm
+    """Whether `algorithm`'s class declares it runs DPFirstOrderAlgorithm's phases unchanged
+    (`runs_stock_phases`): it releases the engine's clipped sum and updates with release / expected
+    batch size, which the audit checks (`update_checks`, total noise)."""
+    return type(algorithm).runs_stock_phases()
 
-    if not isinstance(algorithm, DPFirstOrderAlgorithm):
-        return False
-    owner = {name: next(c for c in type(algorithm).__mro__ if name in vars(c)) for name in BASE_PHASES}
-    return all(c is DPFirstOrderAlgorithm for c in owner.values())
+
+def stock_phase_algorithms() -> list[str]:
+    """The registered algorithms whose class runs DPFirstOrderAlgorithm's phases unchanged."""
+    from dpbench.algorithms import ALGORITHMS
+
+    return [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).runs_stock_phases()]
 
 
 @dataclass

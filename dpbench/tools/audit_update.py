@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from dpbench.tools.audit_harness import value_range
+from dpbench.tools.audit_harness import stock_phase_algorithms, value_range
 from dpbench.tools.audit_report import (
     UPDATE,
     Check,
@@ -45,7 +45,8 @@ def update_check(jobs) -> Check:
     if not recorder.phases:
         return Check(UPDATE, "optimizer input", 0.0, UPDATE_TOLERANCE, True,
                      f"not applicable: {name} overrides DPFirstOrderAlgorithm's phases (its update is not release / "
-                     "expected batch size); the check covers the algorithms that run them (dpsgd, dpadam)")
+                     "expected batch size); the check covers the algorithms that run them (`runs_stock_phases`: "
+                     f"{', '.join(stock_phase_algorithms())})")
     expected_size = job.privacy.setup.expected_batch_size
     worst_grad, worst_change, steps, problems = 0.0, 0.0, 0, []
     sgd_lr = _plain_sgd(job.algorithm.optimizer)

@@ -8,8 +8,8 @@ applied only around `run_audit`: the audit builds its jobs as `dpbench` does, so
 a run would. A bug names the check that must catch it (a `Check.name` of dpbench/tools/audit.py);
 a SOUND variant (`sound=True`) is a rewrite that keeps the mechanism and must pass every check.
 Most bugs patch DPFirstOrderAlgorithm's phases (clip_and_accumulate -> add_noise -> scale_grad ->
-apply_update), the noise generator or the sampler, so they apply to dpsgd and dpadam (`SeededBug.algos`
-says which algorithms a bug's patch is about); the catalogue's defaults (`CATALOGUE_DEFAULTS`: dpsgd on
+apply_update), the noise generator or the sampler, so they apply to the algorithms that run those
+phases unchanged (`SeededBug.applies` asks each registered class whether a bug's patch is about it); the catalogue's defaults (`CATALOGUE_DEFAULTS`: dpsgd on
 the synthetic data, a small audit) keep it to a couple of minutes on two cores, and any override on
 the command line applies on top. A bug that needs more (an engine, a model with BatchNorm, DC-DPSGD)
 names it in `SeededBug.overrides`, which its row applies last: what the bug is about wins.
@@ -35,7 +35,17 @@ from dpbench.errors import UserError
 # dpbench-audit audit.seeded_bug=... composes these first, then the command line's overrides
 CATALOGUE_DEFAULTS = ["algo=dpsgd", "dataset=synthetic", "logger=none", "train.batch_size=32", "train.steps=3",
                       "privacy.noise_multiplier=1.0", "audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
-SUPPORTED = ("dpsgd", "dpadam")  # the algorithms that run DPFirstOrderAlgorithm's phases unchanged
+
+
+def _stock_phases(algo_cls) -> bool:
+    """The classes whose code most bugs patch: DPFirstOrderAlgorithm's phases, run unchanged."""
+    return algo_cls.runs_stock_phases()
+
+
+def _dcdpsgd(algo_cls) -> bool:
+    from dpbench.algorithms.dcdpsgd import DCDPSGD
+
+    return issubclass(algo_cls, DCDPSGD)
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,14 @@ class SeededBug:
     # what the bug needs beyond the catalogue's defaults, as `dpbench` overrides, applied on top of the
     # command line's (`bug_config`): an engine (algo.per_sample=ghost), a model, an algorithm
     overrides: tuple[str, ...] = ()
-    algos: tuple[str, ...] = SUPPORTED  # the algorithms whose code the patch is about
+    # whether the patch is about the code of an algorithm class (asked of the registry's classes)
+    applies: Callable[[type], bool] = _stock_phases
+
+    def algorithms(self) -> list[str]:
+        """The registered algorithms whose code the patch is about."""
+        from dpbench.algorithms import ALGORITHMS
+
+        return [name for name in ALGORITHMS.names() if self.applies(ALGORITHMS.get(name))]
 
 
 def _base():
@@ -429,7 +446,7 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
     SeededBug("dcdpsgd_mixture_noise", "noise",
               "the DC-DPSGD code's gradient noise p N(0, (sigma c1)^2) + (1 - p) N(0, (sigma c2)^2) for p = k/B "
               "tail examples: about sigma c1 / 7 at p = 0.1 (sigma c2 before any tail), where sensitivity c1 needs "
-              "sigma c1", _dcdpsgd_mixture_noise, overrides=("algo=dcdpsgd",), algos=("dcdpsgd",)),
+              "sigma c1", _dcdpsgd_mixture_noise, overrides=("algo=dcdpsgd",), applies=_dcdpsgd),
     SeededBug("noise_bf16_rounded", "noise precision",
               "noise drawn in fp32 but rounded to bfloat16 before it is added: the std is right, but release - value "
               "lies on bf16's grid, so neighbouring values are told apart (Mironov 2012)", _noise_bf16_rounded),
@@ -440,7 +457,7 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
     SeededBug("dcdpsgd_threshold_unnoised", "two-step sensitivity",
               "DC-DPSGD's next threshold from the un-noised score histogram (the noisy one still released and "
               "charged): the record moves every later step's clipping, which no release covers",
-              _dcdpsgd_threshold_unnoised, overrides=("algo=dcdpsgd",), algos=("dcdpsgd",)),
+              _dcdpsgd_threshold_unnoised, overrides=("algo=dcdpsgd",), applies=_dcdpsgd),
 ]}
 
 
@@ -516,8 +533,11 @@ def run_bug(cfg, name: str, run_dir: Path):
         raise UserError(f"audit.seeded_bug={name} is not known; use all or one of {', '.join(CATALOGUE)}")
     bug = CATALOGUE[name]
     cfg = bug_config(cfg, bug)
-    if str(cfg.algo.name) not in bug.algos:
-        raise UserError(f"audit.seeded_bug={name} patches the code of algo={' or algo='.join(bug.algos)}: use that")
+    from dpbench.algorithms import algorithm_class
+
+    if not bug.applies(algorithm_class(str(cfg.algo.name))):
+        raise UserError(f"audit.seeded_bug={name} patches the code of algo={' or algo='.join(bug.algorithms())}: "
+                        "use that")
     plain = cfg.copy()
     from omegaconf import OmegaConf
 

@@ -17,6 +17,7 @@ from helpers.ranks import relative, spawn_ranks
 from helpers.sharding_worker import CLIP, LOGICAL_BATCHES, NOISY_SIGMA, run
 from scipy import stats
 
+from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
 
 WORLD = 2
@@ -191,9 +192,9 @@ def _refusal(monkeypatch, cfg, world: int = 2) -> str:
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(UserError) as refused:
-        sharding.check_supported(cfg)
+        sharding.check_supported(cfg, ALGORITHMS)
     message = str(refused.value)
-    assert "\n" not in message and "supports algo=dpsgd|dpadam|grape with algo.per_sample=bk|ghost and algo=dpzero" in message
+    assert "\n" not in message and "supports algo=dpadam|dpsgd|grape with algo.per_sample=bk|ghost and algo=dpzero" in message
     return message
 
 
@@ -220,15 +221,15 @@ def test_supported_combinations_and_the_default_pass(monkeypatch):
     from dpbench import sharding
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    sharding.check_supported(_cfg("dpsgd"))
-    sharding.check_supported(_cfg("dpadam", "ghost"))
-    sharding.check_supported(_cfg("grape", "bk"))  # replicated releases: tests/run/test_sharded_replicated.py
-    sharding.check_supported(_cfg("grape", "ghost"))
-    sharding.check_supported(_cfg("dpzero", None))  # no engine: forwards only
-    sharding.check_supported(_cfg(checkpoint_every=2))  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
+    sharding.check_supported(_cfg("dpsgd"), ALGORITHMS)
+    sharding.check_supported(_cfg("dpadam", "ghost"), ALGORITHMS)
+    sharding.check_supported(_cfg("grape", "bk"), ALGORITHMS)  # replicated releases: tests/run/test_sharded_replicated.py
+    sharding.check_supported(_cfg("grape", "ghost"), ALGORITHMS)
+    sharding.check_supported(_cfg("dpzero", None), ALGORITHMS)  # no engine: forwards only
+    sharding.check_supported(_cfg(checkpoint_every=2), ALGORITHMS)  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
     none = _cfg("adam", None)
     none.train.sharding = "none"
-    sharding.check_supported(none)  # train.sharding=none: nothing to check
+    sharding.check_supported(none, ALGORITHMS)  # train.sharding=none: nothing to check
     assert sharding.block_patterns("opt") == ("*decoder.layers.*",)
 
 
@@ -247,3 +248,18 @@ def test_the_cli_refuses_fsdp_in_one_process_in_one_line(tiny_cfg):
 
     with pytest.raises(UserError, match="^it needs several processes.*train.sharding=fsdp supports"):
         setup(tiny_cfg("train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit"))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_every_algorithm_is_refused_or_run_as_its_class_declares(monkeypatch, name):
+    """The registry's declaration (`shardable`, `per_example_engine`) decides, for every algorithm."""
+    from dpbench import sharding
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    algo_cls = ALGORITHMS.get(name)
+    cfg = _cfg(name, "bk" if algo_cls.per_example_engine else None)
+    if algo_cls.shardable:
+        sharding.check_supported(cfg, ALGORITHMS)
+        assert name in sharding.supported(ALGORITHMS)
+    else:
+        assert f"algo={name} is not supported" in _refusal(monkeypatch, cfg)

@@ -14,6 +14,8 @@ import torch
 from helpers.cli import console_script_in_process
 from helpers.config import compose
 
+from dpbench.algorithms import ALGORITHMS
+from dpbench.errors import UserError
 from dpbench.tools.audit import run_audit
 from dpbench.tools.audit_sampler import sampler_check
 from dpbench.tools.audit_report import CHECK_ORDER, UPDATE
@@ -166,6 +168,25 @@ def test_a_bugs_overrides_apply_on_top():
     assert batchnorm.model.width == 8 and batchnorm.algo.per_sample == "ghost" and cnn.algo.per_sample == "bk"
     dcdpsgd = bug_config(compose(CATALOGUE_DEFAULTS), CATALOGUE["dcdpsgd_mixture_noise"])
     assert dcdpsgd.algo.name == "dcdpsgd" and "tail_fraction" in dcdpsgd.algo
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_a_class_runs_the_stock_phases_iff_it_overrides_none(name):
+    """`runs_stock_phases` (what the seeded bugs and the release -> update row ask) is read off the class."""
+    from dpbench.algorithms.base import DPFirstOrderAlgorithm
+
+    algo_cls = ALGORITHMS.get(name)
+    overrides = [phase for phase in DPFirstOrderAlgorithm.STOCK_PHASES
+                 if getattr(algo_cls, phase, None) is not getattr(DPFirstOrderAlgorithm, phase)]
+    assert algo_cls.runs_stock_phases() == (issubclass(algo_cls, DPFirstOrderAlgorithm) and not overrides)
+
+
+def test_every_bug_applies_to_a_registered_algorithm_and_refuses_the_others():
+    applying = {name: CATALOGUE[name].algorithms() for name in CATALOGUE}
+    assert len(applying) == len(CATALOGUE) >= 10 and all(applying.values())
+    assert {"dpsgd", "dpadam"} <= set(applying["noise_half"]) and "dpzero" not in applying["noise_half"]
+    with pytest.raises(UserError, match="audit.seeded_bug=noise_half patches the code of algo="):
+        run_bug(compose(CATALOGUE_DEFAULTS + ["algo=dpzero"]), "noise_half", None)
 
 
 def test_the_realised_batch_divisor_says_where_it_is_unsound():

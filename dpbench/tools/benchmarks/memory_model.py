@@ -370,9 +370,10 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
     if info["kind"] == "image":
         est.tokens = 1
     if world_size > 1:
-        from dpbench.sharding import SUPPORTED_ALGORITHMS, SUPPORTED_ENGINES
+        from dpbench.algorithms import algorithm_class
+        from dpbench.privacy.engines import SHARDED_SUMS, engine_spec
 
-        if algo not in SUPPORTED_ALGORITHMS or engine not in SUPPORTED_ENGINES:  # (the model covers first-order ones)
+        if not algorithm_class(algo).shardable or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
             est.notes.append(f"train.sharding=fsdp refuses algo={algo} algo.per_sample={engine} today: "
                              "the figures are what K-way sharding would take")
         if str(cfg.train.get("precision", "fp32")) != "fp32":
