@@ -76,7 +76,7 @@ class LossTally:
 
 
 # ---- step hooks (Opacus's `step_hook` style): an observer the owner calls at named points ----
-# dpbench-audit audit.one_run=true (dpbench/tools/one_run.py) attaches one; every other run has
+# dpbench-audit audit.one_run=true (dpbench/tools/audit/one_run.py) attaches one; every other run has
 # none. The hook never writes into a clipped sum on the first-order path: its canaries are
 # examples, with their own per-example loss, that go through the engine and the clipping as any
 # example does. Where an algorithm declares another `canary_site`, it says why.

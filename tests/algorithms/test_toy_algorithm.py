@@ -76,7 +76,7 @@ def toy(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_a_toy_algorithm_from_one_py_and_one_yaml_runs_end_to_end_and_passes_the_audit(toy, tmp_path):
-    from dpbench.tools.audit import run_audit
+    from dpbench.tools.audit.runner import run_audit
     from dpbench.run import run_job
 
     cfg = compose(TINY + FIXED_SIGMA + toy + ["algo.step_scale=2"])

@@ -15,7 +15,7 @@ from dpbench.logging.results import RESULTS_FILE, RunResults
 from dpbench.study_publish import PRIVATE_DIR
 
 MIB = 2**20
-AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit_report.AuditReport.to_json)
+AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit.report.AuditReport.to_json)
 DEFAULT_ENGINE = "materialize"   # algo.per_sample when a method name carries no engine
 
 

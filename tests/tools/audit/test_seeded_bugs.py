@@ -1,4 +1,4 @@
-"""dpbench-audit's seeded bugs (dpbench/tools/seeded_bugs.py): each broken mechanism is caught by
+"""dpbench-audit's seeded bugs (dpbench/tools/audit/seeded_bugs.py): each broken mechanism is caught by
 the check it names, the sound variant passes every check, and a clean run passes the new checks
 (release → update on the optimizer's input and on the model's buffers, sampler, noise across runs,
 total noise over >= 4 physical chunks)."""
@@ -16,10 +16,10 @@ from helpers.config import compose
 
 from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
-from dpbench.tools.audit import run_audit
-from dpbench.tools.audit_sampler import sampler_check
-from dpbench.tools.audit_report import CHECK_ORDER, UPDATE
-from dpbench.tools.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, bug_config, run_bug
+from dpbench.tools.audit.runner import run_audit
+from dpbench.tools.audit.sampler import sampler_check
+from dpbench.tools.audit.report import CHECK_ORDER, UPDATE
+from dpbench.tools.audit.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, bug_config, run_bug
 
 # the fast tier (about a second an audit): DPZero's quadratic (a 64-vector model), 2 noise steps and
 # one neighbour pair (the bugs below are not about sensitivity)
@@ -214,7 +214,7 @@ def test_a_clean_run_passes_the_new_checks(tmp_path):
 
 @pytest.mark.slow
 def test_the_console_script_runs_the_catalogue(tmp_path):
-    from dpbench.tools.audit_cli import main
+    from dpbench.tools.audit.cli import main
 
     def audit(*args):
         return console_script_in_process(main, "dpbench-audit", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)

@@ -1,9 +1,9 @@
 """How often each statistical row of the seeded-bug catalogue misses, measured by repetition.
 
-    python -m dpbench.tools.audit_margins                  # every statistical row x 20 (slow ones x 10)
-    python -m dpbench.tools.audit_margins --repeats 5 --rows noise_half dcdpsgd_mixture_noise
+    python -m dpbench.tools.audit.margins                  # every statistical row x 20 (slow ones x 10)
+    python -m dpbench.tools.audit.margins --repeats 5 --rows noise_half dcdpsgd_mixture_noise
 
-A statistical row is a catalogue bug (dpbench/tools/seeded_bugs.py) caught by a check whose verdict
+A statistical row is a catalogue bug (dpbench/tools/audit/seeded_bugs.py) caught by a check whose verdict
 depends on random draws (`STATISTICAL`: noise, noise precision, noise across runs, independence,
 sampler); a miss is an audit that does not fail that check. A sound variant's miss is an audit that
 fails any check, and so is a clean audit's (`CLEAN`: the catalogue's algorithms with no bug, the
@@ -36,7 +36,7 @@ CLEAN = {
 
 
 def statistical_rows() -> list[str]:
-    from dpbench.tools.seeded_bugs import CATALOGUE
+    from dpbench.tools.audit.seeded_bugs import CATALOGUE
 
     return [name for name, bug in CATALOGUE.items() if bug.check in STATISTICAL]
 
@@ -44,8 +44,8 @@ def statistical_rows() -> list[str]:
 def one_audit(row: str, run_dir: Path) -> tuple[bool, str]:
     """(missed, figure) of one audit of `row` at the catalogue's sizes."""
     from dpbench.api import compose
-    from dpbench.tools.audit import run_audit
-    from dpbench.tools.seeded_bugs import CATALOGUE_DEFAULTS, run_bug
+    from dpbench.tools.audit.runner import run_audit
+    from dpbench.tools.audit.seeded_bugs import CATALOGUE_DEFAULTS, run_bug
 
     if row in CLEAN:
         report = run_audit(compose(CATALOGUE_DEFAULTS + CLEAN[row]), run_dir)

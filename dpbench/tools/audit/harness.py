@@ -1,4 +1,4 @@
-"""The self-audit's harness (dpbench/tools/audit.py): jobs built as `dpbench` builds them, with
+"""The self-audit's harness (dpbench/tools/audit/runner.py): jobs built as `dpbench` builds them, with
 their noisy releases recorded (`ReleaseRecorder`), the phases of DPFirstOrderAlgorithm observed,
 weighted neighbours (`WeightedTask`), noise switched off (`ZeroNoise`), and the small statistics
 the checks share."""
@@ -93,10 +93,10 @@ class ReleaseRecorder:
         self.chunks: dict[int, int] = {}
         self.updates: dict[int, Update] = {}
         self.buffers: dict[int, dict[str, float]] = {}  # step -> buffer -> relative change by the step
-        self.precision: dict = {}  # release part -> PrecisionTally (audit_precision.py), in the release's dtype
+        self.precision: dict = {}  # release part -> PrecisionTally (audit/precision.py), in the release's dtype
 
     def __call__(self, name, parts, noisy, mechanism) -> None:
-        from dpbench.tools.audit_precision import tally_release
+        from dpbench.tools.audit.precision import tally_release
 
         tally_release(self.precision, name, parts, noisy)  # before anything is converted to float64
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]

@@ -1,4 +1,4 @@
-"""The noise-precision check of `dpbench-audit` (dpbench/tools/audit.py): the noise a release added
+"""The noise-precision check of `dpbench-audit` (dpbench/tools/audit/runner.py): the noise a release added
 keeps fp32's precision. Noise drawn in fp32 but rounded to bf16 (or fp16) before it is added has
 the right std and passes every other check, yet release - value lies on the narrow format's grid,
 which lets an attacker tell neighbouring values apart (Mironov 2012's floating-point attack).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench.tools.audit_report import PRECISION, Check
+from dpbench.tools.audit.report import PRECISION, Check
 
 MAX_REPRESENTABLE = 0.01  # fail above 1% representable residuals; fp32 noise gives about 0.05%
 MIN_INFORMATIVE = 200  # fewer informative residuals: too few to judge (the row says so and passes)

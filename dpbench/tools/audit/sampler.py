@@ -1,4 +1,4 @@
-"""The sampler check of `dpbench-audit` (dpbench/tools/audit.py): Poisson where Poisson is accounted,
+"""The sampler check of `dpbench-audit` (dpbench/tools/audit/runner.py): Poisson where Poisson is accounted,
 shuffled epochs where shuffling is, and never reproducible from `seed`."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import torch
 
 from dpbench import distributed
-from dpbench.tools.audit_harness import chi_square_p_value, two_sided_normal
-from dpbench.tools.audit_report import (
+from dpbench.tools.audit.harness import chi_square_p_value, two_sided_normal
+from dpbench.tools.audit.report import (
     Check,
 )
 

@@ -15,8 +15,8 @@ from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
-from dpbench.tools.audit import run_audit
-from dpbench.tools.audit_report import CHECK_ORDER
+from dpbench.tools.audit.runner import run_audit
+from dpbench.tools.audit.report import CHECK_ORDER
 
 import_all()
 # dplora needs a language model (its adapters target attention projections): audited in
@@ -190,7 +190,7 @@ def test_audit_flags_the_approximate_gdp_accountant(tmp_path):
 
 @pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_console_script_exit_codes(tmp_path):
-    from dpbench.tools.audit_cli import main
+    from dpbench.tools.audit.cli import main
 
     def audit(*args):
         return console_script_in_process(main, "dpbench-audit", *TINY, *AUDIT, f"hydra.run.dir={tmp_path / 'run'}",

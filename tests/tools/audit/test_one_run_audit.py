@@ -17,9 +17,9 @@ from dpbench.algorithms import ALGORITHMS, algorithm_class
 from dpbench.algorithms.base import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
-from dpbench.tools.audit import run_audit
+from dpbench.tools.audit.runner import run_audit
 from dpbench.algorithms.base import EXAMPLES
-from dpbench.tools.one_run import (
+from dpbench.tools.audit.one_run import (
     Canaries,
     Guesses,
     ceiling,
@@ -154,7 +154,7 @@ def test_the_registry_has_private_algorithms():
 
 @pytest.mark.parametrize("algo", PRIVATE)
 def test_every_private_algorithm_declares_its_canary_site(algo):
-    from dpbench.tools.one_run_canaries import UNSEEN
+    from dpbench.tools.audit.one_run_canaries import UNSEEN
 
     site = algorithm_class(algo).canary_site
     assert site is not None, f"algo={algo} declares no canary_site"
@@ -168,7 +168,7 @@ def _canary_job(count: int, relation: str):
     """(DP-SGD job on a width-8 cnn with a canary layer of `count` canaries, its canaries, the canary
     weight's index among the algorithm's parameters)."""
     from dpbench.run import setup
-    from dpbench.tools.one_run_canaries import CanaryHook, add_canary_layer
+    from dpbench.tools.audit.one_run_canaries import CanaryHook, add_canary_layer
 
     cfg = compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "algo=dpsgd",
                    "privacy.noise_multiplier=1", "privacy.clip_norm=0.5"])
@@ -183,7 +183,7 @@ def _canary_job(count: int, relation: str):
 def test_canary_examples_go_through_the_engine_and_its_clipping():
     """A present canary's per-example loss is s w_i: the engine forms its gradient s e_i and the
     algorithm's clipping brings it to C e_i; the real examples' gradients are 0 on the canary layer."""
-    from dpbench.tools.one_run_canaries import LOSS_SCALE
+    from dpbench.tools.audit.one_run_canaries import LOSS_SCALE
 
     job, marks, index = _canary_job(12, "replace_one")
     marks.begin_step(0)  # q = 1, replace-one: every canary present, +1 if included, -1 if not
@@ -198,8 +198,8 @@ def test_canary_examples_go_through_the_engine_and_its_clipping():
 def test_without_clipping_a_canary_example_contributes_its_whole_gradient():
     from unittest import mock
 
-    from dpbench.tools.one_run_canaries import LOSS_SCALE
-    from dpbench.tools.seeded_bugs import _unclipped_factors
+    from dpbench.tools.audit.one_run_canaries import LOSS_SCALE
+    from dpbench.tools.audit.bug_patches import _unclipped_factors
 
     job, marks, index = _canary_job(6, "add_remove")
     marks.begin_step(0)
@@ -250,7 +250,7 @@ def test_an_update_without_its_released_noise_fails(algo, tmp_path):
     but the update uses the clipped sum without noise. The ledger is unchanged, so only an audit of
     what the model learned sees it: every guess is right and the bound reaches the ceiling, far
     above the claimed 1; the audit fails (exit 1) and the catalogue row says the one-run caught it."""
-    from dpbench.tools.audit_cli import main
+    from dpbench.tools.audit.cli import main
 
     run = console_script_in_process(main, "dpbench-audit", *RUN, f"algo={algo}", "train.steps=150",
                                     "privacy.epsilon=1", "audit.seeded_bug=unnoised_update",
@@ -270,7 +270,7 @@ def test_clipping_off_is_caught_by_the_one_run_audit(tmp_path):
     """Seeded bug `clipping_off` under the one-run audit: the canary examples' gradients (s e_i, s
     = 1e4 C) reach the sum unclipped, every guess is right and the bound reaches the ceiling, far
     above the claimed 1 (a clean run at these sizes stays below it: test_a_clean_run_passes)."""
-    from dpbench.tools.audit_cli import main
+    from dpbench.tools.audit.cli import main
 
     run = console_script_in_process(main, "dpbench-audit", *RUN, "algo=dpsgd", "train.steps=150",
                                     "privacy.epsilon=1", "audit.seeded_bug=clipping_off",
@@ -314,7 +314,7 @@ def test_input_canaries_are_mislabeled_training_records(neighboring):
     """audit.canary=input: included canaries are extra records at their wrong labels (replace-one:
     every slot is a record, the excluded ones at their own labels); q, B, T stay the planned ones."""
     from dpbench.run import setup
-    from dpbench.tools.one_run import InputCanaryTask
+    from dpbench.tools.audit.one_run import InputCanaryTask
 
     job = setup(compose(["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none",
                          "algo=dpsgd", f"privacy.neighboring={neighboring}", "privacy.noise_multiplier=1"]))

@@ -1,4 +1,4 @@
-"""The validation-score checks of `dpbench-audit` (dpbench/tools/audit.py): the final model's noisy
+"""The validation-score checks of `dpbench-audit` (dpbench/tools/audit/runner.py): the final model's noisy
 validation score (dataset.validation_fraction > 0, `dpbench.run.validation_score`), a release of its
 own, made once after training.
 
@@ -12,7 +12,7 @@ own, made once after training.
   noise          VALIDATION_DRAWS releases of the count: their noise (noisy - noiseless, through the
                  release observer) has the std the plan declares for it (its final release's noise
                  multiplier x the stated sensitivity; two-sided chi-square), and keeps fp32's precision
-                 (a "noise precision" row, audit_precision.py).
+                 (a "noise precision" row, audit/precision.py).
 
 A training record changes the model too; parallel composition covers that through the training
 mechanism, so every neighbouring data set (its task rebuilt without the records) is scored by one
@@ -31,9 +31,9 @@ from unittest import mock
 import torch
 
 from dpbench.tasks import build_task
-from dpbench.tools.audit_harness import audited_job, chi_square_p_value
-from dpbench.tools.audit_precision import precision_checks
-from dpbench.tools.audit_report import VALIDATION, Check
+from dpbench.tools.audit.harness import audited_job, chi_square_p_value
+from dpbench.tools.audit.precision import precision_checks
+from dpbench.tools.audit.report import VALIDATION, Check
 
 VALIDATION_DRAWS = 1000  # noisy validation releases for the std and precision tests (a forward over the validation part each)
 

@@ -1,4 +1,4 @@
-"""The two-step sensitivity check of `dpbench-audit` (dpbench/tools/audit.py), for algorithms whose
+"""The two-step sensitivity check of `dpbench-audit` (dpbench/tools/audit/runner.py), for algorithms whose
 release sets state the next step reads (`Algorithm.release_carries_state`: DC-DPSGD's threshold,
 DPDR's basis).
 
@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from dpbench.tools.audit_harness import audited_job, audited_step, dropout_off, physical_chunks
-from dpbench.tools.audit_report import TWO_STEP, Check
-from dpbench.tools.audit_sensitivity import _release_differences
+from dpbench.tools.audit.harness import audited_job, audited_step, dropout_off, physical_chunks
+from dpbench.tools.audit.report import TWO_STEP, Check
+from dpbench.tools.audit.sensitivity import _release_differences
 
 NEXT_BATCH = 8  # step t+1's batch, x audit.batch: many examples near a threshold that state could move
 TOLERANCE = 1e-6  # of the declared sensitivity: two runs of one state differ by nothing at all

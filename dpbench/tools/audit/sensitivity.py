@@ -1,4 +1,4 @@
-"""The sensitivity check of `dpbench-audit` (dpbench/tools/audit.py): with the noise off, neighbouring
+"""The sensitivity check of `dpbench-audit` (dpbench/tools/audit/runner.py): with the noise off, neighbouring
 batches move each release by at most the sensitivity the ledger assumes."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import math
 import torch
 
 from dpbench.errors import DivergedError, UserError
-from dpbench.tools.audit_harness import (
+from dpbench.tools.audit.harness import (
     ReleaseRecorder,
     audited_job,
     audited_step,
     dropout_off,
     physical_chunks,
 )
-from dpbench.tools.audit_report import (
+from dpbench.tools.audit.report import (
     Check,
 )
 

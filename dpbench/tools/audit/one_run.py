@@ -21,9 +21,9 @@ import torch
 
 from dpbench.algorithms.base import CLIPPED_SCALAR, EXAMPLES
 from dpbench.errors import UserError
-from dpbench.tools.audit_report import AuditReport, Check
-from dpbench.tools.one_run_bound import Guesses, ceiling, epsilon_lower_bound, one_run_p_value  # noqa: F401 (the audit's names)
-from dpbench.tools.one_run_canaries import UNSEEN, Canaries, CanaryHook, Schedule, add_canary_layer  # noqa: F401
+from dpbench.tools.audit.report import AuditReport, Check
+from dpbench.tools.audit.one_run_bound import Guesses, ceiling, epsilon_lower_bound, one_run_p_value  # noqa: F401 (the audit's names)
+from dpbench.tools.audit.one_run_canaries import UNSEEN, Canaries, CanaryHook, Schedule, add_canary_layer  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- black-box canaries

@@ -1,4 +1,4 @@
-"""The release -> update checks of `dpbench-audit` (dpbench/tools/audit.py): the optimizer reads the
+"""The release -> update checks of `dpbench-audit` (dpbench/tools/audit/runner.py): the optimizer reads the
 noisy release after public post-processing only, and no step changes a model buffer."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from dpbench.tools.audit_harness import stock_phase_algorithms, value_range
-from dpbench.tools.audit_report import (
+from dpbench.tools.audit.harness import stock_phase_algorithms, value_range
+from dpbench.tools.audit.report import (
     UPDATE,
     Check,
 )

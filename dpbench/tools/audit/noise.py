@@ -1,4 +1,4 @@
-"""The noise checks of `dpbench-audit` (dpbench/tools/audit.py): the noise each release added against
+"""The noise checks of `dpbench-audit` (dpbench/tools/audit/runner.py): the noise each release added against
 the plan's std (chi-square), its independence across steps and across two fresh runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dpbench.privacy.mechanisms import (
     one_batch_mechanism,
     same_mechanisms,
 )
-from dpbench.tools.audit_harness import (
+from dpbench.tools.audit.harness import (
     Release,
     ReleaseRecorder,
     audited_job,
@@ -26,11 +26,11 @@ from dpbench.tools.audit_harness import (
     two_sided_normal,
     value_range,
 )
-from dpbench.tools.audit_report import (
+from dpbench.tools.audit.report import (
     Check,
 )
-from dpbench.tools.audit_precision import merged, precision_checks
-from dpbench.tools.audit_update import buffer_check, update_check
+from dpbench.tools.audit.precision import merged, precision_checks
+from dpbench.tools.audit.update import buffer_check, update_check
 
 SCALAR_DRAWS = 200  # empty-batch steps added when a release is one number per step
 

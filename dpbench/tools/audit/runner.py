@@ -16,7 +16,7 @@ only with what the algorithm says it drew:
                 chunk by chunk), else the release's noisy - noiseless;
   noise precision  the residuals release - value of those releases, in the release's fp32: at most 1%
                 of the informative ones exactly representable in bf16 or fp16 (noise rounded to a
-                narrow format before it is added lies on its grid; audit_precision.py);
+                narrow format before it is added lies on its grid; audit/precision.py);
   noise across runs  the two fresh jobs (same config, same seed) draw different noise: the pooled
                 correlation of their noise at the same step is within z / sqrt(n) of 0;
   independence  that noise is independent across steps: the pooled correlation of the
@@ -32,7 +32,7 @@ only with what the algorithm says it drew:
                 instead of each example moves it by up to 2x);
   two-step sensitivity  for an algorithm that declares `release_carries_state` (DC-DPSGD's threshold,
                 DPDR's basis): a record at step t only, step t's release held fixed, step t+1's
-                noiseless release must not move (audit_two_step.py);
+                noiseless release must not move (audit/two_step.py);
   release → update  at every audited step of the noise check, the optimizer's input is the recorded
                 noisy release / the expected batch size (public post-processing only), and for a
                 plain SGD the parameter change is -lr x it (for the algorithms that declare
@@ -42,7 +42,7 @@ only with what the algorithm says it drew:
                 BatchNorm's running statistics);
   validation score  with a validation split: a training record leaves the final score's noiseless
                 count where it was under parallel composition (<= 1 under sequential), a validation
-                record moves it by <= 1, and its noise has the planned std (audit_validation.py);
+                record moves it by <= 1, and its noise has the planned std (audit/validation.py);
   sampler       the run's sampler, built as the run builds it: Poisson sizes ~ Binomial(n, q) and
                 independent inclusions across steps where Poisson is accounted (shuffled: batches
                 of B, disjoint within an epoch), and two fresh samplers of one seed draw differently;
@@ -56,14 +56,14 @@ The statistical checks (noise, independence, noise across runs, sampler) are one
 its k tests passes when its p-value is above audit.alpha / k (Bonferroni, `family_corrected`), so
 a clean run fails one of them with probability at most audit.alpha.
 
-Where each lives: audit_harness.py (the jobs, the recorder of releases, the neighbours),
-audit_noise.py (noise, independence, noise across runs), audit_precision.py, audit_sensitivity.py,
-audit_two_step.py, audit_update.py (release → update, buffers), audit_validation.py,
-audit_sampler.py, audit_accounting.py; this module runs them. audit_margins.py measures how often
+Where each lives: audit/harness.py (the jobs, the recorder of releases, the neighbours),
+audit/noise.py (noise, independence, noise across runs), audit/precision.py, audit/sensitivity.py,
+audit/two_step.py, audit/update.py (release → update, buffers), audit/validation.py,
+audit/sampler.py, audit/accounting.py; this module runs them. audit/margins.py measures how often
 the catalogue's statistical rows miss.
 
 Prints a table, writes audit.json in the run folder, exits 0 when every check holds, else 1.
-`audit.seeded_bug=NAME|all` runs the audit under seeded bugs instead (dpbench/tools/seeded_bugs.py).
+`audit.seeded_bug=NAME|all` runs the audit under seeded bugs instead (dpbench/tools/audit/seeded_bugs.py).
 The sensitivity check turns dropout layers off so that the two neighbouring runs differ only in
 the neighbour; the per-example clipping of recomputed gradients under dropout is covered by the
 test suite. Under train.precision=fp16 it scales the losses only as far as fp16's range allows
@@ -78,21 +78,21 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dpbench.privacy.mechanisms import SeveralMechanismsPerBatchError
-from dpbench.tools.audit_accounting import accounting_check, several_mechanisms_check
-from dpbench.tools.audit_harness import audited_job
-from dpbench.tools.audit_noise import noise_check
-from dpbench.tools.audit_report import CHECK_ORDER, AuditReport, family_corrected
-from dpbench.tools.audit_sampler import sampler_check
-from dpbench.tools.audit_sensitivity import sensitivity_check
-from dpbench.tools.audit_two_step import two_step_checks
-from dpbench.tools.audit_validation import validation_checks
-from dpbench.tools.one_run import one_run_audit
+from dpbench.tools.audit.accounting import accounting_check, several_mechanisms_check
+from dpbench.tools.audit.harness import audited_job
+from dpbench.tools.audit.noise import noise_check
+from dpbench.tools.audit.report import CHECK_ORDER, AuditReport, family_corrected
+from dpbench.tools.audit.sampler import sampler_check
+from dpbench.tools.audit.sensitivity import sensitivity_check
+from dpbench.tools.audit.two_step import two_step_checks
+from dpbench.tools.audit.validation import validation_checks
+from dpbench.tools.audit.one_run import one_run_audit
 
 
 def run_audit(cfg, run_dir: Path) -> AuditReport:
     """Run every check (with audit.one_run, the one-run canary audit instead); write audit.json; return
     the report (`passed` says whether all checks held)."""
-    if cfg.audit.get("one_run", False):  # a lower bound on epsilon from one run with canaries (dpbench/tools/one_run.py)
+    if cfg.audit.get("one_run", False):  # a lower bound on epsilon from one run with canaries (dpbench/tools/audit/one_run.py)
         return _written(one_run_audit(cfg), run_dir)
     import logging
     import warnings

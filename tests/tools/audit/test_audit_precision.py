@@ -8,7 +8,7 @@ import torch
 
 from dpbench.algorithms import ALGORITHMS, import_all
 from dpbench.privacy.release import ReleasePart, gaussian_release
-from dpbench.tools.audit_precision import MAX_REPRESENTABLE, PrecisionTally, precision_checks
+from dpbench.tools.audit.precision import MAX_REPRESENTABLE, PrecisionTally, precision_checks
 
 
 def _tally(noise: torch.Tensor, values: torch.Tensor) -> PrecisionTally:

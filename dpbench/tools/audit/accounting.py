@@ -1,4 +1,4 @@
-"""The accounting checks of `dpbench-audit` (dpbench/tools/audit.py): one mechanism per sampled
+"""The accounting checks of `dpbench-audit` (dpbench/tools/audit/runner.py): one mechanism per sampled
 batch, the ledger as planned, and the reported epsilon against Google's dp-accounting."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dpbench.privacy.mechanisms import (
     SeveralMechanismsPerBatchError,
 )
-from dpbench.tools.audit_report import (
+from dpbench.tools.audit.report import (
     Check,
 )
 

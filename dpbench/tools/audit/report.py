@@ -1,5 +1,5 @@
 """What an audit found: one row per check, and the report `dpbench-audit` prints and writes as
-audit.json (`dpbench/tools/audit.py` runs the self-check, `dpbench/tools/one_run.py` the one-run
+audit.json (`dpbench/tools/audit/runner.py` runs the self-check, `dpbench/tools/audit/one_run.py` the one-run
 canary audit; both report in these terms)."""
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def family_corrected(checks: list[Check], alpha: float) -> list[Check]:
 
 
 UPDATE = "release → update"  # the optimizer reads the noisy release after public post-processing only
-PRECISION = "noise precision"  # release - value is not on the bf16 / fp16 grid (audit_precision.py)
-TWO_STEP = "two-step sensitivity"  # state a release sets moves the next release only through the release (audit_two_step.py)
-VALIDATION = "validation score"  # the final validation release: what it reads and its noise (audit_validation.py)
+PRECISION = "noise precision"  # release - value is not on the bf16 / fp16 grid (audit/precision.py)
+TWO_STEP = "two-step sensitivity"  # state a release sets moves the next release only through the release (audit/two_step.py)
+VALIDATION = "validation score"  # the final validation release: what it reads and its noise (audit/validation.py)
 CHECK_ORDER = ("noise", PRECISION, "noise across runs", "independence", "sensitivity", TWO_STEP, UPDATE, VALIDATION,
                "sampler", "accounting")
 

@@ -1,7 +1,7 @@
 """`dpbench-audit`: the console script. It composes the config as `dpbench` does and runs the
-self-audit (dpbench/tools/audit.py), the one-run canary audit (audit.one_run=true,
-dpbench/tools/one_run.py) or the catalogue of seeded bugs (audit.seeded_bug=NAME|all,
-dpbench/tools/seeded_bugs.py); apart from them so that the catalogue, which runs the audit, is
+self-audit (dpbench/tools/audit/runner.py), the one-run canary audit (audit.one_run=true,
+dpbench/tools/audit/one_run.py) or the catalogue of seeded bugs (audit.seeded_bug=NAME|all,
+dpbench/tools/audit/seeded_bugs.py); apart from them so that the catalogue, which runs the audit, is
 not imported back by it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from dpbench import distributed
 from dpbench.errors import DivergedError, UserError
-from dpbench.tools import seeded_bugs
-from dpbench.tools.audit import audit_table, run_audit
-from dpbench.tools.seeded_bugs import compose_within_app as _compose_within_app
+from dpbench.tools.audit import seeded_bugs
+from dpbench.tools.audit.runner import audit_table, run_audit
+from dpbench.tools.audit.seeded_bugs import compose_within_app as _compose_within_app
 
 
 def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
@@ -95,7 +95,7 @@ def _main_factory():
         from dpbench.logging.console import console
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        if cfg.audit.get("seeded_bug"):  # the catalogue of seeded bugs (dpbench/tools/seeded_bugs.py)
+        if cfg.audit.get("seeded_bug"):  # the catalogue of seeded bugs (dpbench/tools/audit/seeded_bugs.py)
             sys.exit(_agreed(_seeded_bugs_main(list(HydraConfig.get().overrides.task), run_dir)))
         report, failure = None, None
         try:

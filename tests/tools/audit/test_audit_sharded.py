@@ -83,7 +83,7 @@ def test_torchrun_audit_prints_once_writes_audit_json_and_exits_alike(tmp_path):
     audit = ["train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit", "device=cpu", "logger=none",
              "dataset=synthetic", "train.batch_size=32", "train.steps=3", "privacy.noise_multiplier=1.0",
              "audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
-    result = torchrun(*audit, cwd=tmp_path, module="dpbench.tools.audit_cli")
+    result = torchrun(*audit, cwd=tmp_path, module="dpbench.tools.audit.cli")
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert output.count("dpbench-audit · dpadam") == 1 and output.count("every check holds") == 1
@@ -91,7 +91,7 @@ def test_torchrun_audit_prints_once_writes_audit_json_and_exits_alike(tmp_path):
     assert json.loads(written.read_text())["passed"]
     # a combination the audit cannot run under torchrun: one line (rank 0's), exit 2, no hang (torchrun
     # itself exits 1 when a rank failed, naming rank 0's status)
-    refused = torchrun(*audit, "audit.one_run=true", cwd=tmp_path, module="dpbench.tools.audit_cli", timeout=120)
+    refused = torchrun(*audit, "audit.one_run=true", cwd=tmp_path, module="dpbench.tools.audit.cli", timeout=120)
     output = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
     assert output.count("error: audit.one_run=true runs in one process") == 1
@@ -99,6 +99,6 @@ def test_torchrun_audit_prints_once_writes_audit_json_and_exits_alike(tmp_path):
 
 def test_the_sampler_check_reassembles_the_ranks_shares():
     """One process: `_logical_batches` is the sampler's batches as they are."""
-    from dpbench.tools.audit_sampler import _logical_batches
+    from dpbench.tools.audit.sampler import _logical_batches
 
     assert _logical_batches(iter([[3, 1, 2], [5]]), 2) == [[3, 1, 2], [5]]
