@@ -222,7 +222,7 @@ def save_job_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 # Sweepers whose selection among private runs dpbench can state the privacy of: a grid selects
-# nothing (every job is reported), private_search charges its selection (dpbench/study.py).
+# nothing (every job is reported), private_search charges its selection (dpbench/study/).
 ACCOUNTED_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
                       "hydra_plugins.dpbench_private_search.private_search.PrivateSearchSweeper")
 
@@ -270,7 +270,7 @@ def _main(cfg: DictConfig) -> float:
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         save_job_config(cfg, run_dir)
 
-    # a private search's trial publishes nothing itself (dpbench/study_publish.py): no bar, no table, no message
+    # a private search's trial publishes nothing itself (dpbench/study/publish.py): no bar, no table, no message
     private_trial = in_grid and str(HydraConfig.get().sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[1]
     was_quiet, console.quiet = console.quiet, console.quiet or private_trial
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from dpbench import metering
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
-from dpbench.study_publish import PRIVATE_DIR
+from dpbench.study.publish import PRIVATE_DIR
 
 MIB = 2**20
 AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit.report.AuditReport.to_json)

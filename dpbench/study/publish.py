@@ -1,6 +1,6 @@
 """What a private study publishes, and what it keeps outside epsilon.
 
-`epsilon_study` (dpbench/study.py, Papernot & Steinke's repeat-and-select bound) covers releasing
+`epsilon_study` (dpbench/study/accounting.py, Papernot & Steinke's repeat-and-select bound) covers releasing
 the selected trial only: its hyperparameters, model and noisy validation score (its one test
 evaluation is post-processing of the released model). The realised number of trials K is what the
 bound hides, and the other trials' outcomes are not released by it. So a study folder holds
@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from dpbench import study
+from dpbench.study import accounting
+from dpbench.study.trials import TrialOutcome, parse_shape, selected_trial
 from dpbench.errors import UserError
 
 STUDY_FILE, STATE_FILE = "study.json", "study_state.json"
@@ -100,17 +101,17 @@ def settings_of(published: dict) -> dict:
             "fixed_overrides": published["fixed_overrides"], "space": published["search_space"]}
 
 
-def publishable(state: dict, settings: dict, task: dict, event, delta: float, chosen: study.TrialOutcome | None, test: dict | None, notes: list[str]) -> dict:
+def publishable(state: dict, settings: dict, task: dict, event, delta: float, chosen: TrialOutcome | None, test: dict | None, notes: list[str]) -> dict:
     """study.json: only what epsilon_study covers, and config-derived facts (no K, no other trial)."""
-    parallel = isinstance(event, study.ParallelEvent)
+    parallel = isinstance(event, accounting.ParallelEvent)
     summary = {
         "schema": STUDY_SCHEMA, "publishable": True, "study_id": state["study_id"], "task": task,
         "search_space": settings["space"], "fixed_overrides": settings["fixed_overrides"],
         "mean_trials": settings["mean_trials"], "shape": settings["shape"], "score_share": settings["score_share"],
         "budget_epsilon": state["budget_epsilon"], "noise_multiplier": state["noise_multiplier"],
         "score_noise_multiplier": state["score_noise_multiplier"],
-        "epsilon_trial": study.rdp_epsilon(event, delta),
-        "epsilon_study": study.study_epsilon(event, settings["mean_trials"], study.parse_shape(settings["shape"]), delta),
+        "epsilon_trial": accounting.rdp_epsilon(event, delta),
+        "epsilon_study": accounting.study_epsilon(event, settings["mean_trials"], parse_shape(settings["shape"]), delta),
         "delta": delta,
         "accountant": "dp-accounting RDP (RepeatAndSelectDpEvent; replace-one through the add/remove sigma/2 reduction)"
                       + ("; the score composed in parallel with training (pointwise maximum of the RDP curves)"
@@ -125,7 +126,7 @@ def publishable(state: dict, settings: dict, task: dict, event, delta: float, ch
     return summary
 
 
-def finish(study_dir: Path, state: dict, outcomes: list[study.TrialOutcome], planned, build: Callable[..., dict],
+def finish(study_dir: Path, state: dict, outcomes: list[TrialOutcome], planned, build: Callable[..., dict],
            evaluate: Callable[[str], dict], keep_private: bool) -> dict:
     """Select, evaluate the selected model once, publish study.json and selected_trial/, and remove
     the private area (unless `keep_private`). Each stage is recorded first in the private state, so
@@ -137,9 +138,9 @@ def finish(study_dir: Path, state: dict, outcomes: list[study.TrialOutcome], pla
         notes = []
         # a trial that released more than the plan voids the study's bound (a dpbench bug): said without its index
         if any((recorded := (read_results(o.run_dir) or {}).get("privacy", {}).get("ledger")) is not None
-               and not study.ledger_within(recorded, planned) for o in outcomes):
+               and not accounting.ledger_within(recorded, planned) for o in outcomes):
             notes.append("a trial recorded more than the study's planned ledger: epsilon_study does not cover this study")
-        chosen, test = study.selected_trial(outcomes), None
+        chosen, test = selected_trial(outcomes), None
         if "selected_index" not in state:
             state["selected_index"] = None if chosen is None else chosen.index
             write_private(private / STATE_FILE, state)
@@ -187,7 +188,7 @@ def print_published(summary: dict, study_dir: Path) -> None:
                   soft_wrap=True)
 
 
-def print_private(state: dict, outcomes: list[study.TrialOutcome], keys: list[str], naive: float) -> None:
+def print_private(state: dict, outcomes: list[TrialOutcome], keys: list[str], naive: float) -> None:
     """hydra.sweeper.print_private: every trial, headed as outside epsilon."""
     from rich.table import Table
 
