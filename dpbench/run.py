@@ -17,16 +17,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dpbench import distributed, saved_model, sharding
+from dpbench import saved_model
+from dpbench.runtime import distributed, sharding
 from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class
-from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
+from dpbench.runtime.algorithm_state import CheckpointMismatch
+from dpbench.runtime.checkpoint import Checkpointer, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
     EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers, write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
-from dpbench.metering import PeakMemory
+from dpbench.runtime.metering import PeakMemory
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
 from dpbench.privacy.plan import COUNT_SENSITIVITY, PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
 from dpbench.privacy.release import ReleasePart, gaussian_release
@@ -35,7 +37,7 @@ from dpbench.provenance import versions
 from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
 from dpbench.run_config import resolved_config, validate
 from dpbench.tasks import Task, build_task
-from dpbench.trainer import Trainer, TrainerConfig
+from dpbench.runtime.trainer import Trainer, TrainerConfig
 
 
 def resolve_device(name: str) -> torch.device:

@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from dpbench import distributed, sharding
+from dpbench.runtime import distributed, sharding
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, under_relation
@@ -116,7 +116,7 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
-    shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/sharding.py asks)
+    shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks)
     per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
     # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
     canary_site: ClassVar[str | None] = None
@@ -135,7 +135,7 @@ class Algorithm(ABC):
         self.privacy = privacy
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
-        self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/sharding.py)
+        self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/runtime/sharding.py)
         # Facts about this run that change what its results mean; setup prints them and results.json
         # keeps them (algorithms never print).
         self.run_notes: list[str] = []
@@ -310,7 +310,7 @@ class Algorithm(ABC):
         """Largest per-example working set held at once (0: none formed)."""
         return 0
 
-    # --- checkpoints: dpbench/checkpoint.py saves and restores what these name ---------------------
+    # --- checkpoints: dpbench/runtime/checkpoint.py saves and restores what these name ---------------------
     # State that lives in attributes, as dotted names (tensors, generators, dicts keyed by
     # parameters, containers of them); each class adds its own, collected along the MRO.
     checkpoint_attributes: ClassVar[tuple[str, ...]] = ()
@@ -325,50 +325,6 @@ class Algorithm(ABC):
 
     def private_statistics(self) -> set[str]:
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
-
-
-class _IntoShards:
-    """The engine's `reduce` under train.sharding=fsdp (`DPFirstOrderAlgorithm.accumulates_shards`):
-    each parameter's full-size clipped sum of a chunk, handed over with its position in the
-    engine's `params` (bk: in that order, after the backward; ghost: in its second backward's
-    order, as each hook forms it), is sum-reduce-scattered over the ranks
-    (`distributed.reduce_scatter_rows`) and added into this rank's shard rows of the step's running
-    sum, which it returns; so neither a full-size accumulator nor a second shard-size copy of a
-    chunk's sums is held."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.sums: list[torch.Tensor | None] = [None] * count  # this rank's rows of each parameter's running sum
-        self.order: list[int] = []  # the positions reduced in the chunk in progress, in the order reduced
-
-    def __call__(self, summed: torch.Tensor, index: int) -> torch.Tensor:
-        shard = distributed.reduce_scatter_rows(summed)
-        del summed  # the full-size sum is the engine's to drop now
-        self.order.append(index)
-        if self.sums[index] is None:  # the first chunk
-            self.sums[index] = shard
-        else:
-            self.sums[index].add_(shard)
-        return self.sums[index]
-
-    def check(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The running sums, after the engine returned `returned` for one chunk: it must have
-        reduced every parameter once, and every rank in the same order (else the ranks' reduce-
-        scatters paired different parameters: checked with one small all-reduce, which every rank
-        runs and decides alike, before anything is released)."""
-        order, self.order = self.order, []
-        if sorted(order) != list(range(self.count)) or len(returned) != self.count or \
-                any(got is not kept for got, kept in zip(returned, self.sums)):
-            raise RuntimeError("the engine did not reduce each parameter's clipped sum once")
-        if not distributed.same_on_every_rank(order):
-            raise RuntimeError("the ranks reduce-scattered the parameters' clipped sums in different orders "
-                               "(their backward passes differ)")
-        return self.sums
-
-
-def _zero_factors(norms: torch.Tensor) -> torch.Tensor:
-    """Clip factor 0 for every example (a padding chunk of train.sharding=fsdp)."""
-    return torch.zeros_like(norms, dtype=torch.float32)
 
 
 def declared_option(cfg, key: str, default):
@@ -491,11 +447,11 @@ class DPFirstOrderAlgorithm(Algorithm):
         (`chunks`; padding ones contribute exact zeros), hence as many reduce-scatters, in the
         same order."""
         tally, sums = LossTally(), None
-        shards = _IntoShards(len(self.engine.params)) if self.accumulates_shards else None
+        shards = sharding.IntoShards(len(self.engine.params)) if self.accumulates_shards else None
         reduce = {} if shards is None else {"reduce": shards}
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
-            factors = _zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
+            factors = sharding.zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
             contribution = self.engine.clipped_sum(losses, factors, **reduce)
             if shards is not None:  # the engine handed every sum to `shards`, which added it up
                 sums = shards.check(contribution)

@@ -23,7 +23,7 @@ class DPSGDOptions(AlgoOptions):
 
 @ALGORITHMS.register("dpsgd", options=DPSGDOptions)
 class DPSGD(DPFirstOrderAlgorithm):
-    shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/sharding.py)
+    shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/runtime/sharding.py)
 
     def build_optimizer(self, params):
         return torch.optim.SGD(params, lr=self.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpbench import distributed, sharding
+from dpbench.runtime import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, CLIPPED_SCALAR, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions, choice_of

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, StepResult
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,

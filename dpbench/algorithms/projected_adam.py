@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from dpbench import sharding
+from dpbench.runtime import sharding
 from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
 from dpbench.models import default_projected_modules

@@ -327,10 +327,10 @@ class BookKeeping:
 
     def _check_sharded_coverage(self) -> None:
         """`_check_coverage` for a sharded model: FSDP2 reduce-scattered autograd's gradient as a
-        SUM over the ranks (dpbench/sharding.py), so each rank compares its shard of it with its
+        SUM over the ranks (dpbench/runtime/sharding.py), so each rank compares its shard of it with its
         shard of the hooks' sums reduce-scattered alike; the ranks add up the squared differences
         and norms and decide together (a lone refusal would leave the others in a collective)."""
-        from dpbench import distributed
+        from dpbench.runtime import distributed
 
         state, names = self._state, {p: n for n, p in self.model.named_parameters()}
         maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}

@@ -27,7 +27,7 @@ from dpbench.algorithms.dcdpsgd import (
     subspace_scores,
     tail_mask,
 )
-from dpbench.checkpoint import algorithm_state, load_algorithm_state
+from dpbench.runtime.algorithm_state import algorithm_state, load_algorithm_state
 from dpbench.privacy.accountants import (
     RDPAccountant,
     calibrate_noise_multiplier,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import UserError
 from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.ranks import become_rank

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dpbench import checkpoint, distributed
+from dpbench.runtime import checkpoint, distributed
 from dpbench.algorithms import Algorithm
-from dpbench.trainer import Trainer
+from dpbench.runtime.trainer import Trainer
 from helpers.config import FIXED_SIGMA, OFFLINE, compose
 from helpers.ranks import become_rank
 

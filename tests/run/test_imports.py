@@ -135,5 +135,5 @@ def test_the_release_reaches_no_algorithm():
             if nxt not in reached:
                 reached.add(nxt)
                 todo.append(nxt)
-    assert "dpbench.distributed" in reached
+    assert "dpbench.runtime.distributed" in reached
     assert not [m for m in reached if m.startswith("dpbench.algorithms")]

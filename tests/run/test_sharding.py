@@ -1,4 +1,4 @@
-"""train.sharding=fsdp (dpbench/sharding.py): FSDP2 on the CPU with gloo and 2 processes. With the
+"""train.sharding=fsdp (dpbench/runtime/sharding.py): FSDP2 on the CPU with gloo and 2 processes. With the
 noise off, each step's released clipped sum equals one process's at the same parameters and five
 DP-Adam steps (bk on a micro ViT and a tiny OPT with its tied head, ghost on the ViT) end where one
 process's do; with it on, each coordinate gets
@@ -167,7 +167,7 @@ def test_torchrun_trains_sharded_and_records_it(tmp_path):
     # after the evaluations' forwards and the end of training, rank 0 holds its rows of every
     # parameter, the root's included (FSDP2 keeps the root gathered after a forward: resharded)
     from dpbench.api import compose
-    from dpbench.distributed import row_shard
+    from dpbench.runtime.distributed import row_shard
     from dpbench.run import setup
 
     model = setup(compose(["model=vit", "dataset=synthetic", "algo=dpadam", "logger=none", "device=cpu",
@@ -188,7 +188,7 @@ def _cfg(algo: str = "dpadam", per_sample: str | None = "bk", model: str = "vit"
 
 
 def _refusal(monkeypatch, cfg, world: int = 2) -> str:
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(UserError) as refused:
@@ -218,7 +218,7 @@ def test_unsupported_combinations_are_refused_naming_what_is_supported(monkeypat
 
 
 def test_supported_combinations_and_the_default_pass(monkeypatch):
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     sharding.check_supported(_cfg("dpsgd"), ALGORITHMS)
@@ -236,7 +236,7 @@ def test_supported_combinations_and_the_default_pass(monkeypatch):
 def test_block_patterns_name_the_outermost_blocks():
     from torch import nn
 
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     model = nn.Module()
     model.blocks = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2)))
@@ -253,7 +253,7 @@ def test_the_cli_refuses_fsdp_in_one_process_in_one_line(tiny_cfg):
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_algorithm_is_refused_or_run_as_its_class_declares(monkeypatch, name):
     """The registry's declaration (`shardable`, `per_example_engine`) decides, for every algorithm."""
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     algo_cls = ALGORITHMS.get(name)

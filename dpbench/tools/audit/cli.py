@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import DivergedError, UserError
 from dpbench.tools.audit import seeded_bugs
 from dpbench.tools.audit.runner import audit_table, run_audit
@@ -70,7 +70,7 @@ def _agreed(status: int) -> int:
 def _preflight(cfg) -> None:
     """What `dpbench.run.run_job` checks before setup under torchrun, and what the audit cannot do
     there: refused in one line on every rank alike (no collective has run yet)."""
-    from dpbench import sharding
+    from dpbench.runtime import sharding
     from dpbench.algorithms import ALGORITHMS, algorithm_class
     from dpbench.run import resolve_device
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism,

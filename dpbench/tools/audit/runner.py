@@ -123,7 +123,7 @@ def run_audit(cfg, run_dir: Path) -> AuditReport:
 
 def _written(report: AuditReport, run_dir: Path) -> AuditReport:
     """Write audit.json (under torchrun: rank 0 alone; every rank audited the same releases)."""
-    from dpbench import distributed
+    from dpbench.runtime import distributed
     from dpbench.paths import atomic_write
 
     if distributed.is_main_process():

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.tools.audit.harness import chi_square_p_value, two_sided_normal
 from dpbench.tools.audit.report import (
     Check,

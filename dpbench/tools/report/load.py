@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from dpbench import metering
+from dpbench.runtime import metering
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
 from dpbench.study.publish import PRIVATE_DIR
@@ -190,7 +190,7 @@ def method_name(row: RunRow) -> str:
 
 
 def own_peak_bytes(results: RunResults) -> int | None:
-    """The run's own peak memory (dpbench.metering.own_peak_bytes: the rule of every table)."""
+    """The run's own peak memory (dpbench.runtime.metering.own_peak_bytes: the rule of every table)."""
     return metering.own_peak_bytes(results.memory)
 
 

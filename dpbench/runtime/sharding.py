@@ -27,7 +27,7 @@ examples, as in one process:
 * Checkpoints (`train.checkpoint_every`, SIGTERM/SIGUSR1 -> checkpoint -> exit 75) go through
   `torch.distributed.checkpoint`: every rank writes its own shards of the model and optimizer
   state into a fresh DCP folder, then rank 0 writes checkpoint.pt (step, ledger, sampler, every
-  rank's generators) naming it (dpbench/checkpoint.py). A resume under another number of ranks
+  rank's generators) naming it (dpbench/runtime/checkpoint.py). A resume under another number of ranks
   is resharded by DCP, not refused: each rank reads its new rows from the files that hold them.
 
 * DP-GRAPE (`algo=grape`, bk or ghost) forms its projected clipped sums the same way, but
@@ -51,7 +51,7 @@ import sys
 import torch
 from torch import nn
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import UserError
 from dpbench.privacy.engines import SHARDED_SUMS, engine_spec, engines_with
 
@@ -212,3 +212,48 @@ def max_over_ranks(value: int) -> int:
     buffer = torch.tensor([float(value)], dtype=torch.float64)
     torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX)
     return int(buffer.item())
+
+
+# ---- FSDP's accumulators: what DPFirstOrderAlgorithm sums a sharded step's clipped sums into ----
+class IntoShards:
+    """The engine's `reduce` under train.sharding=fsdp (`DPFirstOrderAlgorithm.accumulates_shards`):
+    each parameter's full-size clipped sum of a chunk, handed over with its position in the
+    engine's `params` (bk: in that order, after the backward; ghost: in its second backward's
+    order, as each hook forms it), is sum-reduce-scattered over the ranks
+    (`distributed.reduce_scatter_rows`) and added into this rank's shard rows of the step's running
+    sum, which it returns; so neither a full-size accumulator nor a second shard-size copy of a
+    chunk's sums is held."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.sums: list[torch.Tensor | None] = [None] * count  # this rank's rows of each parameter's running sum
+        self.order: list[int] = []  # the positions reduced in the chunk in progress, in the order reduced
+
+    def __call__(self, summed: torch.Tensor, index: int) -> torch.Tensor:
+        shard = distributed.reduce_scatter_rows(summed)
+        del summed  # the full-size sum is the engine's to drop now
+        self.order.append(index)
+        if self.sums[index] is None:  # the first chunk
+            self.sums[index] = shard
+        else:
+            self.sums[index].add_(shard)
+        return self.sums[index]
+
+    def check(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The running sums, after the engine returned `returned` for one chunk: it must have
+        reduced every parameter once, and every rank in the same order (else the ranks' reduce-
+        scatters paired different parameters: checked with one small all-reduce, which every rank
+        runs and decides alike, before anything is released)."""
+        order, self.order = self.order, []
+        if sorted(order) != list(range(self.count)) or len(returned) != self.count or \
+                any(got is not kept for got, kept in zip(returned, self.sums)):
+            raise RuntimeError("the engine did not reduce each parameter's clipped sum once")
+        if not distributed.same_on_every_rank(order):
+            raise RuntimeError("the ranks reduce-scattered the parameters' clipped sums in different orders "
+                               "(their backward passes differ)")
+        return self.sums
+
+
+def zero_factors(norms: torch.Tensor) -> torch.Tensor:
+    """Clip factor 0 for every example (a padding chunk of train.sharding=fsdp)."""
+    return torch.zeros_like(norms, dtype=torch.float32)

@@ -7,14 +7,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.algorithms import Algorithm, StepResult
-from dpbench.checkpoint import (
-    CheckpointMismatch, algorithm_state, load_algorithm_state, rank_rng_states, restore_rank_rng_states,
-)
+from dpbench.runtime.algorithm_state import CheckpointMismatch, algorithm_state, load_algorithm_state
+from dpbench.runtime.checkpoint import rank_rng_states, restore_rank_rng_states
 from dpbench.errors import DivergedError
 from dpbench.logging.results import EvalRecord
-from dpbench.metering import Throughput
+from dpbench.runtime.metering import Throughput
 from dpbench.privacy.mechanisms import Ledger, same_mechanisms
 from dpbench.privacy.plan import PrivacyPlan
 from dpbench.tasks import Task
@@ -61,7 +60,7 @@ class Trainer:
         config: TrainerConfig,
         privacy: PrivacyPlan | None = None,
         callbacks: list[Callback] | None = None,
-        checkpointer=None,  # dpbench.checkpoint.Checkpointer: writes checkpoints, stops on signals
+        checkpointer=None,  # dpbench.runtime.checkpoint.Checkpointer: writes checkpoints, stops on signals
     ):
         self.task, self.algorithm, self.sampler = task, algorithm, sampler
         self.config = config
@@ -188,13 +187,13 @@ class Trainer:
         self._record(result)
         return result, (self.evaluate() if self._due_for_eval() else None)
 
-    # --- checkpoints (dpbench/checkpoint.py) -------------------------------------------------
+    # --- checkpoints (dpbench/runtime/checkpoint.py) -------------------------------------------------
     def state_dict(self, generators: list[dict] | None = None, algorithm: dict | None = None) -> dict:
         """Everything the loop needs to continue after this step, the algorithm's state included.
         `generators`: every rank's seeded RNG states (`checkpoint.rank_rng_states`, a collective
         the checkpointer runs on all ranks); None gathers them here (one process). `algorithm`:
         the algorithm's entry when the checkpointer wrote it already (a sharded run's DCP folder,
-        `checkpoint.sharded_algorithm_entry`); None: `algorithm_state` here."""
+        `algorithm_state.sharded_algorithm_entry`); None: `algorithm_state` here."""
         state, throughput = self.state, self.throughput
         return {
             "step": state.step,
