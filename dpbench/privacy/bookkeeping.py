@@ -93,6 +93,8 @@ class BookKeeping:
     hooks sum the clipped pieces in fp32). `overrides` maps module instances to a
     `LinearGradientMap` (Linear layers) or to an Opacus-signature grad sampler (instantiated form)."""
 
+    sum_observer = None  # the engine protocol's observer of each chunk's sums (dpbench-audit)
+
     def __init__(self, model: nn.Module, overrides: dict | None = None, passes: int = 1):
         self.model = model
         self.overrides = {**opacus_corrections(model, embeddings=False), **(overrides or {})}
@@ -276,6 +278,8 @@ class BookKeeping:
         finally:
             self._reset()
         self.peak_bytes = max(self.peak_bytes, self.working_bytes)
+        if self.sum_observer is not None:  # the engine protocol's observation point (read only)
+            self.sum_observer(sums, reduce is not None)
         return sums
 
     def _finish_pass(self) -> None:

@@ -42,6 +42,10 @@ class Engine(Protocol):
 
     params: list[nn.Parameter]  # the trainable parameters, in the order of the sums
     peak_bytes: int  # largest per-example working set held at once (checkpointed)
+    # An observer `clipped_sum` calls with the list it returns (and whether `reduce` formed it), before
+    # the caller adds it up: dpbench-audit's view of each chunk's clipped sums. It reads, never writes;
+    # None in a run.
+    sum_observer: Callable[[list[torch.Tensor], bool], None] | None
 
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn,
                     reduce: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -165,33 +165,34 @@ class Update:
 
 
 def _observe_phases(algorithm, recorder: ReleaseRecorder) -> None:
-    """Seams on one algorithm instance: its engine's clipped sum of each physical chunk (before
-    anything else touches it), and its optimizer's input and effect."""
+    """Observers at the points one algorithm instance declares: its engine's `sum_observer` (each
+    physical chunk's clipped sums, before anything else touches them) and its torch optimizer's
+    step hooks (what the optimizer received, and the parameters before and after its step)."""
     recorder.phases = True
     recorder.sharded = bool(algorithm.accumulates_shards)
-    engine_sum, optimizer_step = algorithm.engine.clipped_sum, algorithm.optimizer.step
+    pending: dict[str, list] = {}
 
-    def clipped_sum(*args, **kwargs):
-        contribution = engine_sum(*args, **kwargs)
+    def clipped(contribution: list[torch.Tensor], reduced: bool) -> None:
         copy = [c.detach().double().clone() for c in contribution]  # the caller adds into it in place
         total = recorder.clipped.get(recorder.step)
-        if "reduce" in kwargs and kwargs["reduce"] is not None:  # sharded: the step's running sums of this rank's rows
+        if reduced:  # sharded: the step's running sums of this rank's rows
             recorder.clipped[recorder.step] = copy
         else:
             recorder.clipped[recorder.step] = copy if total is None else [t + c for t, c in zip(total, copy)]
         recorder.chunks[recorder.step] = recorder.chunks.get(recorder.step, 0) + 1
-        return contribution
 
-    def step(*args, **kwargs):
+    def before_step(optimizer, args, kwargs) -> None:
         params = algorithm.params  # sharded (DTensors): read whole, as one process holds them
-        grads = [None if p.grad is None else whole(p.grad).detach().double().clone() for p in params]
-        before = [whole(p).detach().double().clone() for p in params]
-        out = optimizer_step(*args, **kwargs)
-        recorder.updates[recorder.step] = Update(grads, before, [whole(p).detach().double().clone() for p in params])
-        return out
+        pending["grads"] = [None if p.grad is None else whole(p.grad).detach().double().clone() for p in params]
+        pending["before"] = [whole(p).detach().double().clone() for p in params]
 
-    algorithm.engine.clipped_sum = clipped_sum
-    algorithm.optimizer.step = step
+    def after_step(optimizer, args, kwargs) -> None:
+        after = [whole(p).detach().double().clone() for p in algorithm.params]
+        recorder.updates[recorder.step] = Update(pending.pop("grads"), pending.pop("before"), after)
+
+    algorithm.engine.sum_observer = clipped
+    algorithm.optimizer.register_step_pre_hook(before_step)
+    algorithm.optimizer.register_step_post_hook(after_step)
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -238,3 +238,15 @@ def test_audit_fails_when_a_nan_record_halts_dpdr(tmp_path, monkeypatch):
     monkeypatch.undo()
     clean = run_audit(cfg, tmp_path)
     assert all(c.passed for c in checks(clean, "sensitivity"))
+
+
+def test_the_harness_observes_through_declared_hooks_and_patches_nothing():
+    """The self-audit reads each chunk's clipped sums through the engine's `sum_observer` and the
+    optimizer's input and effect through torch's step hooks: no method of the instance is replaced."""
+    from dpbench.tools.audit.harness import audited_job
+
+    job, recorder = audited_job(compose(TINY + ["algo=dpsgd", "privacy.noise_multiplier=1.0"]), zero_noise=False)
+    algorithm = job.algorithm
+    assert recorder.phases and algorithm.engine.sum_observer is not None
+    assert "clipped_sum" not in vars(algorithm.engine) and "step" not in vars(algorithm.optimizer)
+    assert len(algorithm.optimizer._optimizer_step_pre_hooks) == len(algorithm.optimizer._optimizer_step_post_hooks) == 1
