@@ -52,9 +52,11 @@ def test_two_process_steps_equal_the_one_process_steps_without_noise(ranks, algo
 @pytest.mark.slow  # starts processes
 def test_noisy_steps_keep_the_replicas_identical(ranks):
     """Rank 0's single noise draw is broadcast: both ranks apply bit-identical updates."""
+    without_noise = ranks[0]["sharded"]["dpsgd"]["params"]
+    assert len(ranks) == WORLD and len(ranks[0]["noisy_dpsgd"]["params"]) == len(ranks[1]["noisy_dpsgd"]["params"]) \
+        == len(without_noise) > 0  # the comparisons below are not over empty lists
     for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], ranks[1]["noisy_dpsgd"]["params"]):
         assert torch.equal(a, b)
-    without_noise = ranks[0]["sharded"]["dpsgd"]["params"]
     assert any(not torch.allclose(a, b) for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], without_noise))
 
 
@@ -142,7 +144,7 @@ def test_every_rank_continues_from_its_own_generators(ranks):
 
 @pytest.mark.slow  # starts processes
 def test_the_process_group_is_left_at_the_end(ranks):
-    assert all(rank["shut_down"] for rank in ranks)
+    assert len(ranks) == WORLD and all(rank["shut_down"] for rank in ranks)
 
 
 @pytest.mark.slow  # starts processes

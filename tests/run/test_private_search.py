@@ -365,6 +365,7 @@ def test_trials_never_evaluate_on_the_test_set(tmp_path, monkeypatch):
     _fixed_k(monkeypatch, 2)
     launcher = _Launcher(tmp_path)
     _Sweeper(tmp_path, launcher)._sweep(["train.lr=0.1,0.2"])
+    assert len(launcher.calls) == 2  # both trials launched: the check below is not over an empty list
     assert all("train.evaluate_test=false" in overrides for _, overrides in launcher.calls)
 
 
