@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterator, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +32,9 @@ from dpbench.privacy.release import (
     REPLICATED, SHARDED, SUMMED_SHARDS, Layout, ReleaseObserver, ReleasePart, gaussian_release,
 )
 from dpbench.registry import Registry
+from dpbench.algorithms.steps import (  # noqa: F401 (the step's vocabulary, importable from here as before)
+    CLIPPED_RELEASE, CLIPPED_SCALAR, EXAMPLES, LossTally, OwnLossExamples, StepHook, StepResult,
+)
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
 
@@ -45,69 +47,6 @@ def adam_betas() -> list[float]:
     return [0.9, 0.999]
 
 
-@dataclass
-class StepResult:
-    loss: float  # mean per-example training loss over the logical batch (nan when empty)
-    batch_size: int  # realised logical batch size
-    mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the step's release: one mechanism (or none)
-
-
-class LossTally:
-    """Mean per-example training loss and realised size of one logical batch.
-
-    The mean is over the examples whose loss is finite: a NaN or inf record contributes nothing to
-    any release (clip factor 0) and must not halt the run through a non-finite mean either. Only a
-    non-empty batch with no finite loss at all (a diverged model, not one record) gives nan."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.totals: torch.Tensor | float = 0.0  # [loss sum, finite count]; a tensor until result(): one host sync a step
-
-    def add(self, losses: torch.Tensor) -> None:
-        losses = losses.detach().double()
-        finite = torch.isfinite(losses)
-        kept = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
-        self.totals = self.totals + torch.stack([kept.sum(), finite.sum().double()])
-        self.count += losses.shape[0]
-
-    def result(self) -> StepResult:
-        total, finite = self.totals.tolist() if torch.is_tensor(self.totals) else (0.0, 0.0)
-        return StepResult(total / finite if finite else float("nan"), self.count)
-
-
-# ---- step hooks (Opacus's `step_hook` style): an observer the owner calls at named points ----
-# dpbench-audit audit.one_run=true (dpbench/tools/audit/one_run.py) attaches one; every other run has
-# none. The hook never writes into a clipped sum on the first-order path: its canaries are
-# examples, with their own per-example loss, that go through the engine and the clipping as any
-# example does. Where an algorithm declares another `canary_site`, it says why.
-EXAMPLES = "examples"  # canary examples join the step's per-example loop (`chunks`)
-CLIPPED_SCALAR = "clipped_scalar"  # the audit's signed canaries in the step's clipped scalar sum (DPZero)
-CLIPPED_RELEASE = "clipped_release"  # the audit's Dirac canaries in the sum formed in the release (DPGD0th)
-
-
-@runtime_checkable
-class OwnLossExamples(Protocol):
-    """Examples a step hook adds to a step: a physical chunk that carries its own per-example loss
-    (`Algorithm.per_example_losses` asks it instead of the task)."""
-
-    def per_sample_loss(self, model: nn.Module) -> torch.Tensor: ...
-
-
-class StepHook(Protocol):
-    def begin_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
-
-    def end_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
-
-    def extra_examples(self, algorithm: "Algorithm") -> list[OwnLossExamples]:
-        """Physical chunks of examples that join this step after the batch's (canary_site EXAMPLES)."""
-        ...
-
-    def clipped_sum(self, algorithm: "Algorithm", sums: list[torch.Tensor], sensitivity: float) -> list[torch.Tensor]:
-        """The clipped sum the step releases (canary_site CLIPPED_SCALAR / CLIPPED_RELEASE only)."""
-        ...
-# ---- end of step hooks ----
-
-
 class Algorithm(ABC):
     private: ClassVar[bool] = True
     # keys of extra_results() computed from the private batch without noise (dropped when
@@ -118,9 +57,9 @@ class Algorithm(ABC):
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
     shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks)
     per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
-    # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
+    # Where dpbench-audit's one-run canaries enter a step (algorithms/steps.py); None: nowhere
     canary_site: ClassVar[str | None] = None
-    step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (step hooks, above)
+    step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (algorithms/steps.py)
     # whether a step's release sets state (beyond the parameters) that the next step's release reads:
     # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
     release_carries_state: ClassVar[bool] = False
