@@ -49,18 +49,14 @@ from dpbench.privacy.layers import (
     layer_pieces,
 )
 from dpbench.privacy.pieces import (
-    UNIT_ROUNDOFF,
     EmbeddingRows,  # noqa: F401
     Instantiated,  # noqa: F401
     OuterProduct,
     TiedPieces,  # noqa: F401
-    exact_arithmetic,
-    fp64_slack,
     merge_pieces,
     piece_device,
-    round_down_fp32,
-    round_up_fp32,
 )
+from dpbench.privacy.rounding import UNIT_ROUNDOFF, exact_arithmetic, fp64_slack, round_down_fp32, round_up_fp32
 
 FactorsFn = Callable[[torch.Tensor], torch.Tensor]
 
