@@ -3,7 +3,7 @@
     dpbench                                   # DP-GRAPE, micro ViT, bundled digits, eps=8
     dpbench algo=dpsgd privacy.epsilon=3      # any config value can be overridden
     dpbench -m algo=adam,dpadam seed=0,1      # a grid; finished jobs are skipped on rerun
-    torchrun --nproc_per_node=4 -m dpbench.cli algo=dpadam   # data parallel (dpbench/distributed.py)
+    torchrun --nproc_per_node=4 -m dpbench.cli algo=dpadam   # data parallel (dpbench/runtime/distributed.py)
 
 Exit status: 0 done; 1 a run failed (diverged, or some jobs of a grid failed); 2 bad input
 (dpbench's checks or Hydra's composition errors); 75 stopped by SIGTERM/SIGUSR1 after writing a
@@ -23,7 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dpbench.checkpoint import EXIT_PREEMPTED, Preempted
+from dpbench.runtime.checkpoint import EXIT_PREEMPTED, Preempted
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import RunResults
 from dpbench.paths import config_dir
@@ -44,7 +44,7 @@ def _exit(status: int) -> None:
 
 
 def _record_failure(run_dir: Path, message: str, detail: str | None = None) -> None:
-    from dpbench import distributed
+    from dpbench.runtime import distributed
 
     if not distributed.is_main_process():  # under torchrun, rank 0 writes error.txt
         return
@@ -236,7 +236,7 @@ def save_job_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 # Sweepers whose selection among private runs dpbench can state the privacy of: a grid selects
-# nothing (every job is reported), private_search charges its selection (dpbench/study.py).
+# nothing (every job is reported), private_search charges its selection (dpbench/study/).
 ACCOUNTED_SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
                       "hydra_plugins.dpbench_private_search.private_search.PrivateSearchSweeper")
 
@@ -284,7 +284,7 @@ def _main(cfg: DictConfig) -> float:
         (run_dir / ERROR_FILE).unlink(missing_ok=True)
         save_job_config(cfg, run_dir)
 
-    # a private search's trial publishes nothing itself (dpbench/study_publish.py): no bar, no table, no message
+    # a private search's trial publishes nothing itself (dpbench/study/publish.py): no bar, no table, no message
     private_trial = in_grid and str(HydraConfig.get().sweeper.get("_target_", "")) == ACCOUNTED_SWEEPERS[1]
     was_quiet, console.quiet = console.quiet, console.quiet or private_trial
     try:
@@ -326,7 +326,7 @@ def shared_run_dir(argv: list[str]) -> list[str]:
 
     from omegaconf import OmegaConf
 
-    from dpbench import distributed
+    from dpbench.runtime import distributed
 
     distributed.init_from_environment()
     started = distributed.broadcast_object(datetime.now())
@@ -338,7 +338,7 @@ def shared_run_dir(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from dpbench import distributed
+    from dpbench.runtime import distributed
     from dpbench.logging.console import console
 
     if "--version" in sys.argv[1:]:

@@ -69,7 +69,7 @@ class Device(Choice):
     cuda = "cuda"
 
 
-class Sharding(Choice):  # dpbench/sharding.py
+class Sharding(Choice):  # dpbench/runtime/sharding.py
     none = "none"
     fsdp = "fsdp"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dpbench.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_path, read_checkpoint
+from dpbench.runtime.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_path, read_checkpoint
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config

@@ -17,17 +17,19 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dpbench import distributed, saved_model, sharding
-from dpbench.algorithms import Algorithm, algorithm_class
+from dpbench import saved_model
+from dpbench.runtime import distributed, sharding
+from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class
 from dpbench.algorithms.learning_rates import mark_head
-from dpbench.checkpoint import Checkpointer, CheckpointMismatch, StopSignals, delete_checkpoint, incompatible
+from dpbench.runtime.algorithm_state import CheckpointMismatch
+from dpbench.runtime.checkpoint import Checkpointer, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, summary_table
 from dpbench.logging.results import (
     EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers, write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
-from dpbench.metering import PeakMemory
+from dpbench.runtime.metering import PeakMemory
 from dpbench.models import ModelFamily, family_of
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
 from dpbench.privacy.plan import COUNT_SENSITIVITY, PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
@@ -37,7 +39,7 @@ from dpbench.provenance import versions
 from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
 from dpbench.run_config import resolved_config, validate
 from dpbench.tasks import Task, build_task
-from dpbench.trainer import Trainer, TrainerConfig
+from dpbench.runtime.trainer import Trainer, TrainerConfig
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +83,7 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm.
     `prepare_model` (dpbench-audit's one-run canaries: their layer) sees the model first."""
     validate(cfg)
-    sharding.check_supported(cfg)  # train.sharding=fsdp: one line naming what is supported
+    sharding.check_supported(cfg, ALGORITHMS)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
     if str(cfg.train.precision) == "bf16" or str(cfg.model.get("dtype")) == "bfloat16":
         require_native_bf16(device)
@@ -257,7 +259,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     main = distributed.is_main_process()  # rank 0 alone decides, writes, logs and prints
     if (existing := distributed.broadcast_object(reusable_results(cfg, run_dir) if main else None)) is not None:
         return existing
-    sharding.check_supported(cfg)  # before require_data_parallel: names what train.sharding=fsdp supports
+    sharding.check_supported(cfg, ALGORITHMS)  # before require_data_parallel: names what train.sharding=fsdp supports
     distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
     if on_start is not None and main:
         on_start()

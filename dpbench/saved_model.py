@@ -85,7 +85,7 @@ def save_model(model: torch.nn.Module, cfg: DictConfig, config: dict, run_dir: P
     """Write `model.safetensors` (see the module docstring); `config` is the run's resolved config."""
     from safetensors.torch import save
 
-    from dpbench.checkpoint import frozen_fingerprint
+    from dpbench.runtime.algorithm_state import frozen_fingerprint
 
     base = base_checkpoint(cfg.model)
     if base is not None and not base.exists():
@@ -132,7 +132,7 @@ def load_weights(model: torch.nn.Module, run_dir: Path) -> None:
     """Load the saved weights into a model rebuilt from `saved_config` (UserError if they do not fit)."""
     from safetensors.torch import load_file
 
-    from dpbench.checkpoint import CheckpointMismatch, check_frozen
+    from dpbench.runtime.algorithm_state import CheckpointMismatch, check_frozen
 
     run_dir = Path(run_dir)
     path = run_dir / MODEL_FILE

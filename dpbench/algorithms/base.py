@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterator, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_groups
-from dpbench import distributed, sharding
+from dpbench.runtime import distributed, sharding
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, under_relation
@@ -34,6 +33,9 @@ from dpbench.privacy.release import (
     REPLICATED, SHARDED, SUMMED_SHARDS, Layout, ReleaseObserver, ReleasePart, gaussian_release,
 )
 from dpbench.registry import Registry
+from dpbench.algorithms.steps import (  # noqa: F401 (the step's vocabulary, importable from here as before)
+    CLIPPED_RELEASE, CLIPPED_SCALAR, EXAMPLES, LossTally, OwnLossExamples, StepHook, StepResult,
+)
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
 
@@ -46,69 +48,6 @@ def adam_betas() -> list[float]:
     return [0.9, 0.999]
 
 
-@dataclass
-class StepResult:
-    loss: float  # mean per-example training loss over the logical batch (nan when empty)
-    batch_size: int  # realised logical batch size
-    mechanisms: list[GaussianMechanism] = field(default_factory=list)  # the step's release: one mechanism (or none)
-
-
-class LossTally:
-    """Mean per-example training loss and realised size of one logical batch.
-
-    The mean is over the examples whose loss is finite: a NaN or inf record contributes nothing to
-    any release (clip factor 0) and must not halt the run through a non-finite mean either. Only a
-    non-empty batch with no finite loss at all (a diverged model, not one record) gives nan."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.totals: torch.Tensor | float = 0.0  # [loss sum, finite count]; a tensor until result(): one host sync a step
-
-    def add(self, losses: torch.Tensor) -> None:
-        losses = losses.detach().double()
-        finite = torch.isfinite(losses)
-        kept = torch.where(finite, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
-        self.totals = self.totals + torch.stack([kept.sum(), finite.sum().double()])
-        self.count += losses.shape[0]
-
-    def result(self) -> StepResult:
-        total, finite = self.totals.tolist() if torch.is_tensor(self.totals) else (0.0, 0.0)
-        return StepResult(total / finite if finite else float("nan"), self.count)
-
-
-# ---- step hooks (Opacus's `step_hook` style): an observer the owner calls at named points ----
-# dpbench-audit audit.one_run=true (dpbench/tools/one_run.py) attaches one; every other run has
-# none. The hook never writes into a clipped sum on the first-order path: its canaries are
-# examples, with their own per-example loss, that go through the engine and the clipping as any
-# example does. Where an algorithm declares another `canary_site`, it says why.
-EXAMPLES = "examples"  # canary examples join the step's per-example loop (`chunks`)
-CLIPPED_SCALAR = "clipped_scalar"  # the audit's signed canaries in the step's clipped scalar sum (DPZero)
-CLIPPED_RELEASE = "clipped_release"  # the audit's Dirac canaries in the sum formed in the release (DPGD0th)
-
-
-@runtime_checkable
-class OwnLossExamples(Protocol):
-    """Examples a step hook adds to a step: a physical chunk that carries its own per-example loss
-    (`Algorithm.per_example_losses` asks it instead of the task)."""
-
-    def per_sample_loss(self, model: nn.Module) -> torch.Tensor: ...
-
-
-class StepHook(Protocol):
-    def begin_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
-
-    def end_step(self, algorithm: "Algorithm", step_index: int) -> None: ...
-
-    def extra_examples(self, algorithm: "Algorithm") -> list[OwnLossExamples]:
-        """Physical chunks of examples that join this step after the batch's (canary_site EXAMPLES)."""
-        ...
-
-    def clipped_sum(self, algorithm: "Algorithm", sums: list[torch.Tensor], sensitivity: float) -> list[torch.Tensor]:
-        """The clipped sum the step releases (canary_site CLIPPED_SCALAR / CLIPPED_RELEASE only)."""
-        ...
-# ---- end of step hooks ----
-
-
 class Algorithm(ABC):
     private: ClassVar[bool] = True
     # keys of extra_results() computed from the private batch without noise (dropped when
@@ -117,9 +56,11 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
-    # Where dpbench-audit's one-run canaries enter a step (step hooks, above); None: nowhere
+    shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks)
+    per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
+    # Where dpbench-audit's one-run canaries enter a step (algorithms/steps.py); None: nowhere
     canary_site: ClassVar[str | None] = None
-    step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (step hooks, above)
+    step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (algorithms/steps.py)
     # whether a step's release sets state (beyond the parameters) that the next step's release reads:
     # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
     release_carries_state: ClassVar[bool] = False
@@ -134,7 +75,7 @@ class Algorithm(ABC):
         self.privacy = privacy
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
-        self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/sharding.py)
+        self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/runtime/sharding.py)
         # Facts about this run that change what its results mean; setup prints them and results.json
         # keeps them (algorithms never print).
         self.run_notes: list[str] = []
@@ -172,6 +113,11 @@ class Algorithm(ABC):
     def privacy_notes(cls, cfg) -> list[str]:
         """Facts about this configuration that change what the reported epsilon means."""
         return []
+
+    @classmethod
+    def runs_stock_phases(cls) -> bool:
+        """Whether its update is DPFirstOrderAlgorithm's phases unchanged: release / expected batch size."""
+        return False
 
     # --- privacy: what ran ---------------------------------------------------------------------
     def gaussian_release(self, name: str, *parts: ReleasePart, layout: Layout = REPLICATED) -> list[list[torch.Tensor]]:
@@ -304,7 +250,7 @@ class Algorithm(ABC):
         """Largest per-example working set held at once (0: none formed)."""
         return 0
 
-    # --- checkpoints: dpbench/checkpoint.py saves and restores what these name ---------------------
+    # --- checkpoints: dpbench/runtime/checkpoint.py saves and restores what these name ---------------------
     # State that lives in attributes, as dotted names (tensors, generators, dicts keyed by
     # parameters, containers of them); each class adds its own, collected along the MRO.
     checkpoint_attributes: ClassVar[tuple[str, ...]] = ()
@@ -319,50 +265,6 @@ class Algorithm(ABC):
 
     def private_statistics(self) -> set[str]:
         return {a for cls in type(self).__mro__ for a in vars(cls).get("private_statistic_attributes", ())}
-
-
-class _IntoShards:
-    """The engine's `reduce` under train.sharding=fsdp (`DPFirstOrderAlgorithm.accumulates_shards`):
-    each parameter's full-size clipped sum of a chunk, handed over with its position in the
-    engine's `params` (bk: in that order, after the backward; ghost: in its second backward's
-    order, as each hook forms it), is sum-reduce-scattered over the ranks
-    (`distributed.reduce_scatter_rows`) and added into this rank's shard rows of the step's running
-    sum, which it returns; so neither a full-size accumulator nor a second shard-size copy of a
-    chunk's sums is held."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.sums: list[torch.Tensor | None] = [None] * count  # this rank's rows of each parameter's running sum
-        self.order: list[int] = []  # the positions reduced in the chunk in progress, in the order reduced
-
-    def __call__(self, summed: torch.Tensor, index: int) -> torch.Tensor:
-        shard = distributed.reduce_scatter_rows(summed)
-        del summed  # the full-size sum is the engine's to drop now
-        self.order.append(index)
-        if self.sums[index] is None:  # the first chunk
-            self.sums[index] = shard
-        else:
-            self.sums[index].add_(shard)
-        return self.sums[index]
-
-    def check(self, returned: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The running sums, after the engine returned `returned` for one chunk: it must have
-        reduced every parameter once, and every rank in the same order (else the ranks' reduce-
-        scatters paired different parameters: checked with one small all-reduce, which every rank
-        runs and decides alike, before anything is released)."""
-        order, self.order = self.order, []
-        if sorted(order) != list(range(self.count)) or len(returned) != self.count or \
-                any(got is not kept for got, kept in zip(returned, self.sums)):
-            raise RuntimeError("the engine did not reduce each parameter's clipped sum once")
-        if not distributed.same_on_every_rank(order):
-            raise RuntimeError("the ranks reduce-scattered the parameters' clipped sums in different orders "
-                               "(their backward passes differ)")
-        return self.sums
-
-
-def _zero_factors(norms: torch.Tensor) -> torch.Tensor:
-    """Clip factor 0 for every example (a padding chunk of train.sharding=fsdp)."""
-    return torch.zeros_like(norms, dtype=torch.float32)
 
 
 def declared_option(cfg, key: str, default):
@@ -435,6 +337,18 @@ class DPFirstOrderAlgorithm(Algorithm):
     # scores per-example gradients, DPDR decomposes them, DIFF/DIFF2 take their differences.
     engine_capabilities: ClassVar[frozenset[str]] = frozenset()
     canary_site = EXAMPLES  # canaries are examples: the engine forms and clips their gradients
+    per_example_engine = True
+
+    # Opacus's DPOptimizer phases (the seeded bugs and the audit's release -> update row ask which
+    # classes run them unchanged: their update is release / expected batch size)
+    STOCK_PHASES: ClassVar[tuple[str, ...]] = ("step", "privatize", "clip_and_accumulate", "add_noise", "scale_grad",
+                                               "apply_update")
+
+    @classmethod
+    def runs_stock_phases(cls) -> bool:
+        """Whether this class runs DPFirstOrderAlgorithm's own phases, overriding none of them."""
+        return all(next(c for c in cls.__mro__ if name in vars(c)) is DPFirstOrderAlgorithm
+                   for name in cls.STOCK_PHASES)
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
@@ -473,11 +387,11 @@ class DPFirstOrderAlgorithm(Algorithm):
         (`chunks`; padding ones contribute exact zeros), hence as many reduce-scatters, in the
         same order."""
         tally, sums = LossTally(), None
-        shards = _IntoShards(len(self.engine.params)) if self.accumulates_shards else None
+        shards = sharding.IntoShards(len(self.engine.params)) if self.accumulates_shards else None
         reduce = {} if shards is None else {"reduce": shards}
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
-            factors = _zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
+            factors = sharding.zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
             contribution = self.engine.clipped_sum(losses, factors, **reduce)
             if shards is not None:  # the engine handed every sum to `shards`, which added it up
                 sums = shards.check(contribution)

@@ -19,5 +19,7 @@ class DPAdamOptions(AdamOptions):
 
 @ALGORITHMS.register("dpadam", options=DPAdamOptions)
 class DPAdam(DPFirstOrderAlgorithm):
+    shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/runtime/sharding.py)
+
     def build_optimizer(self, params):
         return adam(params, self.lr, self.cfg)

@@ -22,5 +22,7 @@ class DPLoRAOptions(LoRAOptions):
 
 @ALGORITHMS.register("dplora", options=DPLoRAOptions)
 class DPLoRA(DPAdam):
+    shardable = False  # train.sharding=fsdp: LoRA's injected adapters are not sharded (untested there)
+
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

@@ -24,5 +24,7 @@ class DPSGDOptions(AlgoOptions):
 
 @ALGORITHMS.register("dpsgd", options=DPSGDOptions)
 class DPSGD(DPFirstOrderAlgorithm):
+    shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/runtime/sharding.py)
+
     def build_optimizer(self, params):
         return torch.optim.SGD(lr_groups(params, self.lr), lr=self.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_scale
-from dpbench import distributed, sharding
+from dpbench.runtime import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, CLIPPED_SCALAR, Algorithm, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions, choice_of
@@ -286,6 +286,8 @@ class DPZero(ZerothOrderAlgorithm):
     # loss difference along z would share one scalar with every real example and drown), so the
     # one-run audit does not exercise the scalar clipping here; the sensitivity check does.
     canary_site = CLIPPED_SCALAR
+    # train.sharding=fsdp: the scalar is released replicated; each rank perturbs its rows with its rows of z
+    shardable = True
     last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
 
     def privatize(self, clipped_sum: float) -> float:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, StepResult
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
@@ -130,6 +130,7 @@ class DPGrape(DPFirstOrderAlgorithm):
     # over the ranks, one draw on rank 0, broadcast) and every rank holds the same noisy release
     # and moments; each applies its rows of the full-space update (ProjectedAdam).
     sharded_layout = REPLICATED
+    shardable = True
 
     def __init__(self, model, task, cfg, lr, privacy):
         self.rank = cfg.rank

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_scale
-from dpbench import sharding
+from dpbench.runtime import sharding
 from dpbench.algorithms.base import adam_betas
 from dpbench.errors import UserError
 from dpbench.models import default_projected_modules

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dpbench.logging.results import EvalRecord, RunResults
-from dpbench.metering import own_peak_bytes
+from dpbench.runtime.metering import own_peak_bytes
 
 OWN_PEAK_RULE = "GPU: max allocated; CPU: peak resident size minus the size at the start"
 # Logs and CI have no terminal width; 120 columns keep the summary tables on one line a row.

@@ -57,7 +57,7 @@ class ModelFamily:
     model_type: str | None = None
     opacus_fixes: tuple[OpacusFix, ...] = ()
     # fnmatch patterns of the transformer blocks `train.sharding=fsdp` wraps one by one (the
-    # outermost modules they match; dpbench/sharding.py); () : the family cannot be sharded.
+    # outermost modules they match; dpbench/runtime/sharding.py); () : the family cannot be sharded.
     block_modules: tuple[str, ...] = ()
 
 

@@ -49,18 +49,15 @@ from dpbench.privacy.layers import (
     layer_pieces,
 )
 from dpbench.privacy.pieces import (
-    UNIT_ROUNDOFF,
     EmbeddingRows,  # noqa: F401
     Instantiated,  # noqa: F401
     OuterProduct,
     TiedPieces,  # noqa: F401
-    exact_arithmetic,
-    fp64_slack,
     merge_pieces,
     piece_device,
-    round_down_fp32,
-    round_up_fp32,
 )
+from dpbench.privacy.coverage import check_coverage
+from dpbench.privacy.rounding import UNIT_ROUNDOFF, exact_arithmetic, fp64_slack, round_down_fp32, round_up_fp32
 
 FactorsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -92,6 +89,8 @@ class BookKeeping:
     `passes=1` is book-keeping; `passes=2` is ghost clipping (norms, then a second backward whose
     hooks sum the clipped pieces in fp32). `overrides` maps module instances to a
     `LinearGradientMap` (Linear layers) or to an Opacus-signature grad sampler (instantiated form)."""
+
+    sum_observer = None  # the engine protocol's observer of each chunk's sums (dpbench-audit)
 
     def __init__(self, model: nn.Module, overrides: dict | None = None, passes: int = 1):
         self.model = model
@@ -267,7 +266,7 @@ class BookKeeping:
                 losses.sum().backward(retain_graph=keep_graph)
             self._finish_pass()
             if not self._coverage_checked:
-                self._check_coverage()
+                check_coverage(self)
             self._drop_grads()
             norms = self._norms(losses)
             factors = factors_fn(norms)
@@ -276,97 +275,13 @@ class BookKeeping:
         finally:
             self._reset()
         self.peak_bytes = max(self.peak_bytes, self.working_bytes)
+        if self.sum_observer is not None:  # the engine protocol's observation point (read only)
+            self.sum_observer(sums, reduce is not None)
         return sums
 
     def _finish_pass(self) -> None:
         for p in list(self._state.open):  # a call whose output did not reach the loss
             self._close(p)
-
-    def _check_coverage(self) -> None:
-        """Refuse a trainable parameter whose gradient has a part no hook saw (a parameter read
-        outside its module's forward, e.g. by a parent module): no per-example norm would cover
-        that part. Compares autograd's summed gradient with the sum of the hooks' pieces, once."""
-        if self._canonical is not None:
-            return self._check_sharded_coverage()
-        uncovered = []
-        names = {p: n for n, p in self.model.named_parameters()}
-        maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
-            self._state.summed.clear()
-            return  # a non-finite example: compare on a later call
-        # Rounding is measured against what was summed, not against the sum: a parameter whose
-        # examples' gradients cancel (a LayerNorm weight under bf16) is
-        # compared at the tolerance times Σ_i ‖G_i‖, and one whose gradient is zero in exact
-        # arithmetic (an attention key's bias: the softmax ignores it), rounding noise in both
-        # sums, against the whole gradient at a thousandth of the tolerance.
-        floor = 1e-3 * self.tolerance * float(torch.stack([g.float().norm() for g in grads]).norm()) if grads else 0.0
-        for p in self.params:
-            seen = self._state.summed.get(p)
-            grad = p.grad
-            if grad is None:
-                continue
-            grad = maps[p].map_gradient(p, grad.float()) if p in maps else grad.float()
-            if seen is None:
-                missing = grad.norm()
-            else:
-                missing = (grad - seen).norm() if seen.shape == grad.shape else torch.tensor(0.0)
-            summed = self._state.norm_sq[p].sqrt().sum().item() if p in self._state.norm_sq else 0.0
-            if missing.item() > self.tolerance * max(grad.norm().item(), summed) + floor + 1e-7:
-                uncovered.append(names.get(p, "?"))
-        self._state.summed.clear()
-        self._coverage_checked = True
-        if uncovered:
-            mode = "bk" if self.passes == 1 else "ghost"
-            raise UserError(
-                f"algo.per_sample={mode}: the gradient of {', '.join(uncovered[:5])} is not (only) what its module's "
-                "forward output received (the parameter is read outside that forward, or a view of the output "
-                "is changed in place), so no per-example norm would cover it; use algo.per_sample=materialize "
-                "or keep the parameter and the output inside the module"
-            )
-
-    def _check_sharded_coverage(self) -> None:
-        """`_check_coverage` for a sharded model: FSDP2 reduce-scattered autograd's gradient as a
-        SUM over the ranks (dpbench/sharding.py), so each rank compares its shard of it with its
-        shard of the hooks' sums reduce-scattered alike; the ranks add up the squared differences
-        and norms and decide together (a lone refusal would leave the others in a collective)."""
-        from dpbench import distributed
-
-        state, names = self._state, {p: n for n, p in self.model.named_parameters()}
-        maps = {p: o for m, o in self.overrides.items() if hasattr(o, "map_gradient") for p in m.parameters()}
-        grads = [None if p.grad is None else p.grad.to_local().float() for p in self.params]
-        (nonfinite,) = distributed.all_reduce_scalars(
-            float(not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)))
-        if nonfinite:
-            state.summed.clear()
-            return  # a non-finite example on some rank: compare on a later call
-        rows = []
-        for p, grad in zip(self.params, grads):
-            seen, shape = state.summed.get(p), p.shape
-            if p in maps and grad is not None:  # the hooks sum a map of the gradient (DP-GRAPE's projection):
-                # map autograd's whole gradient (gathered: a collective, alike on every rank, the same
-                # parameters in the same order) and compare this rank's rows of it
-                mapped = maps[p].map_gradient(p, p.grad.full_tensor().float())
-                grad, shape = mapped[distributed.row_shard(mapped.shape[0])], mapped.shape
-            seen = torch.zeros(shape, dtype=torch.float32, device=p.device) if seen is None else seen.float().clone()
-            seen = distributed.reduce_scatter_rows(seen)
-            grad = torch.zeros_like(seen) if grad is None else grad
-            summed = state.norm_sq[p].sqrt().sum().double() if p in state.norm_sq else torch.zeros((), dtype=torch.float64)
-            rows.append(torch.stack([((grad - seen).double() ** 2).sum(), (grad.double() ** 2).sum(), summed,
-                                     torch.tensor(float(p.grad is not None), dtype=torch.float64)]))
-        table = torch.stack(rows) if rows else torch.zeros((0, 4), dtype=torch.float64)
-        distributed.all_reduce_sum([table])
-        floor = 1e-3 * self.tolerance * float(table[:, 1].sum().sqrt())
-        uncovered = [names.get(p, "?") for p, (missing_sq, grad_sq, summed, has_grad) in zip(self.params, table.tolist())
-                     if has_grad and missing_sq ** 0.5 > self.tolerance * max(grad_sq ** 0.5, summed) + floor + 1e-7]
-        state.summed.clear()
-        self._coverage_checked = True
-        if uncovered:
-            raise UserError(
-                f"algo.per_sample={'bk' if self.passes == 1 else 'ghost'}: the gradient of {', '.join(uncovered[:5])} "
-                "is not (only) what its module's forward output received, so no per-example norm would cover it; "
-                "use train.sharding=none with algo.per_sample=materialize"
-            )
 
     def _norms(self, losses: torch.Tensor) -> torch.Tensor:
         """Each example's clip norm: the parameters' bounds summed in fp64, clamped at 0 (a guard:

@@ -15,6 +15,7 @@ asking an engine for one it lacks is a one-line error before training. The capab
     per_example_gradients   yes          -      -    PerExampleGradients: backward_per_sample, meter
     loss_scale              yes          -      -    LossScaled: loss_scale divided out (fp16)
     coverage_check          -            yes    yes  CoverageChecked: tolerance of the coverage check
+    sharded_sums            -            yes    yes  clipped_sum(..., reduce=): each sum reduced as formed (fsdp)
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class Engine(Protocol):
 
     params: list[nn.Parameter]  # the trainable parameters, in the order of the sums
     peak_bytes: int  # largest per-example working set held at once (checkpointed)
+    # An observer `clipped_sum` calls with the list it returns (and whether `reduce` formed it), before
+    # the caller adds it up: dpbench-audit's view of each chunk's clipped sums. It reads, never writes;
+    # None in a run.
+    sum_observer: Callable[[list[torch.Tensor], bool], None] | None
 
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn,
                     reduce: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -89,10 +94,12 @@ class CoverageChecked(Engine, Protocol):
 PER_EXAMPLE_GRADIENTS = "per_example_gradients"
 LOSS_SCALE = "loss_scale"
 COVERAGE_CHECK = "coverage_check"
+SHARDED_SUMS = "sharded_sums"
 CAPABILITIES = {  # capability -> what it means, as an error message says it
     PER_EXAMPLE_GRADIENTS: "every per-example gradient",
     LOSS_SCALE: "the loss scale divided out of the per-example gradients",
     COVERAGE_CHECK: "a coverage check",
+    SHARDED_SUMS: "each parameter's clipped sum handed to a reduce as it is formed (train.sharding=fsdp)",
 }
 
 
@@ -144,9 +151,9 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
 
 register_engine(EngineSpec("materialize", PerSampleGradients, frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE})))
 register_engine(EngineSpec("ghost", lambda model, overrides: BookKeeping(model, overrides, passes=2),
-                           frozenset({COVERAGE_CHECK})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
 register_engine(EngineSpec("bk", lambda model, overrides: BookKeeping(model, overrides, passes=1),
-                           frozenset({COVERAGE_CHECK})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
 
 
 def engine_spec(mode: str) -> EngineSpec:

@@ -94,6 +94,8 @@ def _merges_rows(module: nn.Module) -> bool:
 
 
 class PerSampleGradients:
+    sum_observer = None  # the engine protocol's observer of each chunk's sums (dpbench-audit)
+
     def __init__(self, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -147,7 +149,10 @@ class PerSampleGradients:
         per_sample = self.backward_per_sample(losses)
         sums = clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
         del per_sample
-        return reduce_each(sums, reduce)
+        sums = reduce_each(sums, reduce)
+        if self.sum_observer is not None:  # the engine protocol's observation point (read only)
+            self.sum_observer(sums, reduce is not None)
+        return sums
 
     def detach(self) -> None:
         for handle in self._handles:

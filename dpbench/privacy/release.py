@@ -22,7 +22,7 @@ Seams, each named by the release's `name`:
   (`distributed.gather_rows`); only when an observer is attached: a release without one runs no
   extra collective.
 
-Layouts over torchrun ranks (dpbench/distributed.py):
+Layouts over torchrun ranks (dpbench/runtime/distributed.py):
 
 * REPLICATED (every rank holds whole tensors, its own examples' sums): each part's values are
   first summed over the ranks, in place (the global clipped sum, whose sensitivity is the stated
@@ -54,7 +54,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import DivergedError
 from dpbench.privacy.mechanisms import GaussianMechanism, joint_noise_multiplier
 from dpbench.privacy.noise import GaussianNoise

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import UserError
 from dpbench.privacy.noise import entropy_seed
 

@@ -1,7 +1,7 @@
 """dpbench's tools: what reads, checks or measures runs, apart from the core that runs them.
 
     report/          dpbench-report: tables, plots, leaderboards and checks of finished runs
-    audit.py         dpbench-audit: an empirical self-check of noise, sensitivity and accounting
+    audit/           dpbench-audit: an empirical self-check of noise, sensitivity and accounting
     doctor.py        dpbench-doctor: every algorithm a few steps on this machine's device
     spectrum.py      dpbench-spectrum: the gradient spectra behind DP-GRAPE's and DPDR's premises
     plots_synthetic.py  DPZero's synthetic-study figures from a finished grid

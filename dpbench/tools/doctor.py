@@ -29,8 +29,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from dpbench.host_syncs import count_host_syncs
-from dpbench.metering import own_peak_bytes
+from dpbench.runtime.host_syncs import count_host_syncs
+from dpbench.runtime.metering import own_peak_bytes
 
 MIB = 2**20
 SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode warns on each host sync
@@ -50,7 +50,7 @@ class Row:
 class SyncCounter:
     """Host syncs inside training steps: on CUDA counted from torch's sync debug mode ("warn": a
     warning on every implicit synchronisation, e.g. `.item()`, a device-to-host copy); on the CPU,
-    where nothing waits, the calls that would be syncs on a GPU (dpbench.host_syncs). `cuda` is a
+    where nothing waits, the calls that would be syncs on a GPU (dpbench.runtime.host_syncs). `cuda` is a
     seam for tests."""
 
     def __init__(self, device: torch.device, cuda=torch.cuda):
@@ -103,7 +103,7 @@ def check(algo: str, precision: str, device: torch.device, steps: int) -> Row:
     from dpbench.algorithms import algorithm_class
     from dpbench.api import compose
     from dpbench.logging.wandb_logger import build_logger
-    from dpbench.metering import PeakMemory
+    from dpbench.runtime.metering import PeakMemory
     from dpbench.run import fit, setup
 
     if precision != "fp32" and not algorithm_class(algo).autocast_forward:
@@ -144,7 +144,7 @@ def check_fsdp(steps: int, gpus: int | None = None, run=None) -> Row:
     import subprocess
     import time
 
-    from dpbench import distributed
+    from dpbench.runtime import distributed
 
     gpus = distributed.cuda_device_count() if gpus is None else gpus
     if gpus < 2:

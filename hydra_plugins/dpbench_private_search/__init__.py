@@ -2,5 +2,5 @@
 
 Hydra finds sweepers by importing every module under the `hydra_plugins` namespace package (which
 therefore has no __init__.py); `private_search.py` stores `PrivateSearchConf` in Hydra's ConfigStore.
-The privacy arithmetic lives in dpbench/study.py.
+It hands over to dpbench/study/ (sweep.py), where the study and its privacy arithmetic live.
 """

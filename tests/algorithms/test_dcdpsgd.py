@@ -17,17 +17,9 @@ from helpers.algorithms import build_algorithm, record_updates, sub_weibull_subs
 from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
-from dpbench.algorithms.dcdpsgd import (
-    SCORE_BIN_EDGES,
-    BlockBasis,
-    SubWeibullSubspaces,
-    histogram_threshold,
-    score_histogram,
-    split_noise_multipliers,
-    subspace_scores,
-    tail_mask,
-)
-from dpbench.checkpoint import algorithm_state, load_algorithm_state
+from dpbench.algorithms.dcdpsgd import SCORE_BIN_EDGES, histogram_threshold, score_histogram, split_noise_multipliers, tail_mask
+from dpbench.algorithms.dcdpsgd_subspaces import MAX_PROJECTION_ELEMENTS, BlockBasis, SubWeibullSubspaces, subspace_scores
+from dpbench.runtime.algorithm_state import algorithm_state, load_algorithm_state
 from dpbench.privacy.accountants import (
     RDPAccountant,
     calibrate_noise_multiplier,
@@ -340,7 +332,7 @@ def test_dcdpsgd_t3_points_beyond_the_projection_limit_run(k):
     job = setup(cfg)
     algorithm = job.algorithm
     assert algorithm.subspaces.blocks > 1
-    assert algorithm.subspaces.basis.numel() <= dcdpsgd.MAX_PROJECTION_ELEMENTS
+    assert algorithm.subspaces.basis.numel() <= MAX_PROJECTION_ELEMENTS
     assert algorithm.extra_results()["score_subspace_blocks"] == algorithm.subspaces.blocks
     if k == 200:  # one step (two physical chunks) of the paper's default k
         result = algorithm.train_step([job.task.batch([0, 1]), job.task.batch([2, 3])], 0)

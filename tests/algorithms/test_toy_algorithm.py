@@ -1,6 +1,7 @@
 """A new algorithm is one .py and one .yaml (dpbench/ARCHITECTURE.md, "Algorithm"): a toy private
 algorithm written to a temporary directory, with no edit to any dpbench file, composes with its
-typed option, trains end to end, reports epsilon and passes the audit."""
+typed option, trains end to end, reports epsilon, passes the audit and the one-run audit, meets the
+seeded bugs that apply to it, is refused sharding, and runs a private study."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def toy(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
 def test_a_toy_algorithm_from_one_py_and_one_yaml_runs_end_to_end_and_passes_the_audit(toy, tmp_path):
-    from dpbench.tools.audit import run_audit
+    from dpbench.tools.audit.runner import run_audit
     from dpbench.run import run_job
 
     cfg = compose(TINY + FIXED_SIGMA + toy + ["algo.step_scale=2"])
@@ -92,6 +93,58 @@ def test_a_toy_algorithm_from_one_py_and_one_yaml_runs_end_to_end_and_passes_the
 
     report = run_audit(compose(TINY + toy + ["audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]), tmp_path)
     assert report.checks and report.passed, [c for c in report.checks if not c.passed]
+
+
+# a small one-run audit (a CNN of width 8, 200 canaries) and the fast seeded-bug audit's sizes
+ONE_RUN = ["dataset=synthetic", "model=cnn", "model.width=8", "model.groups=4", "logger=none", "threads=1",
+           "train.batch_size=32", "train.eval_every=0", "audit.one_run=true", "audit.canaries=200", "audit.guesses=100",
+           "train.steps=200", "privacy.epsilon=2"]
+QUICK_AUDIT = ["dataset=quadratic", "model=quadratic", "dataset.dimension=64", "dataset.train_size=512",
+               "dataset.test_size=64", "audit.noise_steps=2", "audit.trials=1", "audit.sensitivity_steps=1", "train.steps=2"]
+
+
+@pytest.mark.slow  # a one-run audit, a seeded-bug audit and a private study of three trials
+def test_the_features_that_ask_the_registry_run_the_toy_with_no_other_file_changed(toy, tmp_path, monkeypatch):
+    """The toy declares nothing beyond DPFirstOrderAlgorithm's defaults; each feature reads what it
+    declares: the one-run audit places its canaries (canary_site), the stock-phase seeded bugs apply
+    and are caught (runs_stock_phases), train.sharding=fsdp refuses it in one line (not shardable),
+    and a private study runs its trials and publishes one."""
+    import json
+
+    from helpers.cli import dpbench_in_process
+
+    from dpbench.algorithms.base import EXAMPLES
+    from dpbench.runtime import sharding
+    from dpbench.study import publish
+    from dpbench.tools.audit.runner import run_audit
+    from dpbench.tools.audit.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, run_bug
+
+    toy_cls = ALGORITHMS.get("toy")
+    assert toy_cls.canary_site == EXAMPLES and toy_cls.runs_stock_phases() and not toy_cls.shardable
+
+    report = run_audit(compose(ONE_RUN + toy), tmp_path / "one_run")
+    assert [c.name for c in report.checks] == ["one_run"] and report.passed, report.checks
+
+    applying = [name for name in CATALOGUE if "toy" in CATALOGUE[name].algorithms()]
+    assert "noise_half" in applying and "dcdpsgd_mixture_noise" not in applying
+    _, bug = run_bug(compose(CATALOGUE_DEFAULTS + QUICK_AUDIT + toy), "noise_half", tmp_path / "bug")
+    assert bug.caught and bug.ok
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="^algo=toy is not supported: train.sharding=fsdp supports algo="):
+        sharding.check_supported(compose(TINY + toy + ["train.sharding=fsdp"]), ALGORITHMS)
+    monkeypatch.delenv("WORLD_SIZE")
+
+    folder = tmp_path / "study"
+    folder.mkdir()
+    done = dpbench_in_process("-m", "hydra/sweeper=private_search", "hydra.sweeper.mean_trials=3", "hydra.sweeper.shape=1",
+                              "train.lr=tag(log, interval(0.003, 0.3))", "privacy.epsilon=3", "train.steps=5",
+                              "dataset=synthetic", "dataset.validation_fraction=0.3", "train.batch_size=64",
+                              "model=cnn", "model.width=8", "model.groups=4", "logger=none", "name=study", *toy,
+                              cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((folder / "outputs" / "multirun" / "study" / publish.STUDY_FILE).read_text())
+    assert summary["task"]["algo"] == "toy" and 0 < summary["epsilon_study"] <= 3.0 + 1e-6
 
 
 def test_the_toy_yaml_default_applies_and_a_bad_value_of_its_option_is_one_line(toy):

@@ -9,7 +9,7 @@
     helpers.wandb_records the records of an offline W&B run file
     helpers.distributed_worker, distributed_failures, release_worker, audit_worker
                           one rank of the spawned gloo runs (tests/run/test_distributed.py,
-                          tests/privacy/test_release.py, tests/tools/test_audit_sharded.py)
+                          tests/privacy/test_release.py, tests/tools/audit/test_audit_sharded.py)
     helpers.make_engine_reference
                           the script that made tests/fixtures/engine_reference.pt (not re-run)
 

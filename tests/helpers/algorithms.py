@@ -44,6 +44,6 @@ def record_updates(algorithm, apply: bool = False) -> list[list[torch.Tensor]]:
 
 def sub_weibull_subspace(dim: int, k: int, theta: float, generator: torch.Generator) -> torch.Tensor:
     """One dense [dim, k] draw of DC-DPSGD's `SubWeibullSubspaces` (a new tensor)."""
-    from dpbench.algorithms.dcdpsgd import SubWeibullSubspaces
+    from dpbench.algorithms.dcdpsgd_subspaces import SubWeibullSubspaces
 
     return SubWeibullSubspaces(dim, k, theta, generator).draw().dense()

@@ -1,4 +1,4 @@
-"""One rank of the 2-process sharded audit test (tests/tools/test_audit_sharded.py), started by
+"""One rank of the 2-process sharded audit test (tests/tools/audit/test_audit_sharded.py), started by
 torch.multiprocessing with gloo on the CPU. Each rank runs `dpbench-audit`'s `run_audit` on a micro
 ViT under train.sharding=fsdp (every rank the same audits, in the same order: each builds and
 shards many jobs), then two seeded bugs, and the torchrun-only refusal, and saves every report to
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import UserError
 from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.ranks import become_rank
 
-# alpha 1e-6 as in tests/tools/test_audit.py: the seeded bugs miss their bounds by far more
+# alpha 1e-6 as in tests/tools/audit/test_audit.py: the seeded bugs miss their bounds by far more
 AUDIT = ["audit.noise_steps=3", "audit.trials=3", "audit.alpha=1e-6"]
 SHARDED = ["train.sharding=fsdp", "model=vit", "device=cpu", *FIXED_SIGMA]
 RUNS = {  # run -> its algorithm overrides
@@ -28,9 +28,9 @@ BUGS = {"noise_half": "noise", "unnoised_update": "release → update"}  # seede
 
 
 def run(rank: int, world: int, port: int, out: str) -> None:
-    from dpbench.tools.audit import run_audit
-    from dpbench.tools.audit_cli import _preflight
-    from dpbench.tools.seeded_bugs import run_bug
+    from dpbench.tools.audit.runner import run_audit
+    from dpbench.tools.audit.cli import _preflight
+    from dpbench.tools.audit.seeded_bugs import run_bug
 
     become_rank(rank, world, port)
     distributed.init_from_environment()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.privacy.sampling import ShardedBatches, ShuffledBatches
-from dpbench.trainer import Callback, Trainer, TrainerConfig
+from dpbench.runtime.trainer import Callback, Trainer, TrainerConfig
 from helpers.algorithms import build_algorithm
 from helpers.ranks import become_rank
 

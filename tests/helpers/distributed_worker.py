@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.algorithms import ALGORITHMS
 from dpbench.algorithms.base import ReleasePart
-from dpbench.checkpoint import rank_rng_states, restore_rank_rng_states
+from dpbench.runtime.checkpoint import rank_rng_states, restore_rank_rng_states
 from dpbench.errors import DivergedError, UserError
 from dpbench.privacy.sampling import PoissonBatches, ShardedBatches
 from helpers.algorithms import build_algorithm
@@ -91,7 +91,7 @@ def caught(action) -> str | None:
 
 
 def agreements(rank: int) -> dict:
-    """Stops and checks that every rank takes together (dpbench.distributed.raise_together)."""
+    """Stops and checks that every rank takes together (dpbench.runtime.distributed.raise_together)."""
     plan = {"noise_multiplier": 1.5, "clip_norm": 1.0, "algo": {"name": "dpsgd"}}
     return {
         "same_plan": caught(lambda: distributed.check_same_as_rank_zero("privacy plan", plan)),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.privacy.release import SHARDED, SUMMED_SHARDS, ReleasePart, gaussian_release
 from helpers.ranks import become_rank

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dpbench import checkpoint, distributed
+from dpbench.runtime import checkpoint, distributed
 from dpbench.algorithms import Algorithm
-from dpbench.trainer import Trainer
+from dpbench.runtime.trainer import Trainer
 from helpers.config import FIXED_SIGMA, OFFLINE, compose
 from helpers.ranks import become_rank
 
@@ -190,7 +190,7 @@ SAMPLER_SEED = 1234  # test-only: the shuffled order (a private run's is entropy
 
 
 def _noise_off_and_a_fixed_order() -> None:
-    """The test-only seams (as in tests/run/test_checkpoint.py and tests/tools/test_audit.py):
+    """The test-only seams (as in tests/run/test_checkpoint.py and tests/tools/audit/test_audit.py):
     every noise draw is exact zeros (not a small sigma), and the shuffled sampler's permutation
     comes from a fixed seed. STEPS batches of 16 lie in the first epoch (15 of the 256 synthetic
     examples'), whose order the checkpoint stores; rank 0 draws it and broadcasts the indices."""

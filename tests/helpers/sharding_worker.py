@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dpbench import distributed, sharding
+from dpbench.runtime import distributed, sharding
 from dpbench.algorithms import PrivacySetup, algorithm_class
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.tasks import build_task

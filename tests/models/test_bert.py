@@ -223,7 +223,7 @@ def test_the_audits_dropout_off_silences_attention_dropout(files):
     transformers 5's BERT attention applies dropout functionally, with the Dropout module's p and
     the attention module's training flag: putting the Dropout modules in eval mode alone left it on
     (the audit of MiniLM, attention dropout 0.1, saw 1.05-1.15x the stated sensitivity)."""
-    from dpbench.tools.audit_harness import dropout_off
+    from dpbench.tools.audit.harness import dropout_off
 
     cfg = bert_cfg(files, "model.trained_blocks=null", "model.cache_frozen=false")
     task = build_task(cfg, CPU)

@@ -238,7 +238,7 @@ def test_a_release_that_halts_the_run_is_charged_in_the_ledger(tmp_path, monkeyp
 
 # --- no figure depends on realised batch sizes unless log_private_stats -------------------------
 def test_without_private_stats_no_figure_or_checkpoint_depends_on_realised_batches(tmp_path, monkeypatch):
-    import dpbench.checkpoint as checkpoint_module
+    import dpbench.runtime.checkpoint as checkpoint_module
     from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES
 
     cfg = compose(TINY + ["algo=dcdpsgd", "algo.subspace_dim=8", "privacy.noise_multiplier=1.0",

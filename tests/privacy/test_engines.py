@@ -4,6 +4,8 @@ tied weights, non-finite examples, the working-bytes metric, and runs through ru
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -278,18 +280,22 @@ def test_capabilities_are_declared_in_the_registry_and_asked_for_before_training
     from dpbench.algorithms import algorithm_class
 
     from dpbench.privacy.engines import (
-        COVERAGE_CHECK, LOSS_SCALE, PER_EXAMPLE_GRADIENTS, PER_SAMPLE_ENGINES, CoverageChecked, Engine,
+        COVERAGE_CHECK, LOSS_SCALE, PER_EXAMPLE_GRADIENTS, PER_SAMPLE_ENGINES, SHARDED_SUMS, CoverageChecked, Engine,
         LossScaled, PerExampleGradients, engine_spec,
     )
 
     assert {name: engine_spec(name).capabilities for name in PER_SAMPLE_ENGINES.names()} == {
-        "materialize": {PER_EXAMPLE_GRADIENTS, LOSS_SCALE}, "ghost": {COVERAGE_CHECK}, "bk": {COVERAGE_CHECK}}
+        "materialize": {PER_EXAMPLE_GRADIENTS, LOSS_SCALE}, "ghost": {COVERAGE_CHECK, SHARDED_SUMS},
+        "bk": {COVERAGE_CHECK, SHARDED_SUMS}}
     protocols = {PER_EXAMPLE_GRADIENTS: PerExampleGradients, LOSS_SCALE: LossScaled, COVERAGE_CHECK: CoverageChecked}
     for name in PER_SAMPLE_ENGINES.names():
         engine = build_engine(name, tiny_cnn())
         assert isinstance(engine, Engine)
         for capability in engine_spec(name).capabilities:  # what a capability promises, the engine offers
-            assert isinstance(engine, protocols[capability]), (name, capability)
+            if capability == SHARDED_SUMS:  # a keyword of clipped_sum: each sum handed to a reduce as formed
+                assert "reduce" in inspect.signature(engine.clipped_sum).parameters, name
+            else:
+                assert isinstance(engine, protocols[capability]), (name, capability)
         engine.detach()
     for algo in ("dpdr", "diff", "diff2", "dcdpsgd"):
         for mode in MODES:

@@ -31,7 +31,8 @@ from dpbench.privacy.layers import (
     layer_pieces,
     rule_for,
 )
-from dpbench.privacy.pieces import Piece, exact_arithmetic
+from dpbench.privacy.pieces import Piece
+from dpbench.privacy.rounding import exact_arithmetic
 
 D = 8
 SLACK = 1.0001  # as tests/privacy/test_norm_rounding.py: the fp32 rounding of the release itself

@@ -362,7 +362,7 @@ def test_reduced_precision_matmul_bound():
 
 
 def test_norm_bound_is_rounded_up_to_fp32():
-    from dpbench.privacy.pieces import round_down_fp32, round_up_fp32
+    from dpbench.privacy.rounding import round_down_fp32, round_up_fp32
 
     x = torch.tensor([1.0 + 2.0**-40, 3.0, 1e-300, math.inf], dtype=torch.float64)
     assert (round_up_fp32(x).double() >= x).all()

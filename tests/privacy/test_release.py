@@ -12,7 +12,7 @@ import torch
 from helpers.ranks import spawn_ranks
 from scipy import stats
 
-from dpbench import distributed
+from dpbench.runtime import distributed
 from dpbench.errors import DivergedError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.noise import GaussianNoise

@@ -14,7 +14,7 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from dpbench.algorithms import algorithm_class
-from dpbench.checkpoint import CheckpointMismatch
+from dpbench.runtime.algorithm_state import CheckpointMismatch
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import (
     GaussianMechanism, SeveralMechanismsPerBatchError, ShuffledLedger, one_batch_mechanism,
@@ -22,7 +22,7 @@ from dpbench.privacy.mechanisms import (
 from dpbench.privacy.plan import PlanMismatchError, plan_privacy
 from dpbench.privacy.sampling import ShuffledBatches, batches_per_epoch, build_sampler
 from dpbench.run import planned_steps, run_job, setup
-from dpbench.trainer import Trainer, TrainerConfig
+from dpbench.runtime.trainer import Trainer, TrainerConfig
 
 EPOCHS, DELTA = 6, 1e-5
 

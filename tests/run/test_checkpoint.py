@@ -15,13 +15,12 @@ import torch
 from helpers.config import REPO, TINY, compose
 
 from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class, import_all
-from dpbench.checkpoint import (
-    CHECKPOINT_FILE, EXIT_PREEMPTED, CheckpointMismatch, algorithm_state, load_algorithm_state, restore_rng_states, rng_states,
-)
+from dpbench.runtime.algorithm_state import CheckpointMismatch, algorithm_state, load_algorithm_state
+from dpbench.runtime.checkpoint import CHECKPOINT_FILE, EXIT_PREEMPTED, restore_rng_states, rng_states
 from dpbench.errors import UserError
 from dpbench.privacy.noise import GaussianNoise
 from dpbench.run import run_job, setup
-from dpbench.trainer import Trainer
+from dpbench.runtime.trainer import Trainer
 
 import_all()
 STEPS = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=3"]

@@ -52,9 +52,11 @@ def test_two_process_steps_equal_the_one_process_steps_without_noise(ranks, algo
 @pytest.mark.slow  # starts processes
 def test_noisy_steps_keep_the_replicas_identical(ranks):
     """Rank 0's single noise draw is broadcast: both ranks apply bit-identical updates."""
+    without_noise = ranks[0]["sharded"]["dpsgd"]["params"]
+    assert len(ranks) == WORLD and len(ranks[0]["noisy_dpsgd"]["params"]) == len(ranks[1]["noisy_dpsgd"]["params"]) \
+        == len(without_noise) > 0  # the comparisons below are not over empty lists
     for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], ranks[1]["noisy_dpsgd"]["params"]):
         assert torch.equal(a, b)
-    without_noise = ranks[0]["sharded"]["dpsgd"]["params"]
     assert any(not torch.allclose(a, b) for a, b in zip(ranks[0]["noisy_dpsgd"]["params"], without_noise))
 
 
@@ -142,7 +144,7 @@ def test_every_rank_continues_from_its_own_generators(ranks):
 
 @pytest.mark.slow  # starts processes
 def test_the_process_group_is_left_at_the_end(ranks):
-    assert all(rank["shut_down"] for rank in ranks)
+    assert len(ranks) == WORLD and all(rank["shut_down"] for rank in ranks)
 
 
 @pytest.mark.slow  # starts processes
@@ -175,7 +177,7 @@ class FakeCuda:
     """Stands in for torch.cuda on a machine with `count` GPUs: records set_device calls."""
 
     def __init__(self, monkeypatch, count: int, world: int = 2, local_rank: int = 1):
-        from dpbench import distributed
+        from dpbench.runtime import distributed
 
         self.set_devices: list[int] = []
         monkeypatch.setattr(distributed, "_run_device_type", None)  # bind_device's record stays in this test
@@ -186,7 +188,7 @@ class FakeCuda:
 
 
 def test_cpu_ranks_never_set_a_cuda_device(monkeypatch):
-    from dpbench import distributed
+    from dpbench.runtime import distributed
 
     cuda = FakeCuda(monkeypatch, count=1, local_rank=3)  # more CPU ranks than GPUs
     distributed.bind_device(torch.device("cpu"))
@@ -194,7 +196,7 @@ def test_cpu_ranks_never_set_a_cuda_device(monkeypatch):
 
 
 def test_a_cuda_rank_binds_its_local_gpu_when_it_exists(monkeypatch):
-    from dpbench import distributed
+    from dpbench.runtime import distributed
 
     cuda = FakeCuda(monkeypatch, count=2, local_rank=1)
     distributed.bind_device(torch.device("cuda"))
@@ -206,7 +208,7 @@ def test_a_cuda_rank_binds_its_local_gpu_when_it_exists(monkeypatch):
 
 @pytest.mark.parametrize("count", [0, 1])
 def test_a_cuda_rank_without_its_gpu_is_a_one_line_error(monkeypatch, count):
-    from dpbench import distributed
+    from dpbench.runtime import distributed
     from dpbench.errors import UserError
 
     cuda = FakeCuda(monkeypatch, count=count, local_rank=1)  # e.g. one visible GPU per task
@@ -216,7 +218,8 @@ def test_a_cuda_rank_without_its_gpu_is_a_one_line_error(monkeypatch, count):
 
 
 def test_the_cli_leaves_the_process_group_however_it_ends(monkeypatch, tmp_path):
-    from dpbench import cli, distributed
+    from dpbench import cli
+    from dpbench.runtime import distributed
 
     monkeypatch.chdir(tmp_path)  # Hydra's run folder
     left = []
@@ -237,7 +240,7 @@ def test_the_privacy_plan_fingerprint_holds_what_the_ranks_must_share(tiny_cfg):
 
 
 def test_cuda_generators_are_restored_per_rank_and_only_onto_as_many_gpus(monkeypatch):
-    from dpbench import checkpoint, distributed
+    from dpbench.runtime import checkpoint, distributed
 
     gpu_states = {"rank0": [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)],
                   "rank1": [torch.tensor([3], dtype=torch.uint8), torch.tensor([4], dtype=torch.uint8)]}

@@ -13,7 +13,7 @@ import torch
 
 from dpbench.tools.benchmarks import max_batch
 from dpbench.tools.benchmarks.table import collect, markdown
-from dpbench.metering import PeakMemory, Throughput, cuda_synchronizer, synchronize_active_cuda
+from dpbench.runtime.metering import PeakMemory, Throughput, cuda_synchronizer, synchronize_active_cuda
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated on it
 
@@ -81,7 +81,7 @@ def test_trainer_steps_are_synchronised(tmp_path, monkeypatch):
     from helpers.config import TINY, compose
     from omegaconf import OmegaConf
 
-    import dpbench.metering as metering
+    import dpbench.runtime.metering as metering
     from dpbench.logging.wandb_logger import build_logger
     from dpbench.run import fit, setup
 
@@ -191,7 +191,7 @@ def test_table_reports_allocated_as_own_and_reserved_as_absolute_on_gpu(tmp_path
         "throughput": {"samples_per_s": 3.0},
     }))
     (row,) = collect(tmp_path)
-    # own: allocated (dpbench.metering.own_peak_bytes, one rule for every table); absolute: reserved
+    # own: allocated (dpbench.runtime.metering.own_peak_bytes, one rule for every table); absolute: reserved
     assert row["own_mib"] == 700 and row["peak_mib"] == 1000 and row["allocated_mib"] == 700
     assert "| adam | 8 | 700 | 1000 | 700 |" in markdown([row])
 

@@ -1,6 +1,6 @@
 """A training step makes a bounded number of host syncs, independent of the model's depth: on a
 GPU each `.item()` / `bool(t)` / `float(t)` stalls the kernel queue (1,200 a step for OPT-1.3B
-before this was bounded). Counted on the CPU through dpbench.host_syncs."""
+before this was bounded). Counted on the CPU through dpbench.runtime.host_syncs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers.projected import TensorTask
 from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import algorithm_class
-from dpbench.host_syncs import count_host_syncs
+from dpbench.runtime.host_syncs import count_host_syncs
 from dpbench.models.vit import DPViT
 from dpbench.precision import Precision
 from dpbench.privacy.noise import GaussianNoise

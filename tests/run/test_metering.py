@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from dpbench.metering import PeakMemory, Throughput
+from dpbench.runtime.metering import PeakMemory, Throughput
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS high-water mark reset is Linux-only")
@@ -37,7 +37,7 @@ def test_throughput_skips_warmup_steps():
 
 def test_own_peak_is_one_rule_for_a_read_and_a_results_section():
     from dpbench.logging.results import MemoryResults
-    from dpbench.metering import own_peak_bytes
+    from dpbench.runtime.metering import own_peak_bytes
 
     cpu = {"kind": "cpu_peak_rss", "peak_bytes": 900, "start_bytes": 300}
     gpu = {"kind": "cuda_max_reserved", "peak_bytes": 1000, "start_bytes": 100, "cuda_max_allocated": 700}

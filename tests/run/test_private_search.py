@@ -1,4 +1,4 @@
-"""The private random search (dpbench/study.py and the `private_search` Hydra sweeper).
+"""The private random search (dpbench/study/ and the `private_search` Hydra sweeper).
 
 The study's epsilon is dp-accounting's RepeatAndSelectDpEvent (Papernot & Steinke, ICLR 2022) on
 the trial's ledger; K follows dp-accounting's distribution and comes from entropy; the sweeper
@@ -22,13 +22,12 @@ from omegaconf import OmegaConf
 from dpbench import study
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
-from dpbench import study_publish as publish
-from hydra_plugins.dpbench_private_search import private_search
+from dpbench.study import publish
+from dpbench.study import space as study_space
+from dpbench.study import trials as study_trials
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra_plugins.dpbench_private_search.private_search import (
-    PrivateSearchSweeper,
-    parse_search_space,
-)
+from dpbench.study.space import parse_search_space
+from dpbench.study.sweep import StudySweep
 
 DELTA = 1e-5
 
@@ -155,7 +154,7 @@ def test_space_parser_draws_within_bounds():
     rng = study.entropy_rng()
     lrs = []
     for _ in range(400):
-        values = dict(v.split("=", 1) for v in private_search.draw_values(dims, rng))
+        values = dict(v.split("=", 1) for v in study_space.draw_values(dims, rng))
         lr, clip = float(values["train.lr"]), float(values["privacy.clip_norm"])
         assert 0.003 <= lr <= 0.1 and 0.3 <= clip <= 2
         assert values["model"] in ("cnn", "vit") and values["train.eval_every"] in ("5", "10")
@@ -217,7 +216,7 @@ class _Launcher:
         return returns
 
 
-class _Sweeper(PrivateSearchSweeper):
+class _Sweeper(StudySweep):
     def __init__(self, sweep_dir: Path, launcher, **options):
         super().__init__(**{"mean_trials": 3, "shape": 1, **options})
         self.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}}})
@@ -231,7 +230,7 @@ class _Sweeper(PrivateSearchSweeper):
 
 
 def _fixed_k(monkeypatch, k):
-    monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: k)
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda mean, shape, rng=None: k)
 
 
 def _private_state(folder: Path) -> dict:
@@ -298,7 +297,7 @@ def test_an_interrupted_study_resumes_without_drawing_again(tmp_path, monkeypatc
     state = _private_state(tmp_path)  # the state lives in the private area until the study ends
     assert state["trials"] == 3 and list(state["outcomes"]) == ["0"]  # trial 0 failed, recorded
     assert not (tmp_path / "study.json").exists()
-    monkeypatch.setattr(study, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
     second = _Launcher(tmp_path)
     summary = _Sweeper(tmp_path, second, max_batch_size=1, keep_private=True)._sweep(args)
     # trial 0 (failed: -inf) is never rerun; trial 1 goes back to its folder, where dpbench finds its results.json
@@ -313,7 +312,7 @@ def test_an_interrupted_study_resumes_without_drawing_again(tmp_path, monkeypatc
 def test_a_finished_study_is_shown_again_and_never_rerun(tmp_path, monkeypatch):
     _fixed_k(monkeypatch, 2)
     first = _Sweeper(tmp_path, _Launcher(tmp_path))._sweep(["train.lr=0.1,0.2"])
-    monkeypatch.setattr(study, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda *a, **k: pytest.fail("K drawn again"))
     again = _Launcher(tmp_path)
     assert _Sweeper(tmp_path, again)._sweep(["train.lr=0.1,0.2"]) == first and again.calls == []
 
@@ -355,7 +354,7 @@ def test_an_objective_other_than_the_noisy_validation_score_is_refused(tmp_path,
 def test_a_study_without_a_validation_split_is_refused_in_one_line():
     from helpers.config import TINY, compose
 
-    from hydra_plugins.dpbench_private_search.private_search import TrialPlanner
+    from dpbench.study.planner import TrialPlanner
 
     with pytest.raises(UserError, match="dataset.validation_fraction") as error:
         TrialPlanner(compose([*TINY, "algo=dpsgd", "privacy.noise_multiplier=1.0"]))
@@ -366,6 +365,7 @@ def test_trials_never_evaluate_on_the_test_set(tmp_path, monkeypatch):
     _fixed_k(monkeypatch, 2)
     launcher = _Launcher(tmp_path)
     _Sweeper(tmp_path, launcher)._sweep(["train.lr=0.1,0.2"])
+    assert len(launcher.calls) == 2  # both trials launched: the check below is not over an empty list
     assert all("train.evaluate_test=false" in overrides for _, overrides in launcher.calls)
 
 
@@ -376,6 +376,16 @@ def test_the_sweeper_is_a_discoverable_hydra_plugin():
 
     assert "PrivateSearchSweeper" in {p.__name__ for p in Plugins.instance().discover(Sweeper)}
     assert "private_search.yaml" in ConfigStore.instance().list("hydra/sweeper")
+
+
+def test_the_plugin_hands_its_options_and_its_sweep_to_the_study(tmp_path, monkeypatch):
+    from hydra_plugins.dpbench_private_search.private_search import PrivateSearchSweeper
+
+    sweeper = PrivateSearchSweeper(mean_trials=4, shape=".inf", studies=2, grid={"seed": "0,1"})
+    assert isinstance(sweeper.study, StudySweep)
+    assert (sweeper.study.mean_trials, sweeper.study.shape, sweeper.study.studies) == (4.0, math.inf, 2)
+    monkeypatch.setattr(StudySweep, "sweep", lambda self, arguments: ("swept", self, arguments))
+    assert sweeper.sweep(["train.lr=0.1,0.2"]) == ("swept", sweeper.study, ["train.lr=0.1,0.2"])
 
 
 # ------------------------------------------------------------------ end to end
@@ -528,7 +538,7 @@ def test_selection_is_unchanged_when_the_test_labels_are_permuted(tmp_path, monk
         counter = itertools.count(12345)
         for module in (noise, sampling):  # every generator that is seeded from entropy, the same twice
             monkeypatch.setattr(module, "entropy_seed", lambda: next(counter))
-        monkeypatch.setattr(study, "entropy_rng", lambda: np.random.default_rng(7))
+        monkeypatch.setattr(study_trials, "entropy_rng", lambda: np.random.default_rng(7))
 
         def loaded(*args, **kwargs):
             dataset = load(*args, **kwargs)
@@ -563,9 +573,9 @@ def test_selection_is_unchanged_when_the_test_labels_are_permuted(tmp_path, monk
 
 
 def test_study_folders_are_the_grids_product_times_the_repetitions():
-    assert private_search.study_folders({}, 1) == [("", [])]
-    assert private_search.study_folders({}, 2) == [("study_0", []), ("study_1", [])]
-    plan = private_search.study_folders({"algo": "dpsgd,grape", "seed": "0"}, 2)
+    assert study_space.study_folders({}, 1) == [("", [])]
+    assert study_space.study_folders({}, 2) == [("study_0", []), ("study_1", [])]
+    plan = study_space.study_folders({"algo": "dpsgd,grape", "seed": "0"}, 2)
     assert [folder for folder, _ in plan] == ["algo-dpsgd_seed-0/study_0", "algo-dpsgd_seed-0/study_1",
                                                "algo-grape_seed-0/study_0", "algo-grape_seed-0/study_1"]
     assert plan[2][1] == ["algo=grape", "seed=0"]
@@ -575,14 +585,14 @@ def test_study_folders_are_the_grids_product_times_the_repetitions():
 
 def test_a_configs_search_space_joins_the_sweeps_and_a_key_named_twice_is_refused():
     fixed, dims = parse_search_space(["logger=none", "train.lr=interval(0.1, 1)"])
-    more_fixed, more = private_search.with_config_space({"algo.rank": "choice(4, 8)", "model.width": "8"}, fixed, dims)
+    more_fixed, more = study_space.with_config_space({"algo.rank": "choice(4, 8)", "model.width": "8"}, fixed, dims)
     assert more_fixed == ["logger=none", "model.width=8"]
     assert [d.key for d in more] == ["train.lr", "algo.rank"] and more[1].choices == ("4", "8")
     with pytest.raises(UserError, match="name it once") as error:
-        private_search.with_config_space({"train.lr": "interval(0.2, 2)"}, fixed, dims)
+        study_space.with_config_space({"train.lr": "interval(0.2, 2)"}, fixed, dims)
     assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="changes each trial's privacy event"):
-        private_search.with_config_space({"train.batch_size": "choice(32, 64)"}, fixed, dims)
+        study_space.with_config_space({"train.batch_size": "choice(32, 64)"}, fixed, dims)
 
 
 class _GridLauncher(_Launcher):
@@ -603,7 +613,7 @@ class _GridLauncher(_Launcher):
 
 def test_a_grid_runs_one_independent_study_per_combination_and_repetition(tmp_path, monkeypatch):
     draws = iter([1, 2, 1, 3])
-    monkeypatch.setattr(study, "draw_trial_count", lambda mean, shape, rng=None: next(draws))
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda mean, shape, rng=None: next(draws))
     launcher = _GridLauncher(tmp_path)
     index = _Sweeper(tmp_path, launcher, grid={"algo": "dpsgd,grape"}, studies=2,
                      keep_private=True)._sweep(["train.lr=interval(0.1, 1)"])
@@ -640,7 +650,7 @@ def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, method
     assert "adam" not in names and len(names) == methods
     for method in names:
         job = compose([f"experiment={preset}", f"algo={method}"])
-        _, dims = private_search.with_config_space(job.search_space, [], [])
+        _, dims = study_space.with_config_space(job.search_space, [], [])
         assert "privacy.clip_norm" in {d.key for d in dims}, method
         assert job.dataset.validation_fraction == 0.2 and job.privacy.noise_multiplier is None
         assert job.privacy.log_private_stats is False  # a published benchmark holds no un-noised statistic

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from helpers.config import FIXED_SIGMA, TINY, compose
 from safetensors import safe_open
 
-from dpbench.checkpoint import CHECKPOINT_FILE
+from dpbench.runtime.checkpoint import CHECKPOINT_FILE
 from dpbench.errors import UserError
 from dpbench.run import run_job
 from dpbench.saved_model import MODEL_FILE, load_weights, read_header, save_model

@@ -30,7 +30,7 @@ from helpers.sharded_checkpoint_worker import (
     run_two,
 )
 
-from dpbench.checkpoint import CHECKPOINT_FILE, EXIT_PREEMPTED, SHARDS_DIR
+from dpbench.runtime.checkpoint import CHECKPOINT_FILE, EXIT_PREEMPTED, SHARDS_DIR
 
 TWO: dict = {}  # where the 2-rank spawn wrote (the 3-rank resume copies its checkpoint)
 
@@ -172,7 +172,7 @@ def test_sigterm_checkpoints_a_sharded_run_exits_75_and_the_same_command_resumes
 
 # --- without processes ---------------------------------------------------------------------------------
 def test_a_checkpoint_naming_missing_shards_is_a_one_line_error(tmp_path):
-    from dpbench.checkpoint import read_checkpoint, write_checkpoint
+    from dpbench.runtime.checkpoint import read_checkpoint, write_checkpoint
     from dpbench.errors import UserError
 
     write_checkpoint(tmp_path, {"config": {}, "step": 2, "trainer": {"algorithm": {
@@ -189,7 +189,7 @@ def test_a_checkpoint_naming_missing_shards_is_a_one_line_error(tmp_path):
 def test_a_sharded_checkpoint_does_not_load_into_an_unsharded_algorithm_and_back():
     import types
 
-    from dpbench.checkpoint import CheckpointMismatch, load_algorithm_state
+    from dpbench.runtime.algorithm_state import CheckpointMismatch, load_algorithm_state
 
     with pytest.raises(CheckpointMismatch, match="one of the checkpoint and this run is sharded"):
         load_algorithm_state(types.SimpleNamespace(sharded=False), {"sharded": {"folder": "x"}})
@@ -198,7 +198,7 @@ def test_a_sharded_checkpoint_does_not_load_into_an_unsharded_algorithm_and_back
 
 
 def test_delete_checkpoint_removes_the_shards_after_checkpoint_pt(tmp_path):
-    from dpbench.checkpoint import delete_checkpoint
+    from dpbench.runtime.checkpoint import delete_checkpoint
 
     (tmp_path / CHECKPOINT_FILE).write_bytes(b"x")
     (tmp_path / SHARDS_DIR / "step-00000002-0000").mkdir(parents=True)
@@ -207,7 +207,7 @@ def test_delete_checkpoint_removes_the_shards_after_checkpoint_pt(tmp_path):
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint_and_the_next_save_prunes_it(tmp_path):
-    from dpbench.checkpoint import prune_shards
+    from dpbench.runtime.checkpoint import prune_shards
 
     root = tmp_path / SHARDS_DIR
     for name in ("step-00000002-aaaa", "step-00000004-bbbb", "step-00000006-cccc"):  # 6: a save cut short

@@ -1,4 +1,4 @@
-"""train.sharding=fsdp (dpbench/sharding.py): FSDP2 on the CPU with gloo and 2 processes. With the
+"""train.sharding=fsdp (dpbench/runtime/sharding.py): FSDP2 on the CPU with gloo and 2 processes. With the
 noise off, each step's released clipped sum equals one process's at the same parameters and five
 DP-Adam steps (bk on a micro ViT and a tiny OPT with its tied head, ghost on the ViT) end where one
 process's do; with it on, each coordinate gets
@@ -17,6 +17,7 @@ from helpers.ranks import relative, spawn_ranks
 from helpers.sharding_worker import CLIP, LOGICAL_BATCHES, NOISY_SIGMA, run
 from scipy import stats
 
+from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
 
 WORLD = 2
@@ -166,7 +167,7 @@ def test_torchrun_trains_sharded_and_records_it(tmp_path):
     # after the evaluations' forwards and the end of training, rank 0 holds its rows of every
     # parameter, the root's included (FSDP2 keeps the root gathered after a forward: resharded)
     from dpbench.api import compose
-    from dpbench.distributed import row_shard
+    from dpbench.runtime.distributed import row_shard
     from dpbench.run import setup
 
     model = setup(compose(["model=vit", "dataset=synthetic", "algo=dpadam", "logger=none", "device=cpu",
@@ -187,13 +188,13 @@ def _cfg(algo: str = "dpadam", per_sample: str | None = "bk", model: str = "vit"
 
 
 def _refusal(monkeypatch, cfg, world: int = 2) -> str:
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(UserError) as refused:
-        sharding.check_supported(cfg)
+        sharding.check_supported(cfg, ALGORITHMS)
     message = str(refused.value)
-    assert "\n" not in message and "supports algo=dpsgd|dpadam|grape with algo.per_sample=bk|ghost and algo=dpzero" in message
+    assert "\n" not in message and "supports algo=dpadam|dpsgd|grape with algo.per_sample=bk|ghost and algo=dpzero" in message
     return message
 
 
@@ -217,25 +218,25 @@ def test_unsupported_combinations_are_refused_naming_what_is_supported(monkeypat
 
 
 def test_supported_combinations_and_the_default_pass(monkeypatch):
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    sharding.check_supported(_cfg("dpsgd"))
-    sharding.check_supported(_cfg("dpadam", "ghost"))
-    sharding.check_supported(_cfg("grape", "bk"))  # replicated releases: tests/run/test_sharded_replicated.py
-    sharding.check_supported(_cfg("grape", "ghost"))
-    sharding.check_supported(_cfg("dpzero", None))  # no engine: forwards only
-    sharding.check_supported(_cfg(checkpoint_every=2))  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
+    sharding.check_supported(_cfg("dpsgd"), ALGORITHMS)
+    sharding.check_supported(_cfg("dpadam", "ghost"), ALGORITHMS)
+    sharding.check_supported(_cfg("grape", "bk"), ALGORITHMS)  # replicated releases: tests/run/test_sharded_replicated.py
+    sharding.check_supported(_cfg("grape", "ghost"), ALGORITHMS)
+    sharding.check_supported(_cfg("dpzero", None), ALGORITHMS)  # no engine: forwards only
+    sharding.check_supported(_cfg(checkpoint_every=2), ALGORITHMS)  # sharded checkpoints: tests/run/test_sharded_checkpoint.py
     none = _cfg("adam", None)
     none.train.sharding = "none"
-    sharding.check_supported(none)  # train.sharding=none: nothing to check
+    sharding.check_supported(none, ALGORITHMS)  # train.sharding=none: nothing to check
     assert sharding.block_patterns("opt") == ("*decoder.layers.*",)
 
 
 def test_block_patterns_name_the_outermost_blocks():
     from torch import nn
 
-    from dpbench import sharding
+    from dpbench.runtime import sharding
 
     model = nn.Module()
     model.blocks = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2)))
@@ -247,3 +248,18 @@ def test_the_cli_refuses_fsdp_in_one_process_in_one_line(tiny_cfg):
 
     with pytest.raises(UserError, match="^it needs several processes.*train.sharding=fsdp supports"):
         setup(tiny_cfg("train.sharding=fsdp", "algo=dpadam", "algo.per_sample=bk", "model=vit"))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_every_algorithm_is_refused_or_run_as_its_class_declares(monkeypatch, name):
+    """The registry's declaration (`shardable`, `per_example_engine`) decides, for every algorithm."""
+    from dpbench.runtime import sharding
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    algo_cls = ALGORITHMS.get(name)
+    cfg = _cfg(name, "bk" if algo_cls.per_example_engine else None)
+    if algo_cls.shardable:
+        sharding.check_supported(cfg, ALGORITHMS)
+        assert name in sharding.supported(ALGORITHMS)
+    else:
+        assert f"algo={name} is not supported" in _refusal(monkeypatch, cfg)

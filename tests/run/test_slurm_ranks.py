@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpbench import distributed
-from dpbench.distributed import adopt_slurm_environment, first_host, slurm_environment
+from dpbench.runtime import distributed
+from dpbench.runtime.distributed import adopt_slurm_environment, first_host, slurm_environment
 
 TWO_NODES = {  # task 11 of 16: 2 nodes x 8 GPUs, what srun (and submitit) give each task
     "DPBENCH_RANKS_FROM_SLURM": "1", "SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3",

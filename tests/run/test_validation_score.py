@@ -285,7 +285,7 @@ def test_the_audits_accounting_check_reads_a_parallel_score_as_its_own_part(tiny
     with the score in parallel it is the larger part's epsilon, and the reported one passes."""
     import types
 
-    from dpbench.tools.audit_accounting import accounting_check
+    from dpbench.tools.audit.accounting import accounting_check
 
     for composition, passes in (("parallel", True), ("sequential", True)):
         plan = _plan(tiny, steps=3, privacy__noise_multiplier=1.0, dataset__validation_fraction=0.2,

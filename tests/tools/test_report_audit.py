@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dpbench.logging.results import write_results
-from dpbench.tools.audit_report import AuditReport, Check
-from dpbench.tools.one_run import OneRunReport, OneRunResult
+from dpbench.tools.audit.report import AuditReport, Check
+from dpbench.tools.audit.one_run import OneRunReport, OneRunResult
 from dpbench.tools.report import group_runs, main
 from dpbench.tools.report.html import page
 from dpbench.tools.report.leaderboard import build_boards, fairness

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from dpbench import study
-from dpbench import study_publish as publish
+from dpbench.study import publish
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.tools.report import studies as board_module
 from dpbench.tools.report.studies import StudyEntry, StudyRow, build_study_boards, study_board_table

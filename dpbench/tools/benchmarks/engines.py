@@ -208,7 +208,7 @@ def _import_every_method() -> None:
 
 def measure(method: str, shape: Shape, batch: int, steps: int, warmup: int, device: torch.device) -> dict:
     """One method in this process: samples/s over `steps` synchronised steps after `warmup`, and peaks."""
-    from dpbench.metering import PeakMemory, own_peak_bytes
+    from dpbench.runtime.metering import PeakMemory, own_peak_bytes
 
     _import_every_method()  # the own peak is the method's tensors, not the code it imports
     memory = PeakMemory(device)

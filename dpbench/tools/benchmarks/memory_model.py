@@ -294,7 +294,7 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
                    momentum: float = 0.0, projected: dict | None = None, label: str = "") -> Estimate:
     """Rank 0's bytes of training `model` (built on any device, meta included) at world size K.
     `projected`: {parameter: Projection} of DP-GRAPE's projected layers."""
-    from dpbench.sharding import block_modules
+    from dpbench.runtime.sharding import block_modules
 
     if algo not in ALGORITHMS:
         raise ValueError(f"the memory model covers algo={'|'.join(ALGORITHMS)}, not {algo}")
@@ -354,7 +354,7 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
     else train.physical_batch_size, else train.batch_size; tokens T: `tokens`, else dataset.max_length, else 512)."""
     from dpbench.algorithms.projected_adam import build_projections
     from dpbench.api import compose
-    from dpbench.sharding import block_patterns
+    from dpbench.runtime.sharding import block_patterns
 
     cfg = compose(overrides)
     algo, engine = str(cfg.algo.name), str(cfg.algo.get("per_sample", "materialize"))
@@ -370,9 +370,10 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
     if info["kind"] == "image":
         est.tokens = 1
     if world_size > 1:
-        from dpbench.sharding import SUPPORTED_ALGORITHMS, SUPPORTED_ENGINES
+        from dpbench.algorithms import algorithm_class
+        from dpbench.privacy.engines import SHARDED_SUMS, engine_spec
 
-        if algo not in SUPPORTED_ALGORITHMS or engine not in SUPPORTED_ENGINES:  # (the model covers first-order ones)
+        if not algorithm_class(algo).shardable or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
             est.notes.append(f"train.sharding=fsdp refuses algo={algo} algo.per_sample={engine} today: "
                              "the figures are what K-way sharding would take")
         if str(cfg.train.get("precision", "fp32")) != "fp32":

@@ -3,7 +3,7 @@
     dpbench -m experiment=memory_vs_batch_vit
     python -m dpbench.tools.benchmarks.table outputs/multirun/memory_vs_batch_vit
 
-Memory is the run's own peak (dpbench.metering.own_peak_bytes, the rule of every table: on the
+Memory is the run's own peak (dpbench.runtime.metering.own_peak_bytes, the rule of every table: on the
 CPU the peak resident size minus what was held at the start of the run, on a GPU the peak
 allocated memory) beside the absolute peak (resident size; on a GPU reserved memory,
 torch.cuda.max_memory_reserved, the papers' figure: what the card must hold).
@@ -20,7 +20,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from dpbench.metering import own_peak_bytes
+from dpbench.runtime.metering import own_peak_bytes
 
 MIB = 2**20
 PRIVATE_MODES = ("dpadam", "dpsgd", "grape", "galore_naive")

@@ -9,13 +9,13 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from dpbench import metering
+from dpbench.runtime import metering
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults
-from dpbench.study_publish import PRIVATE_DIR
+from dpbench.study.publish import PRIVATE_DIR
 
 MIB = 2**20
-AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit_report.AuditReport.to_json)
+AUDIT_FILE = "audit.json"        # what dpbench-audit writes (dpbench.tools.audit.report.AuditReport.to_json)
 DEFAULT_ENGINE = "materialize"   # algo.per_sample when a method name carries no engine
 
 
@@ -192,7 +192,7 @@ def method_name(row: RunRow) -> str:
 
 
 def own_peak_bytes(results: RunResults) -> int | None:
-    """The run's own peak memory (dpbench.metering.own_peak_bytes: the rule of every table)."""
+    """The run's own peak memory (dpbench.runtime.metering.own_peak_bytes: the rule of every table)."""
     return metering.own_peak_bytes(results.memory)
 
 

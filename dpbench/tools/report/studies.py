@@ -9,7 +9,7 @@ number of trials every method was given, and the method's rank under its paper h
 (`report.compare_with` or --compare-with: that benchmark's multirun folder) with the change.
 It reads study.json and the selected trial's folder beside it (the publishable files) only: the
 realised numbers of trials K and the other trials' outcomes are outside each study's epsilon
-(dpbench/study_publish.py) and never read or shown.
+(dpbench/study/publish.py) and never read or shown.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpbench.logging.console import console
-from dpbench.study_publish import PRIVATE_DIR
+from dpbench.study.publish import PRIVATE_DIR
 from dpbench.tools.report.agreement import kendall
 from dpbench.tools.report.formatting import fmt, fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow, load_rows, method_name
