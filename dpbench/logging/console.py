@@ -122,16 +122,21 @@ class ProgressCallback:
 def grid_table(frame, sweep_dir) -> Table:
     """The end-of-grid table (dpbench.api.load_runs' frame): one row per run of the sweep folder."""
     table = Table(title=f"grid · {sweep_dir}", title_style="bold")
-    for name in ("run", "status", "test acc", "validation", "ε spent", "process peak", "wall time"):
+    for name in ("run", "status", "test acc", "validation", "ε spent", "own peak", "process peak", "wall time"):
         table.add_column(name, justify="left" if name in ("run", "status") else "right")
     for row in frame.sort_values("run_dir").itertuples(index=False):
         figures = row._asdict()
         value = lambda key: None if figures.get(key) != figures.get(key) else figures.get(key)  # NaN: missing
-        peak = value("memory_peak_bytes")
+        peak, wall = value("memory_peak_bytes"), value("throughput_wall_s")
+        own = own_peak_bytes({"peak_bytes": peak, "start_bytes": value("memory_start_bytes"), "kind": value("memory_kind")})
         table.add_row(
             str(figures["run_dir"]).removeprefix(str(sweep_dir)).lstrip("/") or ".", str(value("status") or "—"),
             _fmt(value("test_accuracy"), ".4f"), _fmt(value("validation_score"), ".4f"),
             "∞" if not value("privacy_private") else _fmt(value("privacy_epsilon"), ".3f"),
-            "—" if peak is None else f"{peak / 2**20:.0f} MiB", _fmt(value("throughput_wall_s"), ".1f") + " s",
+            _mib(own), _mib(peak), "—" if wall is None else f"{wall:.1f} s",
         )
     return table
+
+
+def _mib(value: float | None) -> str:
+    return "—" if value is None else f"{value / 2**20:.0f} MiB"
