@@ -33,4 +33,12 @@ DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset", package=__
 
 
 def load_dataset(cfg, seed: int) -> ImageDataset:
+    """The registered loader of `dataset.name`, or a user's builder by import path (`dataset.builder`,
+    dpbench/data/user.py)."""
+    from dpbench.models.user import names_builder
+
+    if names_builder(cfg):
+        from dpbench.data.user import load_user_dataset
+
+        return load_user_dataset(cfg, seed)
     return DATASETS.get(cfg.name)(cfg, seed)

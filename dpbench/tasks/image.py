@@ -55,6 +55,7 @@ class ImageClassificationTask(Task):
             channels=self.data.channels,
             image_size=self.data.image_size,
             patch_size=self.data.patch_size,
+            input_shape=tuple(self.data.train_images.shape[1:]),
         )
 
     def batch(self, indices: list[int]):
