@@ -1,6 +1,6 @@
 """A researcher's own package outside the repository, written to a folder as docs/bring-your-own.md
 shows it: a tiny MLP and a CSV dataset (`my_dp`), their configs (`my_conf/model/my_mlp.yaml`,
-`my_conf/dataset/my_csv.yaml`), and models and datasets dpbench must refuse (`my_dp/bad.py`)."""
+`my_conf/dataset/my_csv.yaml`, a preset `my_conf/experiment/mine.yaml`), and models and datasets dpbench must refuse (`my_dp/bad.py`)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,17 @@ num_classes: 3
 validation_fraction: 0.0
 '''
 
+EXPERIMENT_CONFIG = '''# @package _global_
+# A preset of the user's own: dpbench hydra.searchpath=[file://<folder>/my_conf] experiment=mine
+defaults:
+  - override /model: my_mlp
+  - override /dataset: my_csv
+  - override /algo: grape
+train:
+  epochs: 2
+  batch_size: 64
+'''
+
 CLASSES, FEATURES = 3, 6
 
 
@@ -175,9 +186,11 @@ def write_csv(path: Path, rows: int, rng: random.Random, centres) -> None:
 def write_user_package(folder: Path) -> Path:
     """The user's folder (to put on PYTHONPATH); its configs are in <folder>/my_conf."""
     package, conf = folder / "my_dp", folder / "my_conf"
-    for path in (package, conf / "model", conf / "dataset", folder / "data"):
+    for path in (package, conf / "model", conf / "dataset", conf / "experiment", folder / "data"):
         path.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
+    (conf / "__init__.py").write_text("")  # importable too: hydra.searchpath=[pkg://my_conf]
+    (conf / "experiment" / "mine.yaml").write_text(EXPERIMENT_CONFIG)
     (package / "models.py").write_text(MODELS)
     (package / "data.py").write_text(DATA)
     (package / "bad.py").write_text(BAD)

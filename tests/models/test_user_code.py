@@ -43,6 +43,9 @@ def test_the_search_path_finds_a_users_configs_and_the_schema_takes_them(user_fo
     assert cfg.dataset.builder == "my_dp.data:csv_data" and cfg.dataset.num_classes == 3
     with pytest.raises(UserError, match="model=my_mlq is not an option of model; did you mean model=my_mlp"):
         compose([searchpath(user_folder), "model=my_mlq"])
+    # a preset of the user's own, and the configs found as a package on sys.path (pkg://)
+    preset = compose(["hydra.searchpath=[pkg://my_conf]", "experiment=mine"])
+    assert (preset.model.name, preset.dataset.name, preset.algo.name, preset.train.batch_size) == ("my_mlp", "my_csv", "grape", 64)
 
 
 def test_a_users_model_trains_with_its_declared_family(user_folder, tmp_path):
@@ -94,7 +97,7 @@ def test_a_refused_user_model_or_dataset_is_one_line_exit_2(case, user_folder, t
     assert not (tmp_path / "outputs").exists()  # the run folder Hydra made was removed again
 
 
-@pytest.mark.slow  # two console scripts in fresh processes (about 40 s)
+@pytest.mark.slow  # two console scripts in fresh processes (about 20 s)
 def test_a_user_package_outside_the_repository_trains_with_grape_and_passes_the_audit(tmp_path):
     """The documented route, as a user types it: the package on PYTHONPATH, the configs on Hydra's
     search path, nothing of dpbench changed."""
@@ -113,4 +116,4 @@ def test_a_user_package_outside_the_repository_trains_with_grape_and_passes_the_
                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": path, "HOME": str(work),
                                                         "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    assert "every check holds" in audit.stdout
+    assert "every check holds" in audit.stdout + audit.stderr
