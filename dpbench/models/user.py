@@ -95,17 +95,15 @@ def user_family(model_cfg, model: nn.Module):
                    if n and isinstance(m, nn.Linear) and not any(_matches(n, [p, f"{p}.*"]) for p in trained))
     projected = _patterns(model_cfg, "projected_modules")
     lora = _patterns(model_cfg, "lora_targets")
-    blocks = _patterns(model_cfg, "block_modules") or ()
     for key, patterns in (("trained_modules", trained), ("projected_modules", projected or ()),
-                          ("lora_targets", lora or ()), ("block_modules", blocks)):
+                          ("lora_targets", lora or ())):
         for pattern in patterns:
             if not any(_matches(n, [pattern]) for n in names):
                 shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
                 raise UserError(f"model.{key}: {pattern!r} matches no module of model={model_cfg.name} "
                                 f"(its modules: {shown})")
     return ModelFamily(projected_modules=linear if projected is None else projected,
-                       lora_targets=linear if lora is None else lora, trained_modules=trained,
-                       block_modules=blocks)
+                       lora_targets=linear if lora is None else lora, trained_modules=trained)
 
 
 def build_user_model(model_cfg, spec) -> nn.Module:

@@ -70,6 +70,8 @@ REFUSED = {  # overrides -> a piece of the one line
                               "buffer mean changes during a training forward"),
     "norms against autograd": (["model=custom", "model.builder=my_dp.bad:shared_weight"],
                                "per-example gradient norm of example 0 differs from autograd's on that example alone"),
+    "a name of dpbench's": (["model=custom", "model.builder=my_dp.models:tiny_mlp", "model.name=cnn"],
+                            "model.name=cnn is one of dpbench's models; give your model another model.name"),
     "no builder": (["model=custom"], "model=custom needs model.builder=package.module:function"),
     "unimportable builder": (["model=custom", "model.builder=my_models.mlp:tiny"],
                              "model.builder=my_models.mlp:tiny: cannot import my_models; put the folder"),
