@@ -13,6 +13,9 @@ run of the same config. `quiet=True` prints nothing (no bar, no table, no notes)
     from dpbench.api import grid, load_runs
     grid(["logger=none"], {"algo": ["grape", "dpadam"], "seed": [0, 1]}, "outputs/multirun/mine")
     load_runs("outputs/multirun/mine")   # a pandas.DataFrame: one row per run
+
+    from dpbench.api import train_module   # your own nn.Module and datasets (docs/bring-your-own.md)
+    train_module(model, train, test, num_classes=3, overrides=["algo=grape", "logger=none"])
 """
 
 from __future__ import annotations
@@ -155,3 +158,6 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     results.saved_model_test = metrics
     write_results(run_dir, results)
     return metrics
+
+
+from dpbench.train_module import train_module  # noqa: E402,F401  (the make_private habit: dpbench/train_module.py)

@@ -55,9 +55,8 @@ def _field(data, name: str, path: str):
     return value
 
 
-def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split as (inputs [N, ...] float32, labels [N] int64), or one line saying what is wrong."""
-    where = f"dataset.builder={path}: {which} is"
+def check_map_style(split, where: str) -> None:
+    """One line unless `split` is a map-style dataset of known size; `where` starts the line."""
     if isinstance(split, DataLoader):
         raise UserError(f"{where} a DataLoader; return its map-style dataset (loader.dataset): dpbench draws the "
                         "batches with its own sampler, which the privacy accounting assumes")
@@ -66,6 +65,12 @@ def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tens
                         "dataset of known size (e.g. torch.utils.data.TensorDataset) to sample it privately")
     if len(split) == 0:
         raise UserError(f"{where} empty")
+
+
+def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split as (inputs [N, ...] float32, labels [N] int64), or one line saying what is wrong."""
+    where = f"dataset.builder={path}: {which} is"
+    check_map_style(split, where)
     inputs, labels = [], []
     for i in range(len(split)):
         item = split[i]

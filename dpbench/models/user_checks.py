@@ -31,13 +31,15 @@ NORM_TOLERANCE = 1e-4  # relative: the engines form norms in fp32 from a float64
 
 
 def check_user_model(cfg, task, model: nn.Module) -> None:
-    """Run the checks of the module docstring on a user's model of a private run (others: nothing)."""
+    """Run the checks of the module docstring on a user's model, or any model under a user's loss
+    (`dataset.loss=package.module:function`), of a private run (others: nothing)."""
     from dpbench.algorithms import algorithm_class
     from dpbench.privacy.layers import hooked_modules
     from dpbench.privacy.layout import LayoutProbe, check_layers, check_layout
 
     algo = algorithm_class(cfg.algo.name)
-    if not names_builder(cfg.model) or not algo.private:
+    user_loss = ":" in str(cfg.dataset.get("loss") or "")  # a user's loss may mix examples too
+    if not (names_builder(cfg.model) or user_loss) or not algo.private:
         return
     engine = str(cfg.algo.get("per_sample") or "materialize") if algo.per_example_engine else "materialize"
     name = f"model={cfg.model.name}"
