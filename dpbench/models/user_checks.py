@@ -28,6 +28,7 @@ from dpbench.models.user import names_builder
 
 NORM_EXAMPLES = 4  # records whose norms are compared (the first of the training set)
 NORM_TOLERANCE = 1e-4  # relative: the engines form norms in fp32 from a float64 model's pieces
+LOW_PRECISION_TOLERANCE = 1e-2  # relative, for a model too large for a float64 copy (checked in its own dtype)
 
 
 def check_user_model(cfg, task, model: nn.Module) -> None:
@@ -82,9 +83,12 @@ def check_buffers_unwritten(model: nn.Module, probe, name: str) -> None:
 def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
     """The engine's per-example gradient norms against autograd on each example alone."""
     from dpbench.privacy.engines import engine_spec
-    from dpbench.privacy.layout import _widen
+    from dpbench.privacy.layout import FLOAT64_COPY_LIMIT, _widen
 
-    subject = copy.deepcopy(model).double()
+    size = sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()) * 8
+    wide = size <= FLOAT64_COPY_LIMIT  # as the layout probe: a large model is copied in its own dtype
+    subject = copy.deepcopy(model).double() if wide else copy.deepcopy(model)
+    dtype, tolerance = (torch.float64, NORM_TOLERANCE) if wide else (None, LOW_PRECISION_TOLERANCE)
     for module in subject.modules():  # the same function in the batch and alone (train mode kept: the hooks need it)
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
@@ -92,7 +96,7 @@ def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
     params = [p for p in subject.parameters() if p.requires_grad]
     expected = []
     for i in indices:
-        loss = probe.losses(subject, _widen(probe.batch([i]), torch.float64)).sum()
+        loss = probe.losses(subject, _widen(probe.batch([i]), dtype)).sum()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         expected.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
     seen: list[torch.Tensor] = []
@@ -105,12 +109,12 @@ def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")  # as the trainer: inputs need no grad
-            hooked.clipped_sum(probe.losses(subject, _widen(probe.batch(indices), torch.float64)), record)
+            hooked.clipped_sum(probe.losses(subject, _widen(probe.batch(indices), dtype)), record)
     finally:
         hooked.detach()
     norms = seen[0] if seen else torch.zeros(len(indices), dtype=torch.float64)
     for i, (got, want) in enumerate(zip(norms.tolist(), torch.stack(expected).cpu().tolist())):
-        if abs(got - want) > NORM_TOLERANCE * max(abs(want), 1e-12) + 1e-9:
+        if abs(got - want) > tolerance * max(abs(want), 1e-12) + 1e-9:
             # no value in the message: the norms are statistics of private records
             raise UserError(f"{name}: algo.per_sample={engine}'s per-example gradient norm of example {i} differs from "
                             "autograd's on that example alone, so clipping would not bound it; a layer mixes examples or a "

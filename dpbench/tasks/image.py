@@ -93,8 +93,10 @@ class ImageClassificationTask(Task):
         a shape test costs nothing; the message names no batch size, which Poisson sampling keeps private)."""
         losses = self.user_loss(logits, labels)
         if not (torch.is_tensor(losses) and losses.shape == labels.shape):
-            got = "a scalar" if torch.is_tensor(losses) and losses.dim() == 0 else (
-                f"a {losses.dim()}-dimensional tensor of another shape" if torch.is_tensor(losses) else f"a {type(losses).__name__}")
+            if not torch.is_tensor(losses):
+                got = f"a {type(losses).__name__}"
+            else:
+                got = "a scalar" if losses.dim() == 0 else f"a {losses.dim()}-dimensional tensor of another shape"
             raise UserError(f"dataset.loss={self.loss_path} returned {got}; it must return one loss per example, "
                             "shape [batch size] (e.g. reduction='none')")
         return losses
@@ -129,8 +131,10 @@ class ImageClassificationTask(Task):
             images = all_images[start : start + self.eval_batch_size].to(self.device)
             labels = all_labels[start : start + self.eval_batch_size].to(self.device)
             logits = model(images)
-            losses = self._user_losses(logits, labels) if self.user_loss is not None else F.cross_entropy(logits, labels, reduction="none")
-            loss += losses.sum().item()
+            if self.user_loss is not None:  # the test loss in the user's own terms
+                loss += self._user_losses(logits, labels).sum().item()
+            else:
+                loss += F.cross_entropy(logits, labels, reduction="sum").item()
             correct += (logits.argmax(dim=1) == labels).sum().item()
         model.train(was_training)
         return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}

@@ -11,9 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 from helpers.cli import dpbench, dpbench_in_process
 from helpers.config import REPO
 from helpers.user_package import write_user_package
+from torch import nn
 
 from dpbench.errors import UserError
 
@@ -119,3 +122,31 @@ def test_a_user_package_outside_the_repository_trains_with_grape_and_passes_the_
                                                         "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     assert "every check holds" in audit.stdout + audit.stderr
+
+
+class SharedWeight(nn.Module):
+    """The head also reads the first layer's weight outside that layer's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.first(x)) @ self.first.weight)
+
+
+@pytest.mark.parametrize("limit", [2**31, 0], ids=["float64 copy", "own dtype"])
+def test_the_norm_check_compares_the_engine_with_autograd_per_example(limit, monkeypatch):
+    """Both paths: a float64 copy, and (a model too large for one) a copy in its own dtype."""
+    from dpbench.models.user_checks import check_norms
+    from dpbench.privacy.layout import LayoutProbe
+
+    monkeypatch.setattr("dpbench.privacy.layout.FLOAT64_COPY_LIMIT", limit)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=generator), torch.arange(8) % 3
+    probe = LayoutProbe(lambda model, b: F.cross_entropy(model(b[0]), b[1], reduction="none"),
+                        lambda indices: (x[indices], y[indices]), 8)
+    torch.manual_seed(0)
+    check_norms(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 3)), probe, "materialize", "m")
+    with pytest.raises(UserError, match="per-example gradient norm of example 0 differs from autograd's"):
+        check_norms(SharedWeight(), probe, "materialize", "m")
