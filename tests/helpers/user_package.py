@@ -1,46 +1,25 @@
-"""A researcher's own package outside the repository, written to a folder as docs/bring-your-own.md
-shows it: a tiny MLP and a CSV dataset (`my_dp`), their configs (`my_conf/model/my_mlp.yaml`,
-`my_conf/dataset/my_csv.yaml`, a preset `my_conf/experiment/mine.yaml`), and models and datasets dpbench must refuse (`my_dp/bad.py`)."""
+"""A researcher's own package outside the repository, written to a folder from the worked example of
+docs/bring-your-own.md (its code blocks, so the page is what the tests run): a tiny MLP and a CSV
+dataset (`my_dp`), their configs (`my_conf/model/my_mlp.yaml`, `my_conf/dataset/my_csv.yaml`), a
+preset (`my_conf/experiment/mine.yaml`), and models and datasets dpbench must refuse (`my_dp/bad.py`)."""
 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
-MODELS = '''
-import math
+from helpers.config import REPO
 
-from torch import nn
-
-
-def tiny_mlp(model_cfg, spec):
-    """(model_cfg, spec) -> nn.Module, as dpbench calls it: spec says the input shape and classes."""
-    hidden = int(model_cfg.get("hidden", 16))
-    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(spec.input_shape), hidden), nn.Tanh(),
-                         nn.Linear(hidden, spec.num_classes))
-'''
-
-DATA = '''
-import csv
-from pathlib import Path
-
-import torch
-from torch.utils.data import TensorDataset
+DOCUMENT = REPO / "docs" / "bring-your-own.md"
 
 
-def read_csv(path):
-    rows = list(csv.reader(Path(path).open()))
-    features = torch.tensor([[float(v) for v in row[:-1]] for row in rows])
-    labels = torch.tensor([int(row[-1]) for row in rows])
-    return TensorDataset(features, labels)
+def documented(path: str) -> str:
+    """The code block the worked example of docs/bring-your-own.md shows for `path`."""
+    found = re.search(rf"^`{re.escape(path)}`.*?\n```(?:python|yaml)\n(.*?)```", DOCUMENT.read_text(), re.S | re.M)
+    assert found, f"docs/bring-your-own.md shows no code block for {path}"
+    return found.group(1)
 
-
-def csv_data(dataset_cfg, seed):
-    """(dataset_cfg, seed) -> train and test map-style datasets of (x, y) and num_classes."""
-    folder = Path(dataset_cfg.folder)
-    return {"train": read_csv(folder / "train.csv"), "test": read_csv(folder / "test.csv"),
-            "num_classes": int(dataset_cfg.num_classes)}
-'''
 
 BAD = '''
 import math
@@ -148,31 +127,6 @@ def too_few_classes(dataset_cfg, seed):
     return {**csv_data(dataset_cfg, seed), "num_classes": 2}
 '''
 
-MODEL_CONFIG = '''name: my_mlp
-builder: my_dp.models:tiny_mlp   # package.module:function, called as (model_cfg, spec)
-hidden: 16
-trained_modules: ["3"]           # the last Linear is the head; DP-GRAPE projects the other
-'''
-
-DATASET_CONFIG = '''name: my_csv
-task: image_classification       # dpbench's classification of tensors (any shape)
-builder: my_dp.data:csv_data     # package.module:function, called as (dataset_cfg, seed)
-folder: {folder}
-num_classes: 3
-validation_fraction: 0.0
-'''
-
-EXPERIMENT_CONFIG = '''# @package _global_
-# A preset of the user's own: dpbench hydra.searchpath=[file://<folder>/my_conf] experiment=mine
-defaults:
-  - override /model: my_mlp
-  - override /dataset: my_csv
-  - override /algo: grape
-train:
-  epochs: 2
-  batch_size: 64
-'''
-
 CLASSES, FEATURES = 3, 6
 
 
@@ -190,12 +144,12 @@ def write_user_package(folder: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
     (conf / "__init__.py").write_text("")  # importable too: hydra.searchpath=[pkg://my_conf]
-    (conf / "experiment" / "mine.yaml").write_text(EXPERIMENT_CONFIG)
-    (package / "models.py").write_text(MODELS)
-    (package / "data.py").write_text(DATA)
+    for path in ("my_dp/models.py", "my_dp/data.py", "my_conf/model/my_mlp.yaml", "my_conf/experiment/mine.yaml"):
+        (folder / path).write_text(documented(path))
+    # the data folder as an absolute path: tests run dpbench from folders of their own
+    dataset = documented("my_conf/dataset/my_csv.yaml")
+    (conf / "dataset" / "my_csv.yaml").write_text(dataset.replace("folder: data\n", f"folder: {folder / 'data'}\n"))
     (package / "bad.py").write_text(BAD)
-    (conf / "model" / "my_mlp.yaml").write_text(MODEL_CONFIG)
-    (conf / "dataset" / "my_csv.yaml").write_text(DATASET_CONFIG.format(folder=folder / "data"))
     rng = random.Random(0)  # separable Gaussian clusters: learnable in a few private steps
     centres = [[rng.gauss(0, 1.5) for _ in range(FEATURES)] for _ in range(CLASSES)]
     write_csv(folder / "data" / "train.csv", 300, rng, centres)

@@ -83,6 +83,7 @@ REFUSED = {  # overrides -> a piece of the one line
     "not an import path": (["model=my_mlp", "model.builder=my_dp.models.tiny_mlp"], "is not an import path"),
     "head pattern typo": (["model=custom", "model.builder=my_dp.models:tiny_mlp", "model.trained_modules=[head]"],
                           "model.trained_modules: 'head' matches no module of model=custom (its modules: 0, 1, 2, 3)"),
+    "no dataset builder": (["dataset=custom"], "dataset=custom needs dataset.builder=package.module:function"),
     "a DataLoader": (["dataset.builder=my_dp.bad:loader_data"], "train is a DataLoader; return its map-style dataset"),
     "an IterableDataset": (["dataset.builder=my_dp.bad:iterable_data"],
                            "train is a Stream without __len__ and __getitem__"),
