@@ -33,12 +33,6 @@ DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset", package=__
 
 
 def load_dataset(cfg, seed: int) -> ImageDataset:
-    """The registered loader of `dataset.name`, or a user's builder by import path (`dataset.builder`,
-    dpbench/data/user.py)."""
-    from dpbench.models.user import names_builder
-
-    if names_builder(cfg):
-        from dpbench.data.user import load_user_dataset
-
-        return load_user_dataset(cfg, seed)
+    """The registered loader of `dataset.name` (a user's builder by import path: the image task
+    dispatches to dpbench/data/user.py)."""
     return DATASETS.get(cfg.name)(cfg, seed)

@@ -73,7 +73,6 @@ class RegisteredModel:
 
 
 MODELS: Registry[RegisteredModel] = Registry("model", package=__name__)
-BUILDER_KEY = "builder"  # a model config naming its builder by import path (dpbench/models/user.py)
 FAMILY_ATTRIBUTE = "dpbench_family"  # set on every model dpbench builds: its registered name
 
 
@@ -88,12 +87,8 @@ def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
-    """The registered builder of `model.name`, or a user's builder by import path (`model.builder`,
-    dpbench/models/user.py), then the family's Opacus fixes."""
-    from dpbench.models.user import build_user_model, names_builder
-
-    if names_builder(model_cfg):
-        return build_user_model(model_cfg, spec)
+    """The registered builder of `model.name`, then the family's Opacus fixes (a user's builder by
+    import path: `Task.build_model` dispatches to dpbench/models/user.py)."""
     return apply_opacus_fixes(MODELS.get(model_cfg.name).build(model_cfg, spec), model_cfg.name)
 
 

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.models import BUILDER_KEY
+
+BUILDER_KEY = "builder"  # a model or dataset config naming its builder by import path
 SIGNATURES = {"model": "(model_cfg, spec) -> torch.nn.Module",
               "dataset": "(dataset_cfg, seed) -> an object with train, test (map-style datasets) and num_classes"}
 _USER_MODELS: set[str] = set()  # names registered from a user's config (re-registered on every build)

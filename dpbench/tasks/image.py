@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpbench.data import load_dataset
+from dpbench.data.user import load_user_dataset
 from dpbench.data.validation import split_training_set, tensor_rows
 from dpbench.errors import UserError
 from dpbench.models import DataSpec
+from dpbench.models.user import import_object, names_builder
 from dpbench.tasks.base import TASKS, Task
 
 
@@ -21,7 +23,8 @@ class ImageClassificationTask(Task):
     user_loss = None  # dataset.loss=package.module:function: a user's per-example loss (outputs, labels) -> [B]
 
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
-        self.data = load_dataset(cfg.dataset, cfg.seed)
+        user_data = names_builder(cfg.dataset)  # dataset.builder=package.module:function (dpbench/data/user.py)
+        self.data = (load_user_dataset if user_data else load_dataset)(cfg.dataset, cfg.seed)
         self.device = device
         # dataset.validation_fraction: validation examples leave the training set (a keyed hash of
         # each image's bytes and label decides; dpbench/data/validation.py says why)
@@ -36,8 +39,6 @@ class ImageClassificationTask(Task):
         if loss_name == "cross_entropy":
             self.margins = None
         elif ":" in loss_name:  # a user's loss by import path (docs/bring-your-own.md)
-            from dpbench.models.user import import_object
-
             self.margins, self.user_loss, self.loss_path = None, import_object(loss_name, "dataset.loss"), loss_name
         elif loss_name == "ldam":
             # From the config's public class profile, never from the private labels: a margin
