@@ -13,6 +13,9 @@ run of the same config. `quiet=True` prints nothing (no bar, no table, no notes)
     from dpbench.api import grid, load_runs
     grid(["logger=none"], {"algo": ["grape", "dpadam"], "seed": [0, 1]}, "outputs/multirun/mine")
     load_runs("outputs/multirun/mine")   # a pandas.DataFrame: one row per run
+
+    from dpbench.api import train_module   # your own nn.Module and datasets (docs/bring-your-own.md)
+    train_module(model, train, test, num_classes=3, overrides=["algo=grape", "logger=none"])
 """
 
 from __future__ import annotations
@@ -155,3 +158,37 @@ def evaluate_saved(run_dir: str | Path) -> dict:
     results.saved_model_test = metrics
     write_results(run_dir, results)
     return metrics
+
+
+
+def train_module(model, train, test, *, num_classes: int, overrides: list[str] | None = None, loss=None,
+                 trained_modules: list[str] | None = None, projected_modules: list[str] | None = None,
+                 lora_targets: list[str] | None = None, name: str = "module", run_dir: str | Path | None = None,
+                 show_progress: bool = True, quiet: bool = False) -> RunResults:
+    """Train a user's `torch.nn.Module` in place with any dpbench algorithm and accountant (the habit
+    of Opacus's `make_private`; docs/bring-your-own.md, "From Python") and return its `RunResults`.
+
+    `train`, `test`: map-style datasets (`__len__`, `__getitem__`) of `(x, y)` pairs, sampled by
+    dpbench's own sampler; `overrides`: `dpbench` command-line overrides (algorithm, privacy, train);
+    `loss`: a per-example loss `(outputs, labels) -> Tensor[B]` (`reduction='none'`; default
+    cross-entropy); `trained_modules` / `projected_modules` / `lora_targets`: the model's family
+    facts (fnmatch patterns of module names). The run goes through the config route
+    (`model=custom`, `dataset=custom`, dpbench/handover.py), so the per-example checks run first. A
+    DataLoader, an IterableDataset or data without a length, a `model=`/`dataset=` override, or a
+    loss that is not per-example raises a one-line `UserError`."""
+    from torch import nn
+
+    from dpbench.data.user import check_map_style
+    from dpbench.errors import UserError
+    from dpbench.handover import handed, handed_overrides
+
+    if not isinstance(model, nn.Module):
+        raise UserError(f"train_module: model must be a torch.nn.Module, got a {type(model).__name__}")
+    for which, split in (("train", train), ("test", test)):
+        check_map_style(split, f"train_module: {which} is")
+    taken = [o for o in overrides or [] if o.lstrip("+~").split("=")[0] in ("model", "dataset")]
+    if taken:
+        raise UserError(f"train_module trains the model and data it is given; leave {', '.join(taken)} out of overrides")
+    handover = handed_overrides(name, loss is not None, trained_modules, projected_modules, lora_targets)
+    with handed(model, train, test, num_classes, loss):
+        return run([*handover, *(overrides or [])], run_dir=run_dir, show_progress=show_progress, quiet=quiet)

@@ -12,6 +12,7 @@ from dpbench.data.validation import validation_fraction
 from dpbench.errors import UserError
 from dpbench.options import DEFAULT_EPSILON, target_epsilon  # noqa: F401  (the rule lives in the leaf)
 from dpbench.logging.console import console
+from dpbench.models.user import check_builders
 from dpbench.preflight import check_device
 from dpbench.schema import check_keys
 
@@ -62,6 +63,7 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
         raise UserError(f"optimize={cfg.get('optimize')} is a test metric but train.evaluate_test=false evaluates no test "
                         "set; set dataset.validation_fraction > 0 (optimize=validation_score), or train.evaluate_test=true")
     check_device(cfg)
+    check_builders(cfg)  # model.builder / dataset.builder: importable, before any work
 
 
 # The target when neither privacy.epsilon nor privacy.noise_multiplier is given (conf/config.yaml):

@@ -18,7 +18,8 @@ is a new choice; hand-written choices remain only where no registry exists.
 
 Datasets and models are not typed: their options differ per family (image sizes, hub names,
 tokenizer lengths, CNN widths) and each builder checks its own; their registries carry no
-options. Accountants have no options beyond their name (a choice of the accountant registry).
+options. So a user's own `model/<name>.yaml` or `dataset/<name>.yaml` on Hydra's search path, with
+its `builder: package.module:function` and keys of its own, composes as it is (dpbench/models/user.py). Accountants have no options beyond their name (a choice of the accountant registry).
 
 Adding a key to conf/config.yaml: a field here as well; to conf/algo/<name>.yaml: a field of
 that algorithm's options dataclass.

@@ -33,4 +33,6 @@ DATASETS: Registry[Callable[..., ImageDataset]] = Registry("dataset", package=__
 
 
 def load_dataset(cfg, seed: int) -> ImageDataset:
+    """The registered loader of `dataset.name` (a user's builder by import path: the image task
+    dispatches to dpbench/data/user.py)."""
     return DATASETS.get(cfg.name)(cfg, seed)

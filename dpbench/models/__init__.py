@@ -5,6 +5,8 @@ A builder takes the model config and a DataSpec. Beside it, `register_model` kee
 tasks need about the model (which layers DP-GRAPE/GaLore project, LoRA's targets, the head that
 stays trained, the language task it runs). Adding a model is one file in this package (found on
 the first lookup, see dpbench/registry.py) plus conf/model/<name>.yaml; nothing else names it.
+A user's model outside the package names its builder by import path instead (`model.builder`,
+with the family's facts in its config: dpbench/models/user.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class DataSpec:
     channels: int = 1
     image_size: int = 8
     patch_size: int = 2  # the dataset's ViT patch size (image_size / patch_size tokens per side)
+    input_shape: tuple[int, ...] = ()  # one example's input shape (a user's model reads it; () where unknown)
 
 
 def _unchanged(model: nn.Module) -> nn.Module:
@@ -84,6 +87,8 @@ def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
 
 
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
+    """The registered builder of `model.name`, then the family's Opacus fixes (a user's builder by
+    import path: `Task.build_model` dispatches to dpbench/models/user.py)."""
     return apply_opacus_fixes(MODELS.get(model_cfg.name).build(model_cfg, spec), model_cfg.name)
 
 

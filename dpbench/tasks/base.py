@@ -63,7 +63,10 @@ class Task(ABC):
         """The model for this task: the `model` group's builder, given `model_spec()`. Tasks whose
         model depends on them (a language model needs the task's tokenizer) override it."""
         from dpbench.models import build_model
+        from dpbench.models.user import build_user_model, names_builder
 
+        if names_builder(model_cfg):  # a user's builder by import path (model.builder)
+            return build_user_model(model_cfg, self.model_spec())
         return build_model(model_cfg, self.model_spec())
 
 

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpbench.data import load_dataset
+from dpbench.data.user import load_user_dataset
 from dpbench.data.validation import split_training_set, tensor_rows
 from dpbench.errors import UserError
 from dpbench.models import DataSpec
+from dpbench.models.user import import_object, names_builder
 from dpbench.tasks.base import TASKS, Task
 
 
@@ -18,9 +20,11 @@ from dpbench.tasks.base import TASKS, Task
 class ImageClassificationTask(Task):
     margins: torch.Tensor | None = None  # LDAM class margins; None = plain cross-entropy
     drw: "DeferredReweighting | None" = None  # LDAM-DRW class re-weighting; None = unweighted losses
+    user_loss = None  # dataset.loss=package.module:function: a user's per-example loss (outputs, labels) -> [B]
 
     def __init__(self, cfg, device: torch.device, eval_batch_size: int = 1024):
-        self.data = load_dataset(cfg.dataset, cfg.seed)
+        user_data = names_builder(cfg.dataset)  # dataset.builder=package.module:function (dpbench/data/user.py)
+        self.data = (load_user_dataset if user_data else load_dataset)(cfg.dataset, cfg.seed)
         self.device = device
         # dataset.validation_fraction: validation examples leave the training set (a keyed hash of
         # each image's bytes and label decides; dpbench/data/validation.py says why)
@@ -34,6 +38,8 @@ class ImageClassificationTask(Task):
         loss_name = cfg.dataset.get("loss", "cross_entropy")
         if loss_name == "cross_entropy":
             self.margins = None
+        elif ":" in loss_name:  # a user's loss by import path (docs/bring-your-own.md)
+            self.margins, self.user_loss, self.loss_path = None, import_object(loss_name, "dataset.loss"), loss_name
         elif loss_name == "ldam":
             # From the config's public class profile, never from the private labels: a margin
             # computed from label counts makes every example's loss depend on every other label.
@@ -41,7 +47,7 @@ class ImageClassificationTask(Task):
             self.margins = ldam_margins(profile, float(cfg.dataset.get("ldam_max_margin", 0.5))).to(device)
             self.ldam_scale = float(cfg.dataset.get("ldam_scale", 30.0))
         else:
-            raise UserError(f"dataset.loss={loss_name!r} is not known; use cross_entropy or ldam")
+            raise UserError(f"dataset.loss={loss_name!r} is not known; use cross_entropy, ldam or package.module:function")
         self.drw = DeferredReweighting.from_config(cfg, self.data.num_classes, self.planning_size, device)
 
     def set_step(self, step: int) -> None:
@@ -55,6 +61,7 @@ class ImageClassificationTask(Task):
             channels=self.data.channels,
             image_size=self.data.image_size,
             patch_size=self.data.patch_size,
+            input_shape=tuple(self.data.train_images.shape[1:]),
         )
 
     def batch(self, indices: list[int]):
@@ -70,6 +77,8 @@ class ImageClassificationTask(Task):
     def per_sample_loss(self, model: nn.Module, batch) -> torch.Tensor:
         images, labels = batch
         logits = model(images)
+        if self.user_loss is not None:
+            return self._user_losses(logits, labels)
         if self.margins is None:
             losses = F.cross_entropy(logits, labels, reduction="none")
         else:  # LDAM: subtract the true class's margin, scale, cross-entropy (Cao et al. 2019).
@@ -79,6 +88,19 @@ class ImageClassificationTask(Task):
         # scales that example's gradient BEFORE per-example clipping, so the clipped
         # contribution still has norm <= the clip bound (and the weights are public).
         return losses if self.drw is None else losses * self.drw.weights(labels)
+
+    def _user_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The user's loss, refused in one line unless it gives one loss per example (every call:
+        a shape test costs nothing; the message names no batch size, which Poisson sampling keeps private)."""
+        losses = self.user_loss(logits, labels)
+        if not (torch.is_tensor(losses) and losses.shape == labels.shape):
+            if not torch.is_tensor(losses):
+                got = f"a {type(losses).__name__}"
+            else:
+                got = "a scalar" if losses.dim() == 0 else f"a {losses.dim()}-dimensional tensor of another shape"
+            raise UserError(f"dataset.loss={self.loss_path} returned {got}; it must return one loss per example, "
+                            "shape [batch size] (e.g. reduction='none')")
+        return losses
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return self._accuracy_and_loss(model, self.data.test_images, self.data.test_labels)
@@ -110,7 +132,10 @@ class ImageClassificationTask(Task):
             images = all_images[start : start + self.eval_batch_size].to(self.device)
             labels = all_labels[start : start + self.eval_batch_size].to(self.device)
             logits = model(images)
-            loss += F.cross_entropy(logits, labels, reduction="sum").item()
+            if self.user_loss is not None:  # the test loss in the user's own terms
+                loss += self._user_losses(logits, labels).sum().item()
+            else:
+                loss += F.cross_entropy(logits, labels, reduction="sum").item()
             correct += (logits.argmax(dim=1) == labels).sum().item()
         model.train(was_training)
         return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}

@@ -71,8 +71,11 @@ def test_every_algorithm_runs_end_to_end(algo, tiny_cfg, tmp_path: Path):
 @pytest.mark.slow  # an end-to-end sweep: the slow tier
 @pytest.mark.parametrize("model", options("model"))
 def test_every_image_model_runs(model, tiny_cfg, tmp_path: Path):
-    if compose([f"model={model}"]).model.get("task_kind", "image") != "image":
+    composed = compose([f"model={model}"]).model
+    if composed.get("task_kind", "image") != "image":
         pytest.skip("not an image model")
+    if "builder" in composed.keys():
+        pytest.skip("a user's model by import path: tests/models/test_user_code.py")
     heavy = ["train.batch_size=4"] if model in ("resnet9", "resnet18") else []  # millions of parameters
     results = run_job(tiny_cfg(f"model={model}", "algo=dpsgd", *heavy, *FIXED_SIGMA), tmp_path, show_progress=False)
     check_results(results)
