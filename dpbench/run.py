@@ -79,9 +79,11 @@ class Job:
     steps: int
 
 
-def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | None = None) -> Job:
+def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | None = None,
+          prepare_task: Callable[[Task], Task] | None = None) -> Job:
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm.
-    `prepare_model` (dpbench-audit's one-run canaries: their layer) sees the model first."""
+    `prepare_model` and `prepare_task` (dpbench-audit's one-run canaries: their layer, their
+    dataset) see the model and the task first."""
     validate(cfg)
     sharding.check_supported(cfg, ALGORITHMS)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
@@ -89,6 +91,8 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
         require_native_bf16(device)
     seed_everything(cfg.seed)
     task = build_task(cfg, device)
+    if prepare_task is not None:
+        task = prepare_task(task)
     model = task.build_model(cfg.model).to(device)
     model.train()
     if prepare_model is not None:

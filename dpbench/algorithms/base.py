@@ -34,7 +34,7 @@ from dpbench.privacy.release import (
 )
 from dpbench.registry import Registry
 from dpbench.algorithms.steps import (  # noqa: F401 (the step's vocabulary, importable from here as before)
-    CLIPPED_RELEASE, CLIPPED_SCALAR, EXAMPLES, LossTally, OwnLossExamples, StepHook, StepResult,
+    DIRECTION, EXAMPLES, LossTally, OwnDifferenceExamples, OwnLossExamples, StepHook, StepResult,
 )
 from dpbench.options import choice_of
 from dpbench.tasks import Batch, Task
