@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
+from dpbench.algorithms.base import ALGORITHMS
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
 from dpbench.options import AlgoOptions
 
 SEEN = []  # the options each instance got (read by the test)

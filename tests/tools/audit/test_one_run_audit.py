@@ -14,7 +14,7 @@ from helpers.cli import console_script_in_process
 from helpers.config import compose
 
 from dpbench.algorithms import ALGORITHMS, algorithm_class
-from dpbench.algorithms.base import DPFirstOrderAlgorithm
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.tools.audit.runner import run_audit
