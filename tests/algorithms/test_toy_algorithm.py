@@ -1,4 +1,4 @@
-"""A new algorithm is one .py and one .yaml (dpbench/ARCHITECTURE.md, "Algorithm"): a toy private
+"""A new algorithm is one .py and one .yaml (docs/architecture.md, "Algorithm"): a toy private
 algorithm written to a temporary directory, with no edit to any dpbench file, composes with its
 typed option, trains end to end, reports epsilon, passes the audit and the one-run audit, meets the
 seeded bugs that apply to it, is refused sharding, and runs a private study."""
