@@ -80,9 +80,11 @@ class Job:
     steps: int
 
 
-def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | None = None) -> Job:
+def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | None = None,
+          prepare_task: Callable[[Task], Task] | None = None) -> Job:
     """Seed, build the task and model, plan privacy (calibrate sigma), build the algorithm.
-    `prepare_model` (dpbench-audit's one-run canaries: their layer) sees the model first."""
+    `prepare_model` and `prepare_task` (dpbench-audit's one-run canaries: their layer, their
+    dataset) see the model and the task first."""
     validate(cfg)
     sharding.check_supported(cfg, ALGORITHMS)  # train.sharding=fsdp: one line naming what is supported
     device = resolve_device(cfg.device)
@@ -90,6 +92,8 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
         require_native_bf16(device)
     seed_everything(cfg.seed)
     task = build_task(cfg, device)
+    if prepare_task is not None:
+        task = prepare_task(task)
     model = task.build_model(cfg.model).to(device)
     model.train()
     check_user_model(cfg, task, model)  # a user's model (model.builder): the per-example checks, before training
@@ -239,6 +243,10 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     )
     results.epsilon_covers = epsilon_covers(results, job.privacy is None or job.privacy.log_private_stats,
                                             [*algorithm.unnoised_results, *counters], PRIVATE_STATISTIC_FIGURES)
+    results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
+    if sharding.requested(cfg) != sharding.NONE:
+        results.throughput.sharding = sharding.requested(cfg)  # memory figures are then rank 0's shards
+    results.resumed_from_step = trainer.resumed_from_step
     return results
 
 
@@ -251,86 +259,120 @@ def keep_model(job: Job, run_dir: Path, results: RunResults) -> None:
     saved_model.save_model(job.model, job.cfg, results.config, run_dir)
 
 
-def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> RunResults:
-    """Run one job: setup -> fit -> record. Returns its results (also in run_dir/results.json).
+@dataclass
+class Ranks:
+    """This process's place among torchrun's ranks (one process: the only rank). Rank 0 alone
+    decides, writes, logs and prints; `together` makes every rank leave a block at once."""
 
-    With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
-    when the job actually runs."""
-    run_dir = Path(run_dir)
-    distributed.init_from_environment()  # torchrun: join the ranks (a no-op otherwise)
-    main = distributed.is_main_process()  # rank 0 alone decides, writes, logs and prints
-    if (existing := distributed.broadcast_object(reusable_results(cfg, run_dir) if main else None)) is not None:
-        return existing
+    main: bool
+
+    @classmethod
+    def join(cls) -> "Ranks":
+        distributed.init_from_environment()  # torchrun: join the ranks (a no-op otherwise)
+        return cls(distributed.is_main_process())
+
+    def decided(self, decide: Callable[[], object]):
+        """Rank 0's decision (`decide()` runs there only), the same on every rank."""
+        return distributed.broadcast_object(decide() if self.main else None)
+
+    @contextlib.contextmanager
+    def together(self, where: str):
+        """Every rank leaves the block together: if any failed in it, each raises (raise_together)."""
+        error = None
+        try:
+            yield
+        except Exception as failure:  # noqa: BLE001 - torchrun: every rank stops with it
+            error = failure
+        distributed.raise_together(error, where)
+
+    @staticmethod
+    def agree_on(job: Job) -> None:
+        """The ranks built the same model and planned the same privacy (rank 0's)."""
+        distributed.check_replicas(job.model)
+        distributed.check_same_as_rank_zero("privacy plan", job.privacy.fingerprint() if job.privacy else {"private": False})
+
+
+def prepare(cfg: DictConfig, ranks: Ranks, on_start) -> None:
+    """Before setup: refuse what the ranks cannot run (one line each), then bind the device."""
     sharding.check_supported(cfg, ALGORITHMS)  # before require_data_parallel: names what train.sharding=fsdp supports
     distributed.require_data_parallel(algorithm_class(cfg.algo.name), cfg.algo.name)
-    if on_start is not None and main:
+    if on_start is not None and ranks.main:
         on_start()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     distributed.bind_device(resolve_device(cfg.device))  # torchrun + CUDA: this rank's GPU
-    memory = PeakMemory(resolve_device(cfg.device))
-    memory.reset()
-    started = time.perf_counter()
+
+
+def resume_point(cfg: DictConfig, run_dir: Path, ranks: Ranks) -> tuple[dict | None, str | None]:
+    """The checkpoint to resume (every rank resumes from rank 0's choice, or none starts) and, for a
+    fresh start, the note about an earlier attempt in run_dir."""
     checkpoint = resumable_checkpoint(cfg, run_dir)  # before setup: a damaged file fails fast
-    # every rank resumes from rank 0's choice, or none starts
     distributed.check_same_as_rank_zero("checkpoint to resume", {"step": None if checkpoint is None else checkpoint["step"]})
-    earlier = earlier_attempt_note(run_dir) if checkpoint is None and main else None
-    job, setup_error = None, None
-    try:
-        job = setup(cfg)
-    except Exception as error:  # noqa: BLE001 - torchrun: every rank stops with it
-        setup_error = error
-    distributed.raise_together(setup_error, "in setup")
-    distributed.check_replicas(job.model)
-    distributed.check_same_as_rank_zero("privacy plan", job.privacy.fingerprint() if job.privacy else {"private": False})
+    return checkpoint, earlier_attempt_note(run_dir) if checkpoint is None and ranks.main else None
+
+
+def job_logger(job: Job, run_dir: Path, ranks: Ranks):
+    """The run's logger (rank 0's; the others log nothing), named and tagged by the run."""
+    cfg = job.cfg
     for message in job.privacy.notes if job.privacy else []:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
     epsilon = f"eps={job.privacy.target_epsilon:g}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"  # issue 43: the target used
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
-    logger_cfg = cfg.logger if main else OmegaConf.create({"name": "none"})
-    logger = build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags,
-                          system_metrics=job.privacy is None or job.privacy.log_private_stats)
+    logger_cfg = cfg.logger if ranks.main else OmegaConf.create({"name": "none"})
+    return build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags,
+                        system_metrics=job.privacy is None or job.privacy.log_private_stats)
+
+
+def write_run(job: Job, run_dir: Path, results: RunResults, status: str) -> Path:
+    """The run's folder (rank 0): the model, once the ledger is complete and record() computed the
+    run's epsilon, before results.json, so that a run folder with results.json has its model; then
+    results.json, and the checkpoint goes (a rerun skips the run)."""
+    if status == "completed" and saved_model.wanted(job.cfg):
+        keep_model(job, run_dir, results)
+    results_file = write_results(run_dir, results)
+    delete_checkpoint(run_dir)
+    return results_file
+
+
+def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start=None) -> RunResults:
+    """Run one job: setup -> fit -> score -> record. Returns its results (also in run_dir/results.json).
+
+    With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
+    when the job actually runs. Under torchrun every rank runs it; a failure on one stops all."""
+    run_dir, ranks = Path(run_dir), Ranks.join()
+    if (existing := ranks.decided(lambda: reusable_results(cfg, run_dir))) is not None:
+        return existing
+    prepare(cfg, ranks, on_start)
+    memory = PeakMemory(resolve_device(cfg.device))
+    memory.reset()
+    started = time.perf_counter()
+    checkpoint, earlier = resume_point(cfg, run_dir, ranks)
+    with ranks.together("in setup"):
+        job = setup(cfg)
+    ranks.agree_on(job)
+    logger = job_logger(job, run_dir, ranks)
     try:
-        trainer, status, failure = fit(job, logger, show_progress and main, run_dir, checkpoint)
+        trainer, status, failure = fit(job, logger, show_progress and ranks.main, run_dir, checkpoint)
     except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished
         logger.abort(error)
         raise
-    score, score_error = None, None
-    if status == "completed":
-        try:
+    score = None
+    with ranks.together("scoring the validation split"):
+        if status == "completed":
             score = validation_score(job, trainer)  # once, on the final model (charged to the ledger)
-        except Exception as error:  # noqa: BLE001 - every rank stops with it
-            score_error = error
-    distributed.raise_together(score_error, "scoring the validation split")
     results = record(job, trainer, status, memory, started,
                      notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)
-    results.throughput.world_size = distributed.world_size()  # samples_per_s is over all ranks
-    if sharding.requested(cfg) != sharding.NONE:
-        results.throughput.sharding = sharding.requested(cfg)  # memory figures are then rank 0's shards
-    results.resumed_from_step = trainer.resumed_from_step
-    results_file, write_error = None, None
-    if main:
-        try:
-            # the model, once the ledger is complete and record() computed the run's epsilon; before
-            # results.json, so that a run folder with results.json has its model
-            if status == "completed" and saved_model.wanted(cfg):
-                keep_model(job, run_dir, results)
-            results_file = write_results(run_dir, results)
-            delete_checkpoint(run_dir)  # results.json now holds the run; a rerun skips it
-        except Exception as error:  # noqa: BLE001 - every rank stops with it
-            write_error = error
-    distributed.raise_together(write_error, "writing results.json")  # the others return once it is written
-    if not main:
-        if failure is not None:
-            raise failure
-        return results
-    if sync := logger.finish(results, results_file):
-        console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
-    console.print(summary_table(results))
-    console.print(f"[dim]results: {results_file}[/]")
+    results_file = None
+    with ranks.together("writing results.json"):  # the others return once it is written
+        results_file = write_run(job, run_dir, results, status) if ranks.main else None
+    if ranks.main:
+        if sync := logger.finish(results, results_file):
+            console.print(f"[dim]W&B offline run: upload it with `{sync}`[/]", soft_wrap=True)
+        console.print(summary_table(results))
+        console.print(f"[dim]results: {results_file}[/]")
     if failure is not None:
         raise failure
     return results

@@ -17,8 +17,10 @@ from typing import Any, Optional
 import torch
 
 from dpbench.algorithms.learning_rates import lr_groups
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart
+from dpbench.algorithms.base import ALGORITHMS, LossTally, ReleasePart
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.algorithms.dcdpsgd_subspaces import SubWeibullSubspaces, subspace_scores
+from dpbench.algorithms.dcdpsgd_tail import HISTOGRAM_DECAY, histogram_threshold, score_histogram, tail_mask
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms
@@ -57,13 +59,6 @@ class DCDPSGDOptions(AlgoOptions):
     gradient_sensitivity: GradientSensitivity = GradientSensitivity.rank_coupled
     tail_selection: TailSelection = TailSelection.threshold
     momentum: float = 0.0
-
-# Threshold selection: the released score histogram's bins. A score of a d-dim gradient in a
-# random k-dim subspace is about k/d, so the bins are log-spaced (1e-6 .. 1, 24 bins, x1.78 each)
-# plus one bin for [0, 1e-6). Few bins: each carries N(0, sigma_tr^2), and the tail mass sums them.
-SCORE_BIN_EDGES = torch.cat([torch.zeros(1), torch.logspace(-6, 0, 25, dtype=torch.float64).float()])
-HISTOGRAM_DECAY = 0.95  # EMA of the released histograms (a ~20-step window): averages their noise down
-
 
 def split_noise_multipliers(sigma: float, score_fraction: float) -> tuple[float, float]:
     """Base sigma -> (sigma_tr, sigma_dp) with sigma_tr^-2 + sigma_dp^-2 = sigma^-2."""
@@ -134,19 +129,6 @@ def gradient_mechanism(cfg, sigma_dp: float, sample_rate: float, clip_norm: floa
     return GaussianMechanism(sigma_dp * ratio / gradient_sensitivity_in_c2(cfg, ratio), sample_rate)
 
 
-def tail_count(batch_size: int, tail_fraction: float) -> int:
-    return int(math.floor(tail_fraction * batch_size + 0.5))
-
-
-def tail_mask(noisy_scores: torch.Tensor, tail_fraction: float) -> torch.Tensor:
-    """Boolean [B]: the top round(p*B) noisy scores are the tail."""
-    mask = torch.zeros_like(noisy_scores, dtype=torch.bool)
-    count = tail_count(noisy_scores.shape[0], tail_fraction)
-    if count > 0:
-        mask[torch.topk(noisy_scores, count).indices] = True
-    return mask
-
-
 def tail_to_body_ratio(cfg, body_clip: float) -> float:
     """c1 / c2 from the config: the absolute `algo.tail_clip` (c1) over c2 = privacy.clip_norm,
     or `algo.tail_clip_ratio`. c1 must exceed c2 (the tail gets the larger threshold)."""
@@ -157,31 +139,6 @@ def tail_to_body_ratio(cfg, body_clip: float) -> float:
     if not ratio > 1:
         raise UserError(f"{given} gives c1 <= c2; the tail threshold c1 must exceed the body threshold c2 = privacy.clip_norm")
     return ratio
-
-
-def score_histogram(scores: torch.Tensor) -> torch.Tensor:
-    """[len(SCORE_BIN_EDGES) - 1] counts of scores in [0, 1] per bin (1 is in the last bin)."""
-    edges = SCORE_BIN_EDGES.to(scores.device)
-    index = (torch.bucketize(scores.float().clamp(0, 1), edges, right=True) - 1).clamp(0, len(edges) - 2)
-    return torch.bincount(index, minlength=len(edges) - 1).to(scores.dtype if scores.is_floating_point() else torch.float32)
-
-
-def histogram_threshold(histogram: torch.Tensor, tail_fraction: float) -> float:
-    """The score above which a fraction `tail_fraction` of the (noisy, averaged) histogram's mass
-    lies, log-interpolated inside its bin; +inf when the histogram holds no mass."""
-    counts = histogram.double().clamp_min(0).tolist()  # one host sync; the rest is plain Python
-    total = sum(counts)
-    if total <= 0:
-        return math.inf
-    needed, edges = tail_fraction * total, SCORE_BIN_EDGES.double().tolist()
-    for b in range(len(counts) - 1, -1, -1):
-        if counts[b] >= needed and counts[b] > 0:
-            low, high, share = edges[b], edges[b + 1], needed / counts[b]
-            if low <= 0:
-                return high * (1 - share)
-            return math.exp(math.log(high) - share * (math.log(high) - math.log(low)))
-        needed -= counts[b]
-    return 0.0
 
 
 def tail_selection(cfg) -> str:

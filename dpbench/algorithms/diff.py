@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from dpbench.algorithms.learning_rates import lr_groups
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult, tensor_bytes
+from dpbench.algorithms.base import ALGORITHMS, LossTally, ReleasePart, StepResult, tensor_bytes
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpbench.algorithms.adam import AdamOptions
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, adam
+from dpbench.algorithms.base import ALGORITHMS, adam
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
 
 
 @dataclass

@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from dpbench.algorithms.learning_rates import lr_groups
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, LossTally, ReleasePart, StepResult
+from dpbench.algorithms.base import ALGORITHMS, LossTally, ReleasePart, StepResult
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms, scale_rows

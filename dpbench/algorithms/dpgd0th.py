@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dpbench.algorithms.learning_rates import lr_scale
-from dpbench.algorithms.base import ALGORITHMS, CLIPPED_RELEASE, ReleasePart, StepResult
+from dpbench.algorithms.base import ALGORITHMS, ReleasePart, StepResult
 from dpbench.algorithms.dpzero import Direction, ZerothOrderAlgorithm, ZerothOrderOptions
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.tasks import Batch
@@ -39,11 +39,6 @@ class DPGD0thOptions(ZerothOrderOptions):
 
 @ALGORITHMS.register("dpgd0th", options=DPGD0thOptions)
 class DPGDZerothOrder(ZerothOrderAlgorithm):
-    # One-run canaries: Dirac canaries in the d-dimensional sum formed in `privatize` (every
-    # example's clipped s_i z lies along the one shared z), so the one-run audit does not exercise
-    # the clipping here; the sensitivity check does.
-    canary_site = CLIPPED_RELEASE
-
     @classmethod
     def planned_mechanisms(cls, cfg, noise_multiplier, sample_rate, step, clip_norm):
         return [GaussianMechanism(noise_multiplier, sample_rate)]  # one d-dimensional release, sensitivity C
@@ -65,8 +60,6 @@ class DPGDZerothOrder(ZerothOrderAlgorithm):
         Sensitivity C (each clip_C(s_i z) has L2 norm <= C), noise multiplier sigma."""
         privacy = self.privacy
         sums = [self.direction_part(p, seed).mul_(scale * coefficient_sum) for p in self.params]
-        if self.step_hook is not None:  # step hook: canary_site CLIPPED_RELEASE
-            sums = self.step_hook.clipped_sum(self, sums, privacy.clip_norm)
         (noisy,) = self.gaussian_release(
             "gradient", ReleasePart(sums, privacy.clip_norm, privacy.noise_multiplier * privacy.clip_norm)
         )

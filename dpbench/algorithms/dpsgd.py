@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from dpbench.algorithms.learning_rates import lr_groups
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
+from dpbench.algorithms.base import ALGORITHMS
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
 from dpbench.options import AlgoOptions
 
 

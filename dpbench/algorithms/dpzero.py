@@ -42,7 +42,7 @@ from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_scale
 from dpbench.runtime import distributed, sharding
-from dpbench.algorithms.base import ALGORITHMS, CLIPPED_SCALAR, Algorithm, ReleasePart, StepResult
+from dpbench.algorithms.base import ALGORITHMS, DIRECTION, Algorithm, OwnDifferenceExamples, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.options import AlgoOptions, choice_of
 from dpbench.tasks import Batch
@@ -69,6 +69,10 @@ class ZerothOrderAlgorithm(Algorithm):
     """Two-point estimates along one public random direction per step; subclasses privatise them."""
 
     autocast_forward = False  # losses are evaluated in the model's own dtype
+    # One-run canaries are examples with their own two-point difference: they join the estimate
+    # after the batch's chunks and are clipped as every example is (`estimate`)
+    canary_site = DIRECTION
+    last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
     checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
 
     def __init__(self, model, task, cfg, lr, privacy):
@@ -224,6 +228,7 @@ class ZerothOrderAlgorithm(Algorithm):
         contributes nothing, selected away (0 · NaN is NaN); clamping an inf to ±C would add C.
         The mean loss is over the finite losses (nan only when none is), as LossTally's."""
         totals, count = [], 0  # double-precision sums on the device, synced once
+        self.last_direction = (seed, scale)
         was_training = self.model.training
         self.model.eval()  # dropout off for both evaluations, as in MeZO/DPZero
         # a sharded model: no_grad (FSDP2's gathered parameters are reused outside inference mode)
@@ -237,18 +242,31 @@ class ZerothOrderAlgorithm(Algorithm):
                         continue
                     finite = torch.isfinite(losses)
                     if clip is not None:
-                        kept = finite & torch.isfinite(differences)
-                        dropped = (~kept).sum()
-                        self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
-                        # = min(1, C/|s|) s, DPZero's clip; a dropped example's s_i is replaced, not scaled
-                        differences = torch.where(kept, differences.clamp(-clip, clip), torch.zeros_like(differences))
+                        differences = self.clip_differences(differences, finite, clip)
                     losses = torch.where(finite, losses, torch.zeros_like(losses))
                     totals.append(torch.stack([differences.double().sum(), losses.double().sum(), finite.double().sum()]))
                     count += differences.numel()
+                # step hook: its examples join the estimate, clipped as the batch's (not tallied:
+                # the reported loss and size are the batch's)
+                for extra in self.step_hook.extra_examples(self) if self.step_hook is not None else []:
+                    if not isinstance(extra, OwnDifferenceExamples):
+                        raise TypeError(f"{type(self).__name__}'s step takes examples with their own two-point "
+                                        f"differences, not {type(extra).__name__}")
+                    differences = extra.per_sample_differences().float()
+                    differences = self.clip_differences(differences, torch.ones_like(differences, dtype=torch.bool), clip)
+                    totals.append(torch.stack([differences.double().sum(), *differences.new_zeros(2, dtype=torch.float64)]))
         finally:
             self.model.train(was_training)
         total, loss_total, finite_count = torch.stack(totals).sum(dim=0).tolist() if totals else (0.0, 0.0, 0.0)
         return total, (loss_total / finite_count if finite_count else float("nan")), count
+
+    def clip_differences(self, differences: torch.Tensor, finite_losses: torch.Tensor, clip: float) -> torch.Tensor:
+        """min(1, C/|s_i|) s_i per example (DPZero's clip); an example whose s_i or loss is
+        non-finite is replaced by 0, not scaled, and counted in `nonfinite_examples`."""
+        kept = finite_losses & torch.isfinite(differences)
+        dropped = (~kept).sum()
+        self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
+        return torch.where(kept, differences.clamp(-clip, clip), torch.zeros_like(differences))
 
     def apply_update(self, seed: int, scale: float, projected_gradient: float) -> None:
         """theta <- theta - lr (g z + wd theta), parameter by parameter, in fp32 then cast."""
@@ -282,13 +300,8 @@ class ZerothOrderAlgorithm(Algorithm):
 class DPZero(ZerothOrderAlgorithm):
     """Per-example scalar clipping to [-C, C], one scalar Gaussian noise per step (sensitivity C)."""
 
-    # One-run canaries: signed canaries replace the step's clipped scalar sum (a canary example's
-    # loss difference along z would share one scalar with every real example and drown), so the
-    # one-run audit does not exercise the scalar clipping here; the sensitivity check does.
-    canary_site = CLIPPED_SCALAR
     # train.sharding=fsdp: the scalar is released replicated; each rank perturbs its rows with its rows of z
     shardable = True
-    last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
 
     def privatize(self, clipped_sum: float) -> float:
         """The clipped scalar sum (sensitivity C) plus N(0, (sigma C)^2), divided by B."""
@@ -301,9 +314,6 @@ class DPZero(ZerothOrderAlgorithm):
         seed = self.next_seed()
         scale = self.direction_scale(seed)
         clipped_sum, loss, count = self.estimate(batches, seed, scale, clip=self.privacy.clip_norm)
-        self.last_direction = (seed, scale)
-        if self.step_hook is not None:  # step hook: canary_site CLIPPED_SCALAR
-            (clipped_sum,) = self.step_hook.clipped_sum(self, [clipped_sum], self.privacy.clip_norm)
         # an empty Poisson batch still releases (pure) noise and moves along z
         self.apply_update(seed, scale, self.privatize(clipped_sum))
         return StepResult(loss, count)

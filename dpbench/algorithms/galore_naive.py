@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm
+from dpbench.algorithms.base import ALGORITHMS
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
     ProjectedAdamOptions,

@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from dpbench.runtime import distributed
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample, StepResult
+from dpbench.algorithms.base import ALGORITHMS, StepResult
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
 from dpbench.algorithms.projected_adam import (
     ProjectedAdam,
     ProjectedAdamOptions,

@@ -44,12 +44,10 @@ class LossTally:
 
 # ---- step hooks (Opacus's `step_hook` style): an observer the owner calls at named points ----
 # dpbench-audit audit.one_run=true (dpbench/tools/audit/one_run.py) attaches one; every other run has
-# none. The hook never writes into a clipped sum on the first-order path: its canaries are
-# examples, with their own per-example loss, that go through the engine and the clipping as any
-# example does. Where an algorithm declares another `canary_site`, it says why.
-EXAMPLES = "examples"  # canary examples join the step's per-example loop (`chunks`)
-CLIPPED_SCALAR = "clipped_scalar"  # the audit's signed canaries in the step's clipped scalar sum (DPZero)
-CLIPPED_RELEASE = "clipped_release"  # the audit's Dirac canaries in the sum formed in the release (DPGD0th)
+# none. The hook never writes into a clipped sum: its canaries are examples that join the step
+# where the batch's examples do, before the per-example clipping, and are clipped as any example is.
+EXAMPLES = "examples"  # canary examples, with their own per-example loss, join the step's per-example loop (`chunks`)
+DIRECTION = "direction"  # canary examples, with their own two-point difference, join a zeroth-order estimate
 
 
 @runtime_checkable
@@ -60,6 +58,14 @@ class OwnLossExamples(Protocol):
     def per_sample_loss(self, model: nn.Module) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class OwnDifferenceExamples(Protocol):
+    """Examples a step hook adds to a zeroth-order step: their per-example two-point differences
+    s_i along the step's direction, before clipping (the estimate clips them as the batch's)."""
+
+    def per_sample_differences(self) -> torch.Tensor: ...
+
+
 class StepHook(Protocol):
     """Called by the Algorithm (base.py) running the step, which it receives as `algorithm`."""
 
@@ -67,10 +73,7 @@ class StepHook(Protocol):
 
     def end_step(self, algorithm, step_index: int) -> None: ...
 
-    def extra_examples(self, algorithm) -> list[OwnLossExamples]:
-        """Physical chunks of examples that join this step after the batch's (canary_site EXAMPLES)."""
-        ...
-
-    def clipped_sum(self, algorithm, sums: list[torch.Tensor], sensitivity: float) -> list[torch.Tensor]:
-        """The clipped sum the step releases (canary_site CLIPPED_SCALAR / CLIPPED_RELEASE only)."""
+    def extra_examples(self, algorithm) -> list[OwnLossExamples | OwnDifferenceExamples]:
+        """Physical chunks of examples that join this step after the batch's: `OwnLossExamples`
+        at canary_site EXAMPLES, `OwnDifferenceExamples` at DIRECTION."""
         ...

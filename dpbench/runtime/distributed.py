@@ -1,32 +1,16 @@
-"""Multi-process data parallel training under `torchrun` (one device per rank).
+"""Multi-process data parallel training under `torchrun` (one device per rank): the process group
+and the collectives the run uses. How a run stays ONE privatised release per logical step over K
+ranks (rank 0's Poisson batch split indices[r::K], one noise draw on rank 0, collective stops) is
+in docs/distributed.md.
 
     torchrun --nproc_per_node=K -m dpbench.cli algo=dpadam ...
 
-The design keeps ONE privatised release per logical step, identical to the one-process mechanism:
-
-* Poisson sampling over the global dataset: rank 0 draws the logical batch from its
-  entropy-seeded sampler and broadcasts the indices; rank r trains on indices[r::K]
-  (`dpbench.privacy.sampling.ShardedBatches`).
-* Every noisy release (`dpbench.privacy.release.gaussian_release`) sums each part's clipped
-  per-rank sums over the ranks (all-reduce); rank 0 alone adds N(0, std^2) from its entropy-seeded
-  generator and broadcasts the noisy result. One generator draws exactly one noise vector, as in one process;
-  the alternative (each rank adds std/sqrt(K) from its own generator) has the same distribution
-  but spreads the guarantee over K generators and leaves replicas bit-different.
-* Division by the global expected batch size qn (unchanged); the reported loss and realised batch
-  size are the global ones (all-reduced in `Algorithm.train_step`).
-* Model initialisation and public randomness (projectors, directions) are seeded, hence equal on
-  all ranks: `check_replicas` asserts it before training.
-* Only rank 0 writes results.json, .hydra/ and W&B and prints; every rank evaluates the full test
-  set on its (identical) replica, so no rank waits at a collective and the numbers are rank 0's.
-* Every rank checks at the start that its privacy plan is rank 0's (`check_same_as_rank_zero`).
-* Stops are collective (`raise_together`): after setup and after every step the ranks agree on
-  a small control group whether any of them failed, and all raise at that point (a lone failing
-  rank would leave the others blocked in the next collective). A rank that fails inside a step,
-  while the others wait in one of its collectives, waits for them a while, then closes the
-  process group, which ends their wait with an error.
-* Devices: the process group is gloo (plus a gloo control group); a run whose device resolves to
-  CUDA binds rank r to GPU LOCAL_RANK, which must exist (`bind_device`), and sums its CUDA
-  tensors over an nccl group. CPU ranks never touch CUDA, however many GPUs the node has.
+Here: joining the ranks (`init_from_environment`, SLURM's variables adopted), this rank's place
+(`rank`, `world_size`, `is_main_process`) and device (`bind_device`: GPU LOCAL_RANK, which must
+exist; CPU ranks never touch CUDA), sums, broadcasts and row shards over the ranks (gloo, plus
+nccl for CUDA tensors), and the agreements: `check_replicas` (seeded model and public randomness
+equal on all ranks), `check_same_as_rank_zero`, and `raise_together` (a failure on any rank stops
+every rank at the same point: a small all-reduce on a gloo control group).
 
 Without torchrun (WORLD_SIZE unset or 1) every helper is a no-op and nothing changes.
 """

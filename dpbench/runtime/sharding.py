@@ -1,46 +1,20 @@
-"""`train.sharding=fsdp`: private training with PyTorch FSDP2 (`fully_shard`) under torchrun.
+"""`train.sharding=fsdp`: private training with PyTorch FSDP2 (`fully_shard`) under torchrun; how
+a sharded step, its releases and its checkpoints run is in docs/sharding.md.
 
-Each rank keeps 1/K of every parameter (a DTensor, Shard(0): torch.chunk's rows) and of the
-optimizer state. FSDP2 all-gathers a block's full weight for its forward and backward, so the
-per-example engines' hooks see full activations and full output gradients of this rank's own
-examples, as in one process:
-
-* `shard_model` wraps every transformer block (the family record's `block_modules`, the
-  outermost modules they match) with `fully_shard`, leaves a block whose parameters are also used
-  outside it (a tied embedding and head) to the root, then wraps the root. Every FSDP module
-  reduce-scatters gradients as a SUM (`set_gradient_divide_factor(1.0)` and
-  `set_force_sum_reduction_for_comms(True)`; FSDP2's default is the average over ranks). The
-  engines' coverage check reads FSDP's reduce-scattered autograd gradient, which must then be the
-  sum over ranks of what the hooks saw.
-* The algorithm (`DPFirstOrderAlgorithm` with a sharded model) forms each layer's full-size
-  clipped sum of this rank's examples in each physical chunk (one at a time; bk: after the
-  backward; ghost: inside its second backward, in the hook that forms it) and
-  sum-reduce-scatters it (fp32) into the parameter's shard rows as it is formed, adding it into
-  this rank's running sum of those rows (`clip_and_accumulate`): no rank holds a full-size accumulator. It releases those rows with
-  `privacy.release.gaussian_release(..., layout=SUMMED_SHARDS)`: N(0, σ²C²) added by each rank to
-  its own shard from its own entropy, no second reduce-scatter. The optimizer steps on the
-  sharded parameters.
-* Every rank runs the same number of physical chunks per step (the maximum over the ranks, a
-  rank short of examples running empty ones): FSDP2's all-gathers and reduce-scatters are
-  collectives, so a rank that skipped a chunk would leave the others waiting.
-
-* Checkpoints (`train.checkpoint_every`, SIGTERM/SIGUSR1 -> checkpoint -> exit 75) go through
-  `torch.distributed.checkpoint`: every rank writes its own shards of the model and optimizer
-  state into a fresh DCP folder, then rank 0 writes checkpoint.pt (step, ledger, sampler, every
-  rank's generators) naming it (dpbench/runtime/checkpoint.py). A resume under another number of ranks
-  is resharded by DCP, not refused: each rank reads its new rows from the files that hold them.
-
-* DP-GRAPE (`algo=grape`, bk or ghost) forms its projected clipped sums the same way, but
-  releases them REPLICATED (they are small): summed over the ranks, one draw on rank 0,
-  broadcast; every rank regenerates P from the shared seed and applies its rows of P·U to its
-  shard (`local_rows`). DPZero (`algo=dpzero`) releases its one scalar REPLICATED; each rank
-  perturbs and updates its shard with its rows of the direction z, generated whole from the
-  shared seed, and the forwards all-gather the perturbed shards.
-
-Supported: the algorithms whose class declares `shardable` (first-order ones with an engine that
-declares `sharded_sums`, bk or ghost: ghost's second backward goes through FSDP2's hooks again,
-all-gathering each block once more; zeroth-order ones without an engine), fp32, a model family
-that names its blocks, under torchrun. Everything else is refused in one line (`check_supported`).
+This module holds what the other modules ask about a sharded model:
+* whether a config can run sharded (`check_supported`: the algorithms whose class declares
+  `shardable`, fp32, a model family that names its blocks, torchrun; everything else refused in
+  one line);
+* `shard_model`: every transformer block (the family record's `block_modules`) wrapped with
+  `fully_shard`, a block whose parameters are also used outside it (a tied embedding and head)
+  left to the root, then the root. Every FSDP module reduce-scatters gradients as a SUM
+  (FSDP2's default is the average), as the engines' coverage check reads it;
+* this rank's view of a sharded tensor (`local`, `local_rows`, `local_bytes`, `sharded_grad`),
+  and `reshard`;
+* a step's agreements: `max_over_ranks` (every rank runs as many physical chunks: FSDP2's
+  all-gathers and reduce-scatters are collectives), `IntoShards` (each clipped sum
+  sum-reduce-scattered into this rank's rows as it is formed: no full-size accumulator) and
+  `zero_factors` (a padding chunk contributes exactly 0).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from helpers.algorithms import build_algorithm, record_updates, sub_weibull_subs
 from helpers.config import OFFLINE, compose
 
 from dpbench.algorithms import dcdpsgd
-from dpbench.algorithms.dcdpsgd import SCORE_BIN_EDGES, histogram_threshold, score_histogram, split_noise_multipliers, tail_mask
+from dpbench.algorithms.dcdpsgd import split_noise_multipliers
+from dpbench.algorithms.dcdpsgd_tail import SCORE_BIN_EDGES, histogram_threshold, score_histogram, tail_mask
 from dpbench.algorithms.dcdpsgd_subspaces import MAX_PROJECTION_ELEMENTS, BlockBasis, SubWeibullSubspaces, subspace_scores
 from dpbench.runtime.algorithm_state import algorithm_state, load_algorithm_state
 from dpbench.privacy.accountants import (

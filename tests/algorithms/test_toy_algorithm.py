@@ -1,4 +1,4 @@
-"""A new algorithm is one .py and one .yaml (dpbench/ARCHITECTURE.md, "Algorithm"): a toy private
+"""A new algorithm is one .py and one .yaml (docs/architecture.md, "Algorithm"): a toy private
 algorithm written to a temporary directory, with no edit to any dpbench file, composes with its
 typed option, trains end to end, reports epsilon, passes the audit and the one-run audit, meets the
 seeded bugs that apply to it, is refused sharding, and runs a private study."""
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dpbench.algorithms.base import ALGORITHMS, DPFirstOrderAlgorithm, PerSample
+from dpbench.algorithms.base import ALGORITHMS
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
 from dpbench.options import AlgoOptions
 
 SEEN = []  # the options each instance got (read by the test)

@@ -13,7 +13,8 @@ from helpers.algorithms import build_algorithm
 from torch import nn
 
 from dpbench.algorithms import dcdpsgd
-from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
+from dpbench.algorithms.base import ReleasePart
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.results import RunResults
 from dpbench.privacy.accountants import PLDAccountant, PRVAccountant, ledger_of_plan

@@ -70,7 +70,7 @@ def test_top_level_yaml_values_are_the_schema_defaults():
 
 
 def test_choices_are_the_names_of_the_registries_they_select_from():
-    from dpbench.algorithms.base import PerSample
+    from dpbench.algorithms.first_order import PerSample
     from dpbench.algorithms.dpzero import DIRECTIONS, Direction
     from dpbench.algorithms.grape import PROJECTORS, Projector
     from dpbench.precision import DTYPES
@@ -95,7 +95,7 @@ def test_a_generated_choice_is_a_plain_string_that_copies_and_pickles():
     import copy
     import pickle
 
-    from dpbench.algorithms.base import PerSample
+    from dpbench.algorithms.first_order import PerSample
 
     cfg = compose(["algo=grape", "algo.per_sample=bk", "algo.projector=signed_permutation"])
     for value in (cfg.algo.per_sample, cfg.algo.projector, cfg.privacy.clipping):

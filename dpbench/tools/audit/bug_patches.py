@@ -17,7 +17,7 @@ from dpbench.errors import UserError
 
 
 def _base():
-    from dpbench.algorithms.base import DPFirstOrderAlgorithm
+    from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 
     return DPFirstOrderAlgorithm
 

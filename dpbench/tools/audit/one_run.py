@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dpbench.algorithms.base import CLIPPED_SCALAR, EXAMPLES
+from dpbench.algorithms.base import DIRECTION, EXAMPLES
 from dpbench.errors import UserError
 from dpbench.tools.audit.report import AuditReport, Check
 from dpbench.tools.audit.one_run_bound import Guesses, ceiling, epsilon_lower_bound, one_run_p_value  # noqa: F401 (the audit's names)
-from dpbench.tools.audit.one_run_canaries import UNSEEN, Canaries, CanaryHook, Schedule, add_canary_layer  # noqa: F401
+from dpbench.tools.audit.one_run_canaries import (  # noqa: F401
+    BlankRecords, Canaries, CanaryHook, Schedule, add_canary_layer,
+)
 
 
 # ----------------------------------------------------------------------------- black-box canaries
@@ -89,8 +91,8 @@ class InputCanaryTask:
 
 # ----------------------------------------------------------------------------- the audit
 
-KIND_WORDS = {"example": "example (clipped by the run)", "dirac": "gradient (in the clipped sum)",
-              "signed": "signed (in the clipped scalar)", "input": "mislabeled input"}
+KIND_WORDS = {"example": "example (clipped by the run)", "signed": "signed example (clipped by the run, along z)",
+              "input": "mislabeled input"}
 
 
 @dataclass
@@ -112,7 +114,7 @@ class OneRunResult:
     # (None for input canaries, which only the final model shows)
     epsilon_lower_bound_release: float | None = None
     correct_release: int | None = None
-    canary_kind: str = "example"  # example | dirac | signed | input
+    canary_kind: str = "example"  # example | signed | input
     sampling: str = "poisson"
     neighboring: str = "add_remove"
 
@@ -163,13 +165,12 @@ def canary_site(cfg) -> str | None:
 def _canaries(site: str, job, count: int, cfg, neighboring: str) -> Canaries:
     from dpbench.privacy.sampling import batches_per_epoch
 
-    if site == CLIPPED_SCALAR and count > max(2, job.steps // 10):
+    if site == DIRECTION and count > max(2, job.steps // 10):
         raise UserError(f"audit.canaries={count} is too many for algo={cfg.algo.name}'s one-dimensional release "
                         f"over {job.steps} steps: at most about T/10 = {max(2, job.steps // 10)} signed canaries; lower it")
-    space = {EXAMPLES: [torch.Size([count, 1])], CLIPPED_SCALAR: [torch.Size([])]}.get(
-        site, [p.shape for p in getattr(job.algorithm, "params", [])])
+    space = [torch.Size([count, 1])] if site == EXAMPLES else [torch.Size([])]
     return Canaries(space, count, job.privacy.setup.sample_rate, batches_per_epoch(cfg, job.task.planning_size),
-                    neighboring, int(cfg.seed), signed=site == CLIPPED_SCALAR, own_space=site == EXAMPLES)
+                    neighboring, int(cfg.seed), signed=site == DIRECTION, own_space=site == EXAMPLES)
 
 
 def one_run_audit(cfg) -> OneRunReport:
@@ -189,6 +190,8 @@ def one_run_audit(cfg) -> OneRunReport:
     layers = []
     if site == EXAMPLES:  # the canaries' own layer joins the model before the algorithm is built
         job = setup(cfg, prepare_model=lambda model: layers.append(add_canary_layer(model, count, cfg.algo)))
+    elif site == DIRECTION:  # the real records are blanked: they would drown the canaries along z
+        job = setup(cfg, prepare_task=BlankRecords)
     else:
         job = setup(cfg)
     setup_ = job.privacy.setup
@@ -199,7 +202,7 @@ def one_run_audit(cfg) -> OneRunReport:
     else:
         marks = _canaries(site, job, count, cfg, neighboring)
         CanaryHook.attach(marks, job.algorithm, layers[0] if layers else None)
-        kind = {EXAMPLES: "example", CLIPPED_SCALAR: "signed"}.get(site, "dirac")
+        kind = {EXAMPLES: "example", DIRECTION: "signed"}[site]
     trainer, _, failure = fit(job, build_logger(OmegaConf.create({"name": "none"}), None, "", {}), show_progress=False)
     if failure is not None:
         raise failure
@@ -225,6 +228,6 @@ def one_run_audit(cfg) -> OneRunReport:
         f"eps lower bound {bound:.3f} {seen} (ceiling {top:.3f} for m={count}, r={guesses}) vs the reported eps "
         f"{claimed:.3f}: {correct}/{guesses} guesses right{beside}; {marks.included.sum()} canaries included, "
         f"{trainer.state.step} steps, q {setup_.sample_rate:.4g}, sigma {setup_.noise_multiplier:.4g}, "
-        f"confidence {confidence:g}, delta {delta:g}" + (f"; cannot see {UNSEEN[site]}" if site in UNSEEN else ""),
+        f"confidence {confidence:g}, delta {delta:g}",
     )
     return OneRunReport(cfg.algo.name, cfg.model.name, cfg.dataset.name, [check], result)

@@ -10,11 +10,12 @@ canary contributes s e_i and every guess is right. Present canaries join the ste
 physical chunk (`Algorithm.chunks`), as a real example joins under the run's sampling
 (`Schedule`); no hook writes into a clipped sum.
 
-CLIPPED_SCALAR (DPZero) and CLIPPED_RELEASE (DPGD0th): the zeroth-order estimate's every
-example lies along one shared random direction, where a canary example would share one scalar with
-all the real examples and drown; their canaries are written into the clipped sum at the declared
-sensitivity instead, so the one-run audit cannot see a clipping bug there (the self-audit's
-sensitivity check does).
+DIRECTION (DPZero, DPGD0th): every example's contribution lies along the step's one public
+direction z, so canary i is an example whose two-point difference is S_i s_{i,t} * 1e4 C, with a
+public random sign s_{i,t} per step; the estimate clips it to +-C along z (DPGD0th: ||clip(s z)||
+<= C) as it clips any example, and it is scored along its signs. The real records would share that
+one scalar and drown the canaries: the audit's dataset blanks them (`BlankRecords`, loss 0, so
+difference 0), the worst-case dataset of Nasr et al. (2021).
 """
 
 from __future__ import annotations
@@ -25,16 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpbench.algorithms.base import CLIPPED_RELEASE, CLIPPED_SCALAR, EXAMPLES
+from dpbench.algorithms.base import DIRECTION, EXAMPLES
 from dpbench.errors import UserError
 
 CANARY_MODULE = "one_run_canaries"  # the canary layer's name in the model (`add_canary_layer`)
-LOSS_SCALE = 1.0e4  # s / C: a canary's gradient norm over the clip norm, far above any clipping bound
-# what the one-run audit cannot see where canaries are written into a clipped sum
-UNSEEN = {CLIPPED_SCALAR: "a clipping bug (its canaries are written into the clipped scalar sum; the self-audit's "
-                          "sensitivity check sees clipping)",
-          CLIPPED_RELEASE: "a clipping bug (its canaries are written into the clipped sum; the self-audit's "
-                           "sensitivity check sees clipping)"}
+LOSS_SCALE = 1.0e4  # s / C: a canary's gradient norm (or difference) over the clip norm, far above any clipping bound
 
 
 class Schedule:
@@ -59,55 +55,35 @@ class Canaries:
     """M canaries of one run: who is included, who joins each step, and their scores.
 
     Canary examples (`own_space=True`, canary_site EXAMPLES): canary i owns coordinate i of the
-    canaries' own layer (`CanaryLayer`); `CanaryHook` makes the present ones examples of the step.
-    The other kinds are written into a clipped sum (canary_site CLIPPED_SCALAR / CLIPPED_RELEASE):
-    Dirac canaries (`signed=False`): canary i owns one coordinate of the step's clipped sum (a
-    public choice from the config's seed); `insert` sets that coordinate to its contribution, so
-    the real gradients are masked there (setting a coordinate of a sum of clipped vectors to 0
-    cannot raise any example's contribution above its bound). Signed canaries (`signed=True`, a
-    one-dimensional release: DPZero's scalar): every canary adds s_{i,t} x its contribution with a
-    public random sign s_{i,t} in {-1, +1} per step, replacing the real examples' sum (the scalar
-    is masked whole), and is scored along its signs.
+    canaries' own layer (`CanaryLayer`). Signed canaries (`signed=True`, canary_site DIRECTION: a
+    one-dimensional release along z): canary i carries a public random sign s_{i,t} in {-1, +1}
+    per step and is scored along its signs. `CanaryHook` makes the present ones examples of the step.
 
-    A contribution is the release's declared per-example sensitivity C: under add/remove an
-    included canary that joins adds +C and an excluded one is absent; under replace-one every
-    joining canary is present, +C if included, -C if not (S_i = +-1). Inclusion and participation
-    come from fresh OS entropy, never the seed. (The one-run audit runs in one process.)"""
+    A present canary's sign S_i: under add/remove an included canary that joins is present with
+    +1 and an excluded one is absent; under replace-one every joining canary is present, +1 if
+    included, -1 if not. Inclusion and participation come from fresh OS entropy, never the seed.
+    (The one-run audit runs in one process.)"""
 
     def __init__(self, space: list[torch.Size], count: int, schedule_rate: float, steps_per_epoch: int | None,
                  neighboring: str, seed: int, signed: bool = False, own_space: bool = False):
+        if signed == own_space:
+            raise ValueError("canaries are either signed (a scalar release) or own their space (canary examples)")
         self.count, self.signed, self.neighboring = count, signed, neighboring
         self.space = [torch.Size(s) for s in space]
         self._rng = np.random.default_rng(secrets.randbits(128))  # secret: inclusion and participation
         self.included = self._rng.random(count) < 0.5
         self.schedule = Schedule(count, schedule_rate, steps_per_epoch, self._rng)
-        self._public = np.random.default_rng(int(seed))  # public: coordinates and signs
+        self._public = np.random.default_rng(int(seed))  # public: signs
         self.placements: list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]] = []
         if own_space:  # the canaries' own layer: canary i owns its coordinate i
             self.placements.append((0, torch.arange(count), torch.unravel_index(torch.arange(count), self.space[0])))
-        elif not signed:
-            self._place(int(seed))
         self.release_scores = np.zeros(count)  # sum over steps of the release, read along each canary
         self.iterate_scores = np.zeros(count)  # sum over steps of theta_{t-1} - theta_t, read along each canary
         self.joins = np.zeros(count, dtype=np.int64)  # steps each canary was present in (report only)
         self.steps = 0
         self._weights: np.ndarray | None = None  # this step: +1 / -1 / 0 per canary
         self._signs: np.ndarray | None = None  # this step's public signs (signed canaries)
-        self._inserted = False
-
-    def _place(self, seed: int) -> None:
-        sizes = [s.numel() for s in self.space]
-        total = sum(sizes)
-        if self.count > total:
-            raise UserError(f"audit.canaries={self.count} exceeds the {total} coordinates of the privatised sum "
-                            "(one canary each); lower it")
-        flat = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[: self.count]
-        starts = torch.tensor([0] + list(np.cumsum(sizes)[:-1]), dtype=torch.long)
-        owner = torch.searchsorted(starts, flat, right=True) - 1
-        for k, shape in enumerate(self.space):  # per tensor: its index, its canary ids, their index into it
-            ids = torch.nonzero(owner == k).flatten()
-            if len(ids):
-                self.placements.append((k, ids, torch.unravel_index(flat[ids] - starts[k], shape)))
+        self._joined = False
 
     # --- one step ------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -117,37 +93,16 @@ class Canaries:
         self._signs = self._public.choice((-1.0, 1.0), self.count) if self.signed else None
         self.joins += present
         self.steps += 1
-        self._inserted = False
-
-    def _contributions(self, norm: float) -> np.ndarray:
-        return self._weights * float(norm)
+        self._joined = False
 
     def present(self) -> tuple[np.ndarray, np.ndarray]:
-        """This step's present canaries: their ids and signs (+1 included, -1 excluded under replace-one)."""
-        self._once()
-        ids = np.flatnonzero(self._weights)
-        return ids, self._weights[ids]
-
-    def insert(self, sums: list[torch.Tensor], norm: float) -> None:
-        """Mask the canary coordinates of this step's clipped sum and write each present canary's
-        contribution (Dirac canaries), in place."""
-        self._once()
-        if [s.shape for s in sums] != self.space:
-            raise RuntimeError("the privatised sum is not in the canaries' shapes: this step cannot carry them")
-        values = torch.as_tensor(self._contributions(norm), dtype=torch.float32)
-        for k, ids, index in self.placements:
-            s = sums[k]
-            s[tuple(i.to(s.device) for i in index)] = values[ids].to(s.device, s.dtype)
-
-    def signed_total(self, norm: float) -> float:
-        """The canaries' part of a scalar clipped sum: sum_i S_i s_{i,t} C over the present ones."""
-        self._once()
-        return float(np.dot(self._contributions(norm), self._signs))
-
-    def _once(self) -> None:
-        if self._weights is None or self._inserted:
+        """This step's present canaries: their ids and signs (S_i: +1 included, -1 excluded under
+        replace-one; signed canaries: times this step's public sign s_{i,t})."""
+        if self._weights is None or self._joined:
             raise RuntimeError("the canaries joined a step twice (or outside a training step)")
-        self._inserted = True
+        self._joined = True
+        ids = np.flatnonzero(self._weights)
+        return ids, self._weights[ids] * (self._signs[ids] if self.signed else 1.0)
 
     # --- what the adversary reads --------------------------------------------------------
     def read(self, tensors: list[torch.Tensor]) -> np.ndarray:
@@ -163,6 +118,34 @@ class Canaries:
 
 
 # ----------------------------------------------------------------------------- canary examples
+
+
+class CanaryDifferences:
+    """One chunk of signed canary examples for a zeroth-order step (canary_site DIRECTION,
+    `OwnDifferenceExamples`): canary ids[j]'s two-point difference is signs[j] * scale, far above
+    any clip bound, so the estimate's clipping brings it to +-its bound."""
+
+    def __init__(self, signs: np.ndarray, scale: float, device: torch.device):
+        self.signs = torch.as_tensor(signs, dtype=torch.float32, device=device)
+        self.scale = float(scale)
+
+    def per_sample_differences(self) -> torch.Tensor:
+        return self.signs * self.scale
+
+
+class BlankRecords:
+    """The run's task with every real record's loss 0 (its forward still runs: the zeroth-order
+    perturbation checks that every parameter is read), the dataset of a DIRECTION one-run audit: a
+    real record's two-point difference is 0, so only the canaries move the estimate along z."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def per_sample_loss(self, model: nn.Module, batch) -> torch.Tensor:
+        return self.task.per_sample_loss(model, batch) * 0.0  # a non-finite loss stays non-finite: dropped as before
 
 
 class CanaryLayer(nn.Embedding):
@@ -225,12 +208,12 @@ def _holder(model: nn.Module) -> tuple[nn.Module, str]:
 # ----------------------------------------------------------------------------- the step hook
 
 
-def _along_direction(algorithm, deltas):
-    """DPZero: the step's change along its direction, <theta_{t-1} - theta_t, scale z_t>, a scalar
-    from which the released value is read back (the update is lr (g scale z + decay))."""
+def _along_direction(algorithm, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A zeroth-order step's parameter-shaped tensors read along its direction, <tensors, scale z_t>:
+    a scalar proportional to the step's release along z (the update is lr (g scale z + decay))."""
     seed, scale = algorithm.last_direction
-    total = sum(float((d.double() * algorithm.direction_part(p, seed).double()).sum())
-                for p, d in zip(algorithm.params, deltas))
+    total = sum(float((t.double() * algorithm.direction_part(p, seed).double()).sum())
+                for p, t in zip(algorithm.params, tensors))
     return [torch.tensor(total * scale, dtype=torch.float64)]
 
 
@@ -241,9 +224,9 @@ class CanaryHook:
     release observer (the optimizer's input, reported beside)."""
 
     def __init__(self, canaries: Canaries, algorithm, layer: CanaryLayer | None):
-        self.canaries, self.site, self.layer = canaries, algorithm.canary_site, layer
+        self.canaries, self.site, self.layer, self.algorithm = canaries, algorithm.canary_site, layer, algorithm
         self._before: list[torch.Tensor] | None = None
-        self._params = len(algorithm.params)
+        self._shapes = [p.shape for p in algorithm.params]
         self._index = next((k for k, p in enumerate(algorithm.params) if layer is not None and p is layer.weight), None)
         if self.site == EXAMPLES and self._index is None:
             raise UserError(f"algo={algorithm.cfg.name} does not train the canary layer it was given: the one-run "
@@ -265,31 +248,28 @@ class CanaryHook:
     def end_step(self, algorithm, step_index: int) -> None:
         with torch.no_grad():
             deltas = [b.sub_(p.detach()) for b, p in zip(self._before, self._watched(algorithm))]
-        if self.site == CLIPPED_SCALAR:
+        if self.site == DIRECTION:
             deltas = _along_direction(algorithm, deltas)
         self.canaries.iterate_scores += self.canaries.read(deltas)
         self._before = None
 
-    def extra_examples(self, algorithm) -> list[CanaryExamples]:
-        if self.site != EXAMPLES:
-            return []
+    def extra_examples(self, algorithm) -> list[CanaryExamples | CanaryDifferences]:
         ids, signs = self.canaries.present()
+        if not len(ids):
+            return []
         scale = LOSS_SCALE * float(algorithm.privacy.clip_norm)
-        return [CanaryExamples(self.layer, ids, signs, scale)] if len(ids) else []
-
-    def clipped_sum(self, algorithm, sums: list[torch.Tensor], sensitivity: float) -> list[torch.Tensor]:
-        if self.site == CLIPPED_SCALAR:  # the real examples' scalar is masked whole (it would drown the canaries)
-            return [self.canaries.signed_total(sensitivity)]
-        if self.site == CLIPPED_RELEASE:
-            self.canaries.insert(sums, sensitivity)
-            return sums
-        raise RuntimeError(f"canary_site {self.site!r} writes nothing into a clipped sum")
+        if self.site == DIRECTION:
+            return [CanaryDifferences(signs, scale, algorithm.params[0].device)]
+        return [CanaryExamples(self.layer, ids, signs, scale)]
 
     def observe_release(self, name, parts, noisy, mechanism) -> None:
         """The optimizer's input read along the canaries (a release in their space)."""
         for part, values in zip(parts, noisy):
+            shapes = [v.shape for v in part.values]
             if self.site == EXAMPLES:  # a release aligned with the parameters: the canary layer's entry
-                if len(values) == self._params and values[self._index].shape == self.layer.weight.shape:
+                if len(values) == len(self._shapes) and values[self._index].shape == self.layer.weight.shape:
                     self.canaries.release_scores += self.canaries.read([values[self._index]])
-            elif [v.shape for v in part.values] == self.canaries.space:
+            elif shapes == self.canaries.space:  # DPZero's scalar along z
                 self.canaries.release_scores += self.canaries.read(values)
+            elif shapes == self._shapes:  # DPGD0th's d-dimensional release, read along z
+                self.canaries.release_scores += self.canaries.read(_along_direction(self.algorithm, values))

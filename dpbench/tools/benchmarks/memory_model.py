@@ -22,7 +22,7 @@ most), the table gives rank 0's bytes of:
 * the clipped-sum accumulators: fp32, in the shapes of the privatised sums (DP-GRAPE: projected).
   One process, and DP-GRAPE (its release is replicated: summed before the all-reduce): full size.
   DP-SGD and DP-Adam at K > 1: this rank's shard rows / K, since each physical chunk's sum of each
-  parameter is sum-reduce-scattered into them as it is formed (dpbench/algorithms/base.py,
+  parameter is sum-reduce-scattered into them as it is formed (dpbench/algorithms/first_order.py,
   `clip_and_accumulate`), plus the full-size working sum that exists before its reduce-scatter
   (row "clipped-sum working sum"): with bk and ghost ONE PARAMETER's (the largest; bk forms them
   one at a time after the backward, ghost one at a time inside its second backward, each

@@ -11,7 +11,8 @@ from helpers.cli import console_script_in_process
 from helpers.config import TINY, compose
 
 from dpbench.algorithms import ALGORITHMS, import_all
-from dpbench.algorithms.base import DPFirstOrderAlgorithm, ReleasePart
+from dpbench.algorithms.base import ReleasePart
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism

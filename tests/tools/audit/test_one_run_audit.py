@@ -14,11 +14,11 @@ from helpers.cli import console_script_in_process
 from helpers.config import compose
 
 from dpbench.algorithms import ALGORITHMS, algorithm_class
-from dpbench.algorithms.base import DPFirstOrderAlgorithm
+from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 from dpbench.algorithms.dpsgd import DPSGD
 from dpbench.errors import UserError
 from dpbench.tools.audit.runner import run_audit
-from dpbench.algorithms.base import EXAMPLES
+from dpbench.algorithms.base import DIRECTION, EXAMPLES
 from dpbench.tools.audit.one_run import (
     Canaries,
     Guesses,
@@ -89,60 +89,56 @@ def test_guesses_are_the_extremes_of_the_scores():
     assert guesses.correct(included) == 3  # 2 in (right), 4 in (wrong), 1 and 5 out (right)
 
 
-def test_canaries_replace_their_coordinates_of_the_clipped_sum():
-    space = [torch.Size([3, 4]), torch.Size([5])]
-    marks = Canaries(space, count=10, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove", seed=0)
-    again = Canaries(space, count=10, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove", seed=0)
-    positions = [(k, tuple(i.tolist() for i in index)) for k, _, index in marks.placements]
-    assert positions == [(k, tuple(i.tolist() for i in index)) for k, _, index in again.placements]  # public, seeded
+def test_present_canaries_are_the_included_ones_once_a_step():
+    marks = Canaries([torch.Size([10, 1])], count=10, schedule_rate=1.0, steps_per_epoch=None,
+                     neighboring="add_remove", seed=0, own_space=True)
     marks.begin_step(0)  # q = 1: every included canary joins
-    sums = [torch.full((3, 4), 5.0), torch.full((5,), 5.0)]
-    marks.insert(sums, 0.7)
-    flat = torch.cat([s.flatten() for s in sums])
-    assert int((flat == 5.0).sum()) == 17 - 10  # the other coordinates are untouched
-    values = torch.as_tensor(marks.read(sums), dtype=torch.float32)
-    expected = torch.as_tensor(marks.included, dtype=torch.float32) * 0.7
-    assert torch.allclose(values, expected)  # the real gradient is masked; +C exactly where a canary is in
+    ids, signs = marks.present()
+    assert np.array_equal(ids, np.flatnonzero(marks.included)) and (signs == 1.0).all()
     assert (marks.joins == marks.included).all() and marks.steps == 1
     with pytest.raises(RuntimeError, match="twice"):
-        marks.insert(sums, 0.7)  # one insertion per step
-    with pytest.raises(UserError, match="exceeds the 17 coordinates"):
-        Canaries(space, count=18, schedule_rate=0.5, steps_per_epoch=None, neighboring="add_remove", seed=0)
+        marks.present()  # one joining per step
+    values = torch.arange(10.0)[:, None]
+    assert np.array_equal(marks.read([values]), np.arange(10.0))  # canary i reads its own coordinate
+    with pytest.raises(ValueError, match="either signed"):
+        Canaries([torch.Size([])], count=4, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove", seed=0)
 
 
 def test_under_replace_one_every_canary_is_present_with_its_sign():
-    """S_i = +1 inserts +C, S_i = -1 inserts -C: the pair differs by 2C, the replace-one sensitivity."""
-    marks = Canaries([torch.Size([50])], count=40, schedule_rate=1.0, steps_per_epoch=None,
-                     neighboring="replace_one", seed=1)
+    """S_i = +1 for an included canary, -1 for an excluded one: the pair differs by 2C once clipped,
+    the replace-one sensitivity."""
+    marks = Canaries([torch.Size([40, 1])], count=40, schedule_rate=1.0, steps_per_epoch=None,
+                     neighboring="replace_one", seed=1, own_space=True)
     marks.begin_step(0)
-    sums = [torch.zeros(50)]
-    marks.insert(sums, 2.0)
-    assert np.array_equal(marks.read(sums), np.where(marks.included, 2.0, -2.0))
+    ids, signs = marks.present()
+    assert np.array_equal(ids, np.arange(40)) and np.array_equal(signs, np.where(marks.included, 1.0, -1.0))
     assert (marks.joins == 1).all()
 
 
 def test_shuffled_canaries_join_one_step_per_epoch():
-    marks = Canaries([torch.Size([100])], count=60, schedule_rate=0.0, steps_per_epoch=4, neighboring="replace_one", seed=2)
+    marks = Canaries([torch.Size([60, 1])], count=60, schedule_rate=0.0, steps_per_epoch=4, neighboring="replace_one",
+                     seed=2, own_space=True)
     for step in range(12):  # three epochs of four steps
         marks.begin_step(step)
-        marks.insert([torch.zeros(100)], 1.0)
+        marks.present()
         if step % 4 == 3:
             assert (marks.joins == step // 4 + 1).all()  # exactly once in each epoch
-    marks = Canaries([torch.Size([100])], count=60, schedule_rate=0.3, steps_per_epoch=None, neighboring="replace_one", seed=2)
+    marks = Canaries([torch.Size([60, 1])], count=60, schedule_rate=0.3, steps_per_epoch=None, neighboring="replace_one",
+                     seed=2, own_space=True)
     for step in range(200):
         marks.begin_step(step)
     assert abs(marks.joins.mean() / 200 - 0.3) < 0.03  # Poisson: each step with probability q
 
 
-def test_signed_canaries_add_their_signs_to_a_scalar():
+def test_signed_canaries_carry_their_public_signs():
     marks = Canaries([torch.Size([])], count=30, schedule_rate=1.0, steps_per_epoch=None, neighboring="add_remove",
                      seed=3, signed=True)
     marks.begin_step(0)
-    signs = marks._signs
-    total = marks.signed_total(0.5)
-    assert total == pytest.approx(float(np.dot(marks.included * 0.5, signs)))
-    assert np.array_equal(marks.read([torch.tensor(2.0)]), 2.0 * signs)  # scored along the signs
-    assert set(np.unique(signs)) <= {-1.0, 1.0}
+    public = marks._signs
+    ids, signs = marks.present()
+    assert np.array_equal(ids, np.flatnonzero(marks.included)) and np.array_equal(signs, public[ids])
+    assert np.array_equal(marks.read([torch.tensor(2.0)]), 2.0 * public)  # scored along the signs
+    assert set(np.unique(public)) <= {-1.0, 1.0}
 
 
 PRIVATE = [name for name in ALGORITHMS.names() if algorithm_class(name).private]
@@ -154,14 +150,39 @@ def test_the_registry_has_private_algorithms():
 
 @pytest.mark.parametrize("algo", PRIVATE)
 def test_every_private_algorithm_declares_its_canary_site(algo):
-    from dpbench.tools.audit.one_run_canaries import UNSEEN
+    from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
 
     site = algorithm_class(algo).canary_site
-    assert site is not None, f"algo={algo} declares no canary_site"
-    if site != EXAMPLES:  # canaries written into a clipped sum: the check must say what it cannot see
-        assert "clipping" in UNSEEN[site]
+    assert site in (EXAMPLES, DIRECTION), f"algo={algo} declares no canary_site the one-run audit places"
     if issubclass(algorithm_class(algo), DPFirstOrderAlgorithm):
         assert site == EXAMPLES  # first order: canaries go through the engine and the clipping
+    if issubclass(algorithm_class(algo), ZerothOrderAlgorithm):
+        assert site == DIRECTION  # zeroth order: canaries go through the estimate's clipping along z
+
+
+@pytest.mark.parametrize("algo", ["dpzero", "dpgd0th"])
+@pytest.mark.parametrize("clipped", [True, False])
+def test_direction_canaries_go_through_the_zeroth_order_clipping(algo, clipped):
+    """A present signed canary's two-point difference is S_i s_it 1e4 C: the estimate clips it to
+    +-its bound (DPZero: C; DPGD0th: C / ||z||) as any example's; the blanked real records add 0.
+    Without the clipping (a bound far above 1e4 C) the canaries reach the sum whole."""
+    from dpbench.run import setup
+    from dpbench.tools.audit.one_run_canaries import LOSS_SCALE, BlankRecords, CanaryHook
+
+    job = setup(compose(["dataset=synthetic", "logger=none", f"algo={algo}", "privacy.noise_multiplier=1",
+                         "privacy.clip_norm=0.5"]), prepare_task=BlankRecords)
+    algorithm = job.algorithm
+    marks = Canaries([torch.Size([])], 12, 1.0, None, "replace_one", 0, signed=True)
+    CanaryHook.attach(marks, algorithm, None)
+    marks.begin_step(0)  # q = 1, replace-one: every canary present
+    public = marks._signs.copy()
+    seed = algorithm.next_seed()
+    scale = algorithm.direction_scale(seed)
+    bound = 0.5 if algo == "dpzero" else 0.5 / algorithm.direction_norm(seed, scale)
+    total, _, count = algorithm.estimate([job.task.batch(list(range(8)))], seed, scale, clip=bound if clipped else 1e9)
+    expected = float(np.dot(np.where(marks.included, 1.0, -1.0), public)) * (bound if clipped else LOSS_SCALE * 0.5)
+    assert total == pytest.approx(expected, rel=1e-6, abs=1e-9) and count == 8  # the size is the batch's
+    assert algorithm.last_direction == (seed, scale)
 
 
 def _canary_job(count: int, relation: str):
@@ -287,7 +308,8 @@ ALGORITHM_RUNS["dplora"] = ["model=vit", "model.embed_dim=16", "model.depth=1", 
 # DIFF2 privatises gradient differences, and a canary's loss is linear (its difference is 0): its
 # canaries show at restarts only; 100 restarts miss an included canary with probability 0.875^100
 ALGORITHM_RUNS["diff2"] = ["algo.restart_interval=2"]
-ALGORITHM_RUNS["dpzero"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]  # signed: M <= T/10; the other canaries interfere
+# signed canaries along z (the zeroth-order algorithms): M <= T/10; the other canaries interfere
+ALGORITHM_RUNS["dpzero"] = ALGORITHM_RUNS["dpgd0th"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]
 
 
 def _run_of(algo: str) -> list[str]:

@@ -173,7 +173,7 @@ def test_a_bugs_overrides_apply_on_top():
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_a_class_runs_the_stock_phases_iff_it_overrides_none(name):
     """`runs_stock_phases` (what the seeded bugs and the release -> update row ask) is read off the class."""
-    from dpbench.algorithms.base import DPFirstOrderAlgorithm
+    from dpbench.algorithms.first_order import DPFirstOrderAlgorithm
 
     algo_cls = ALGORITHMS.get(name)
     overrides = [phase for phase in DPFirstOrderAlgorithm.STOCK_PHASES
