@@ -2,7 +2,7 @@
 words, written for dpbench from general knowledge of the language and read from no dataset.
 
 A tokenizer is part of what a run releases (its vocabulary is the model's embedding table), so it
-must be a function of public data only (ARCHITECTURE.md, "Invariants"): the tiny tokenizers are
+must be a function of public data only (docs/architecture.md, "Invariants"): the tiny tokenizers are
 trained on these words plus each task's public prompt text (templates, label words, candidate
 continuations), never on a training or test split. A word that is not here is encoded by
 byte-level BPE pieces, as a pretrained tokenizer encodes an unseen word.
