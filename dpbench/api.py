@@ -36,8 +36,17 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from dpbench.paths import config_dir
     from dpbench.schema import checked_composition
 
+    check_overrides(overrides)
     with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def check_overrides(overrides) -> None:
+    """A list of `key=value` strings: a string alone would be read one character per override."""
+    from dpbench.errors import UserError
+
+    if isinstance(overrides, str):
+        raise UserError(f"overrides must be a list of strings, e.g. [{overrides!r}], not the string {overrides!r}")
 
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
@@ -76,6 +85,12 @@ def grid(overrides: list[str] | None, sweep: dict[str, list], folder: str | Path
 
     from dpbench.run_config import API_GRID
 
+    from dpbench.errors import UserError
+
+    check_overrides(overrides)
+    for key, values in sweep.items():
+        if not isinstance(values, (list, tuple)):  # "grape,dpadam" would be swept one character at a time
+            raise UserError(f"grid: sweep[{key!r}] must be a list of values, e.g. {{{key!r}: ['a', 'b']}}, got {values!r}")
     keys = list(sweep)
     out = []
     token = API_GRID.set(True)  # a grid's shared privacy keys are notes for its non-private jobs, as with -m
@@ -96,6 +111,10 @@ def load_runs(folder: str | Path):
 
     from dpbench.logging.results import RESULTS_FILE, read_results
 
+    from dpbench.errors import UserError
+
+    if not Path(folder).is_dir():  # a typo in the path would otherwise read as a folder without runs
+        raise UserError(f"load_runs: {folder} is not a folder")
     rows = []
     for path in sorted(Path(folder).rglob(RESULTS_FILE)):
         results = RunResults.from_json(read_results(path.parent))
