@@ -142,6 +142,10 @@ def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
         if not override.startswith(allowed) or "=" not in override:
             raise UserError(f"cannot override {override.split('=')[0]!r} when evaluating a saved model: only "
                             "dataset.*, device and threads (the weights depend on the rest)")
+        key, absent = override.split("=")[0], object()
+        if OmegaConf.select(config, key, default=absent) is absent:  # a typo would evaluate the run's own test set
+            raise UserError(f"{key} is not a key of this run's config (dataset keys: "
+                            f"{', '.join(config.get('dataset') or {})})")
     config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
     job = setup(config)
     load_weights(job.model, run_dir)

@@ -21,7 +21,8 @@ CHEAP = ["logger=none", "train.steps=2", "dataset=synthetic", "train.batch_size=
 @dataclass(frozen=True)
 class Case:
     """`tool args` (placeholders: {unwritable} a folder this user cannot write, {file} a plain file,
-    {empty} an empty folder, {missing} a path that does not exist) and a piece of its one line."""
+    {empty} an empty folder, {missing} a path that does not exist, {run} a finished run with its saved
+    model) and a piece of its one line."""
 
     tool: str
     args: tuple[str, ...]
@@ -56,6 +57,10 @@ CASES = {
     "precision typo": dp("train.precision=fp8", says="train.precision"),
     "clipping typo": dp("privacy.clipping=flatt", says="privacy.clipping='flatt' is not known"),
     "sampling typo": dp("privacy.sampling=fixed", says="privacy.sampling='fixed' is not known"),
+    "negative eval_every": dp("train.eval_every=-1", says="train.eval_every must be >= 0"),
+    "negative threads": dp("threads=-2", says="threads must be a positive integer or null"),
+    "negative clipping gamma": dp("privacy.clipping=automatic", "privacy.clipping_gamma=-1",
+                                  says="privacy.clipping_gamma must be positive"),
     "checkpoint_every zero": dp("train.checkpoint_every=0", says="train.checkpoint_every must be >= 1"),
     "evaluate nothing": dp("train.evaluate_test=false", says="train.evaluate_test=false evaluates no test set"),
     "tilde in a value": dp("dataset.data_dir=~/data", says="dataset.data_dir=~/data"),
@@ -90,10 +95,15 @@ CASES = {
                                                         "train.lr=interval(0.01,0.1)"), "dataset.validation_fraction"),
     # the other console scripts
     "audit seeded bug typo": Case("dpbench-audit", (*CHEAP, "audit.seeded_bug=no_clip"), "no_clip"),
+    "audit of zero trials": Case("dpbench-audit", (*CHEAP, "audit.trials=0"), "audit.trials=0 must be at least 1"),
+    "audit significance 2": Case("dpbench-audit", (*CHEAP, "audit.alpha=2"), "audit.alpha=2.0 must lie strictly between 0 and 1"),
     "report of a missing folder": Case("dpbench-report", ("{missing}",), "{missing}"),
     "report of an empty folder": Case("dpbench-report", ("{empty}",), "results.json"),
     "evaluate a missing run": Case("dpbench-evaluate", ("{missing}",), "{missing}"),
     "evaluate a folder without a run": Case("dpbench-evaluate", ("{empty}",), "{empty}"),
+    "evaluate with a model override": Case("dpbench-evaluate", ("{run}", "model.width=8"), "cannot override 'model.width'"),
+    "evaluate with a dataset key typo": Case("dpbench-evaluate", ("{run}", "dataset.test_sise=100"),
+                                             "dataset.test_sise is not a key of this run's config"),
     "fetch an unknown asset": Case("dpbench-fetch", ("minilm",), "minilm unknown"),
 }
 
@@ -155,8 +165,18 @@ def _fill(text: str, places: dict) -> str:
     return text.format(**places)
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished run with its saved model, for dpbench-evaluate's cases (one step, no evaluation)."""
+    from dpbench.api import run
+
+    folder = tmp_path_factory.mktemp("finished") / "run"
+    run([*CHEAP, "train.steps=1", "train.eval_every=0", "privacy.noise_multiplier=1"], run_dir=folder, quiet=True)
+    return folder
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_each_mistake_is_one_line_and_exit_2(name, tmp_path):
+def test_each_mistake_is_one_line_and_exit_2(name, tmp_path, request):
     import torch
 
     case = CASES[name]
@@ -167,7 +187,8 @@ def test_each_mistake_is_one_line_and_exit_2(name, tmp_path):
     empty.mkdir()
     (tmp_path / "file").write_text("not a folder")
     places = {"unwritable": unwritable_folder(tmp_path), "file": tmp_path / "file", "empty": empty,
-              "missing": tmp_path / "missing"}
+              "missing": tmp_path / "missing",
+              "run": request.getfixturevalue("finished_run") if "{run}" in case.args else None}
     args = [_fill(a, places) for a in case.args]
     env = {k: _fill(v, places) for k, v in case.env.items()}
     if case.tool == "dpbench":
