@@ -47,6 +47,8 @@ def check_overrides(overrides) -> None:
 
     if isinstance(overrides, str):
         raise UserError(f"overrides must be a list of strings, e.g. [{overrides!r}], not the string {overrides!r}")
+    if overrides is not None and not isinstance(overrides, (list, tuple)):  # a dict: its keys alone would be read
+        raise UserError(f"overrides must be a list of 'key=value' strings, e.g. ['algo=grape'], got a {type(overrides).__name__}")
 
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
@@ -89,8 +91,9 @@ def grid(overrides: list[str] | None, sweep: dict[str, list], folder: str | Path
 
     check_overrides(overrides)
     for key, values in sweep.items():
-        if not isinstance(values, (list, tuple)):  # "grape,dpadam" would be swept one character at a time
-            raise UserError(f"grid: sweep[{key!r}] must be a list of values, e.g. {{{key!r}: ['a', 'b']}}, got {values!r}")
+        if not isinstance(values, (list, tuple)) or not values:  # "grape,dpadam" would be swept one character at a time
+            raise UserError(f"grid: sweep[{key!r}] must be a non-empty list of values, e.g. {{{key!r}: ['a', 'b']}}, "
+                            f"got {values!r}")
     keys = list(sweep)
     out = []
     token = API_GRID.set(True)  # a grid's shared privacy keys are notes for its non-private jobs, as with -m

@@ -1,4 +1,4 @@
-"""Fifty mistakes a new user plausibly makes, across every console script and the Python API: each
+"""Sixty-odd mistakes a new user plausibly makes, across every console script and the Python API: each
 is refused before any work with exit status 2 and one line that names the problem, and none prints
 a traceback (issue: "the 50 inputs of the review ... no traceback").
 
@@ -113,6 +113,8 @@ API_CASES = {
     "api run, lr not a number": (lambda tmp: _api().run([*CHEAP, "train.lr=abc"], run_dir=tmp / "run"), "train.lr"),
     "api grid, algo typo": (lambda tmp: _api().grid(CHEAP, {"algo": ["grpae"]}, tmp / "grid"), "did you mean algo=grape?"),
     "api grid, values as a string": (lambda tmp: _api().grid(CHEAP, {"algo": "grape,dpadam"}, tmp / "grid"), "list"),
+    "api run, overrides as a dict": (lambda tmp: _api().run({"algo": "grape"}, run_dir=tmp / "run"), "list"),
+    "api grid, an empty sweep": (lambda tmp: _api().grid(CHEAP, {"seed": []}, tmp / "grid"), "non-empty list"),
     "api load_runs, missing folder": (lambda tmp: _api().load_runs(tmp / "missing"), "missing"),
     "api load_model, missing run": (lambda tmp: _api().load_model(tmp / "missing"), "missing"),
     "api train_module, a DataLoader": (lambda tmp: _train_module_with_a_loader(), "DataLoader"),
