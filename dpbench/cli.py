@@ -343,6 +343,28 @@ def shared_run_dir(argv: list[str]) -> list[str]:
     return [*argv, "hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: started.strftime(m.group(1)), pattern)]
 
 
+def flag_error(argv: list[str]) -> str | None:
+    """A flag Hydra's parser does not know (`--lr 0.1`, the habit of argparse scripts) or a bad
+    value of one it knows (`--cfg jobs`), as one line; None when the flags parse (--help: Hydra's)."""
+    import argparse
+
+    from hydra._internal.utils import get_args_parser  # the parser @hydra.main uses
+
+    if {"-h", "--help", "--hydra-help"} & set(argv):
+        return None
+    parser = get_args_parser()
+    parser.exit_on_error = False  # raise instead of printing the usage and exiting
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as error:
+        return str(error)
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags:
+        return (f"{flags[0]} is not an option of dpbench: settings are key=value overrides (e.g. train.lr=0.1, "
+                "not --lr 0.1); `dpbench --help` lists the groups and keys")
+    return None
+
+
 def main() -> None:
     from dpbench.runtime import distributed
     from dpbench.logging.console import console
@@ -358,6 +380,9 @@ def main() -> None:
     if {"-m", "--multirun"} & set(sys.argv[2:]):  # `dpbench algo=grape -m seed=0,1`: Hydra's parser wants it first
         flag = next(a for a in sys.argv[1:] if a in ("-m", "--multirun"))
         sys.argv = [sys.argv[0], flag, *(a for a in sys.argv[1:] if a != flag)]
+    if problem := flag_error(sys.argv[1:]):  # Hydra's parser would print its 8-line usage
+        console.print(f"error: {problem}", soft_wrap=True)
+        sys.exit(EXIT_BAD_INPUT)
     modes = [a for a in sys.argv[1:] if a in ("-m", "--multirun", "-c", "--cfg", "-i", "--info")]
     if len(modes) > 1:  # Hydra raises a ValueError (a traceback) on two of them
         console.print(f"error: {' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "

@@ -44,6 +44,8 @@ CASES = {
     "logger typo": dp("logger=wandbb", says="did you mean logger=wandb?"),
     "unknown key": dp("train.lrr=0.1", says="train.lrr"),
     "top-level key": dp("lr=0.1", says="lr"),
+    "argparse habit": dp("--lr", "0.1", says="--lr is not an option of dpbench"),
+    "--cfg value typo": Case("dpbench", ("--cfg", "jobs"), "invalid choice: 'jobs'"),
     "lr not a number": dp("train.lr=abc", says="train.lr must be a number"),
     "negative lr": dp("train.lr=-0.1", says="train.lr must be positive"),
     "zero lr": dp("train.lr=0", says="train.lr must be positive"),
