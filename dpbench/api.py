@@ -139,6 +139,8 @@ def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
     from dpbench.saved_model import load_weights, saved_config
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; give a run folder such as outputs/runs/<run>")
     config = stored_config(saved_config(run_dir))  # older runs' epsilon beside sigma reads as today's checks want
     allowed = ("dataset.", "device=", "threads=")
     for override in overrides or []:

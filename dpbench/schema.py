@@ -265,6 +265,11 @@ def one_line(error: BaseException) -> str:
         # Hydra's grammar errors point at the column with a caret line: it means nothing once joined
         lines = [line.strip() for line in text.splitlines() if line.strip() and set(line.strip()) != {"^"}]
         message = "; ".join(lines)
+        if message.startswith("LexerNoViableAltException: "):  # a character the override grammar reserves
+            override = message.split(": ", 1)[1].split("; See ")[0]
+            key, _, value = override.partition("=")
+            message = (f"cannot parse the override {override}: quote a value with special characters "
+                       f"(~ ' \" [ ] {{ }} ( ) , = or spaces), e.g. '{key}=\"{value}\"' (Hydra's override grammar)")
     return message
 
 

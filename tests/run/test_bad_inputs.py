@@ -65,7 +65,7 @@ CASES = {
                                   says="privacy.clipping_gamma must be positive"),
     "checkpoint_every zero": dp("train.checkpoint_every=0", says="train.checkpoint_every must be >= 1"),
     "evaluate nothing": dp("train.evaluate_test=false", says="train.evaluate_test=false evaluates no test set"),
-    "tilde in a value": dp("dataset.data_dir=~/data", says="dataset.data_dir=~/data"),
+    "tilde in a value": dp("dataset.data_dir=~/data", says="cannot parse the override dataset.data_dir=~/data: quote"),
     # privacy settings that contradict each other or are no guarantee
     "zero epsilon": dp("privacy.epsilon=0", says="privacy.epsilon must be positive"),
     "negative epsilon": dp("privacy.epsilon=-1", says="privacy.epsilon must be positive"),
@@ -118,7 +118,7 @@ API_CASES = {
     "api run, overrides as a dict": (lambda tmp: _api().run({"algo": "grape"}, run_dir=tmp / "run"), "list"),
     "api grid, an empty sweep": (lambda tmp: _api().grid(CHEAP, {"seed": []}, tmp / "grid"), "non-empty list"),
     "api load_runs, missing folder": (lambda tmp: _api().load_runs(tmp / "missing"), "missing"),
-    "api load_model, missing run": (lambda tmp: _api().load_model(tmp / "missing"), "missing"),
+    "api load_model, missing run": (lambda tmp: _api().load_model(tmp / "missing"), "missing is not a folder"),
     "api train_module, a DataLoader": (lambda tmp: _train_module_with_a_loader(), "DataLoader"),
 }
 
