@@ -95,6 +95,12 @@ CASES = {
     "search sweeper typo": Case("dpbench", ("-m", *CHEAP, "hydra/sweeper=private_serch"), "did you mean hydra/sweeper=private_search?"),
     "search without validation": Case("dpbench", ("-m", *CHEAP, "hydra/sweeper=private_search",
                                                         "train.lr=interval(0.01,0.1)"), "dataset.validation_fraction"),
+    "search of zero trials": Case("dpbench", ("-m", *CHEAP, "hydra/sweeper=private_search", "dataset.validation_fraction=0.2",
+                                              "hydra.sweeper.mean_trials=0", "train.lr=interval(0.01,0.1)"),
+                                  "hydra.sweeper.mean_trials=0: the mean number of trials must be at least 1"),
+    "search shape negative": Case("dpbench", ("-m", *CHEAP, "hydra/sweeper=private_search", "dataset.validation_fraction=0.2",
+                                              "hydra.sweeper.shape=-1", "train.lr=interval(0.01,0.1)"),
+                                  "hydra.sweeper.shape=-1: the shape of the trial-count distribution must be >= 0"),
     # the other console scripts
     "audit seeded bug typo": Case("dpbench-audit", (*CHEAP, "audit.seeded_bug=no_clip"), "no_clip"),
     "audit of zero trials": Case("dpbench-audit", (*CHEAP, "audit.trials=0"), "audit.trials=0 must be at least 1"),
