@@ -36,8 +36,19 @@ def compose(overrides: list[str] | None = None) -> DictConfig:
     from dpbench.paths import config_dir
     from dpbench.schema import checked_composition
 
+    check_overrides(overrides)
     with checked_composition(), initialize_config_dir(version_base="1.3", config_dir=config_dir()):
         return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def check_overrides(overrides) -> None:
+    """A list of `key=value` strings: a string alone would be read one character per override."""
+    from dpbench.errors import UserError
+
+    if isinstance(overrides, str):
+        raise UserError(f"overrides must be a list of strings, e.g. [{overrides!r}], not the string {overrides!r}")
+    if overrides is not None and not isinstance(overrides, (list, tuple)):  # a dict: its keys alone would be read
+        raise UserError(f"overrides must be a list of 'key=value' strings, e.g. ['algo=grape'], got a {type(overrides).__name__}")
 
 
 def run(overrides: list[str] | None = None, run_dir: str | Path | None = None, resume: bool = False,
@@ -76,6 +87,13 @@ def grid(overrides: list[str] | None, sweep: dict[str, list], folder: str | Path
 
     from dpbench.run_config import API_GRID
 
+    from dpbench.errors import UserError
+
+    check_overrides(overrides)
+    for key, values in sweep.items():
+        if not isinstance(values, (list, tuple)) or not values:  # "grape,dpadam" would be swept one character at a time
+            raise UserError(f"grid: sweep[{key!r}] must be a non-empty list of values, e.g. {{{key!r}: ['a', 'b']}}, "
+                            f"got {values!r}")
     keys = list(sweep)
     out = []
     token = API_GRID.set(True)  # a grid's shared privacy keys are notes for its non-private jobs, as with -m
@@ -96,6 +114,10 @@ def load_runs(folder: str | Path):
 
     from dpbench.logging.results import RESULTS_FILE, read_results
 
+    from dpbench.errors import UserError
+
+    if not Path(folder).is_dir():  # a typo in the path would otherwise read as a folder without runs
+        raise UserError(f"load_runs: {folder} is not a folder")
     rows = []
     for path in sorted(Path(folder).rglob(RESULTS_FILE)):
         results = RunResults.from_json(read_results(path.parent))
@@ -117,12 +139,18 @@ def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
     from dpbench.saved_model import load_weights, saved_config
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a folder; give a run folder such as outputs/runs/<run>")
     config = stored_config(saved_config(run_dir))  # older runs' epsilon beside sigma reads as today's checks want
     allowed = ("dataset.", "device=", "threads=")
     for override in overrides or []:
         if not override.startswith(allowed) or "=" not in override:
             raise UserError(f"cannot override {override.split('=')[0]!r} when evaluating a saved model: only "
                             "dataset.*, device and threads (the weights depend on the rest)")
+        key, absent = override.split("=")[0], object()
+        if OmegaConf.select(config, key, default=absent) is absent:  # a typo would evaluate the run's own test set
+            raise UserError(f"{key} is not a key of this run's config (dataset keys: "
+                            f"{', '.join(config.get('dataset') or {})})")
     config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
     job = setup(config)
     load_weights(job.model, run_dir)

@@ -97,6 +97,8 @@ def print_grid_table(sweep_dir: Path) -> None:
     from dpbench.api import load_runs
     from dpbench.logging.console import console, grid_table
 
+    if not Path(sweep_dir).is_dir():  # nothing ran
+        return
     frame = load_runs(sweep_dir)
     if frame.empty:
         return
@@ -122,7 +124,10 @@ class Preflight(Callback):
             _new_run_dirs[folder] = next(p for p in folder.parents if p.exists())
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        self._check(config, Path(str(config.hydra.sweep.dir)).absolute(), "hydra.sweep.dir")
+        folder = Path(str(config.hydra.sweep.dir)).absolute()
+        self._check(config, folder, "hydra.sweep.dir")
+        if not folder.exists():  # a grid refused before its first job (a typo in a value) removes it again
+            _new_run_dirs[folder] = next(p for p in folder.parents if p.exists())
 
     @staticmethod
     def _check(config: DictConfig, folder: Path, key: str) -> None:
@@ -135,7 +140,8 @@ class Preflight(Callback):
 
 
 # What a refused single run leaves in a folder Hydra made for it: Hydra's <job name>.log and dpbench's .hydra/
-REFUSED_RUN_FILES = {".hydra", ".hydra/config.yaml", ".hydra/overrides.yaml"}
+# (a refused grid: Hydra's multirun.yaml)
+REFUSED_RUN_FILES = {".hydra", ".hydra/config.yaml", ".hydra/overrides.yaml", "multirun.yaml"}
 
 
 def remove_refused_run_dir(run_dir: Path) -> None:
@@ -337,6 +343,28 @@ def shared_run_dir(argv: list[str]) -> list[str]:
     return [*argv, "hydra.run.dir=" + re.sub(r"\$\{now:([^}]*)\}", lambda m: started.strftime(m.group(1)), pattern)]
 
 
+def flag_error(argv: list[str]) -> str | None:
+    """A flag Hydra's parser does not know (`--lr 0.1`, the habit of argparse scripts) or a bad
+    value of one it knows (`--cfg jobs`), as one line; None when the flags parse (--help: Hydra's)."""
+    import argparse
+
+    from hydra._internal.utils import get_args_parser  # the parser @hydra.main uses
+
+    if {"-h", "--help", "--hydra-help"} & set(argv):
+        return None
+    parser = get_args_parser()
+    parser.exit_on_error = False  # raise instead of printing the usage and exiting
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as error:
+        return str(error)
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags:
+        return (f"{flags[0]} is not an option of dpbench: settings are key=value overrides (e.g. train.lr=0.1, "
+                "not --lr 0.1); `dpbench --help` lists the groups and keys")
+    return None
+
+
 def main() -> None:
     from dpbench.runtime import distributed
     from dpbench.logging.console import console
@@ -349,10 +377,16 @@ def main() -> None:
     if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
         console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
         sys.exit(EXIT_BAD_INPUT)
+    if {"-m", "--multirun"} & set(sys.argv[2:]):  # `dpbench algo=grape -m seed=0,1`: Hydra's parser wants it first
+        flag = next(a for a in sys.argv[1:] if a in ("-m", "--multirun"))
+        sys.argv = [sys.argv[0], flag, *(a for a in sys.argv[1:] if a != flag)]
+    if problem := flag_error(sys.argv[1:]):  # Hydra's parser would print its 8-line usage
+        console.print(f"error: {problem}", soft_wrap=True)
+        sys.exit(EXIT_BAD_INPUT)
     modes = [a for a in sys.argv[1:] if a in ("-m", "--multirun", "-c", "--cfg", "-i", "--info")]
     if len(modes) > 1:  # Hydra raises a ValueError (a traceback) on two of them
         console.print(f"error: {' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
-                      "(e.g. `dpbench experiment=NAME --cfg job`)")
+                      "(e.g. `dpbench experiment=NAME --cfg job`)", soft_wrap=True)
         sys.exit(EXIT_BAD_INPUT)
     try:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
@@ -367,7 +401,13 @@ def main() -> None:
         # Hydra reports its own errors (unknown override, bad grammar, missing config) with exit
         # status 1; they are bad input like dpbench's own.
         hydra_error = exit_.code == 1 and not _own_exit
-        sys.exit(EXIT_BAD_INPUT if hydra_error else exit_.code)
+        status = EXIT_BAD_INPUT if hydra_error else exit_.code
+        if status == EXIT_BAD_INPUT:  # a refused grid or run leaves no folder it made behind
+            from dpbench.cli import _new_run_dirs as made  # the callback's module, also under `python -m`
+
+            for folder in list(made):
+                remove_refused_run_dir(folder)
+        sys.exit(status)
     finally:
         distributed.shutdown()  # torchrun: leave the process group however the run ended
     # Hydra instantiated GridFailures from `dpbench.cli`, which is not this module under `python -m`.

@@ -36,6 +36,13 @@ def check_device(cfg: DictConfig) -> None:
         raise UserError("device=cuda but no CUDA GPU is visible to torch; use device=cpu or device=auto")
 
 
+def check_threads(cfg: DictConfig) -> None:
+    """threads=N: torch.set_num_threads takes a positive count (the job sets it before its other checks)."""
+    threads = cfg.get("threads")
+    if threads is not None and threads < 1:
+        raise UserError(f"threads must be a positive integer or null (torch's default), got {threads}")
+
+
 def wandb_login_found() -> bool:
     """Whether W&B would find an API key, read as W&B reads it (the WANDB_API_KEY variable, else the
     netrc entry for its host), without contacting the server."""
@@ -90,5 +97,6 @@ def _can_make_folder_in(parent: Path) -> bool:
 def check_environment(cfg: DictConfig, folder: str | Path, key: str) -> None:
     """Every check of this module, cheapest first."""
     check_writable(folder, key)
+    check_threads(cfg)
     check_device(cfg)
     check_wandb_login(cfg)

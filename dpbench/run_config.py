@@ -13,7 +13,7 @@ from dpbench.errors import UserError
 from dpbench.options import DEFAULT_EPSILON, target_epsilon  # noqa: F401  (the rule lives in the leaf)
 from dpbench.logging.console import console
 from dpbench.models.user import check_builders
-from dpbench.preflight import check_device
+from dpbench.preflight import check_device, check_threads
 from dpbench.schema import check_keys
 
 
@@ -33,6 +33,9 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
         raise UserError(f"privacy.delta must lie strictly between 0 and 1, got {p.delta}")
     if p.clip_norm is None or not p.clip_norm > 0:
         raise UserError(f"privacy.clip_norm must be positive, got {p.clip_norm}")
+    if not p.get("clipping_gamma", 0.01) > 0:  # automatic / psac divide by norm + gamma: <= 0 breaks the bound C
+        raise UserError(f"privacy.clipping_gamma must be positive (the stability constant of automatic and psac "
+                        f"clipping), got {p.clipping_gamma}")
     if not t.batch_size or t.batch_size <= 0:
         raise UserError(f"train.batch_size must be a positive integer, got {t.batch_size}")
     if t.physical_batch_size is not None and not 0 < t.physical_batch_size <= t.batch_size:
@@ -43,6 +46,9 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
         raise UserError("set train.steps or a positive train.epochs")
     if t.steps is not None and t.steps < 0:
         raise UserError(f"train.steps must be >= 0, got {t.steps}")
+    if t.eval_every < 0:
+        raise UserError(f"train.eval_every must be >= 0 (0: evaluate the final model only), got {t.eval_every}")
+    check_threads(cfg)
     if not t.lr > 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
     if not t.get("head_lr_scale", 1.0) > 0:

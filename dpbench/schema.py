@@ -253,18 +253,36 @@ def missing_option_message(error: BaseException) -> str | None:
     return f"{group}={name} is not an option of {group}{hint} ({group}: {listed})"
 
 
+def _user_error_within(error: BaseException) -> str | None:
+    """dpbench's own one line when Hydra wrapped it (a plugin's UserError raised while Hydra
+    instantiated it: "Error in call to target ...")."""
+    seen = error
+    for _ in range(8):  # the chain is short; a bound, in case of a cycle
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            return None
+        if isinstance(seen, UserError):
+            return str(seen)
+    return None
+
+
 def one_line(error: BaseException) -> str:
     """Any error of Hydra's composition as one line: the schema's wording, the "did you mean" of a
     missing option, or Hydra's own message with its lines joined."""
     from omegaconf.errors import OmegaConfBaseException
 
-    message = composition_error_message(error) or missing_option_message(error)
+    message = composition_error_message(error) or missing_option_message(error) or _user_error_within(error)
     if message is None:
         cause = error.__cause__
         text = str(error) + (f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else "")
         # Hydra's grammar errors point at the column with a caret line: it means nothing once joined
         lines = [line.strip() for line in text.splitlines() if line.strip() and set(line.strip()) != {"^"}]
         message = "; ".join(lines)
+        if message.startswith("LexerNoViableAltException: "):  # a character the override grammar reserves
+            override = message.split(": ", 1)[1].split("; See ")[0]
+            key, _, value = override.partition("=")
+            message = (f"cannot parse the override {override}: quote a value with special characters "
+                       f"(~ ' \" [ ] {{ }} ( ) , = or spaces), e.g. '{key}=\"{value}\"' (Hydra's override grammar)")
     return message
 
 

@@ -35,17 +35,22 @@ def parse_shape(value) -> float:
     """`shape` as a float; "inf"/".inf" (YAML's spelling, which Hydra's command line keeps as a string) -> inf."""
     if isinstance(value, str) and value.strip().lower().lstrip(".+") in ("inf", "infinity"):
         return math.inf
-    shape = float(value)
+    try:
+        shape = float(value)
+    except (TypeError, ValueError):
+        shape = math.nan
     if math.isnan(shape) or shape < 0:
-        raise UserError(f"the shape of the trial-count distribution must be >= 0 or inf, got {value}")
+        raise UserError(f"hydra.sweeper.shape={value}: the shape of the trial-count distribution must be >= 0 or inf "
+                        "(0 logarithmic, 1 geometric, .inf Poisson)")
     return shape
 
 
 def _check_distribution(mean: float, shape: float) -> None:
     if math.isnan(shape) or shape < 0:
-        raise UserError(f"the shape of the trial-count distribution must be >= 0 or inf, got {shape}")
+        raise UserError(f"hydra.sweeper.shape={shape}: the shape of the trial-count distribution must be >= 0 or inf "
+                        "(0 logarithmic, 1 geometric, .inf Poisson)")
     if not mean >= 1:  # dp-accounting's analysis needs it (and a geometric K has mean >= 1)
-        raise UserError(f"the mean number of trials must be at least 1, got {mean}")
+        raise UserError(f"hydra.sweeper.mean_trials={mean:g}: the mean number of trials must be at least 1")
 
 
 def _tnb_mean(gamma: float, shape: float) -> float:

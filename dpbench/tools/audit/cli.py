@@ -47,6 +47,7 @@ def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
             results = [result]
     except (UserError, DivergedError) as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+        _remove_refused_run_dir(run_dir)
         return 2
     console.print(seeded_bugs.catalogue_table(results))
     passed = all(r.ok for r in results)
@@ -56,6 +57,14 @@ def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
     if report is not None:  # one bug: the audit's own verdict (1: it failed, as it must under an unsound bug)
         return 0 if report.passed else 1
     return 0 if passed else 1
+
+
+def _remove_refused_run_dir(run_dir: Path) -> None:
+    """A refused audit leaves no run folder behind, as a refused `dpbench` run (rank 0 removes it)."""
+    from dpbench.cli import remove_refused_run_dir
+
+    if distributed.is_main_process():
+        remove_refused_run_dir(run_dir)
 
 
 AUDIT_PATIENCE_S = 120.0  # how long a rank that failed alone waits for the others (raise_together)
@@ -107,6 +116,7 @@ def _main_factory():
             distributed.raise_together(failure, "auditing", patience_s=AUDIT_PATIENCE_S)
         except (UserError, DivergedError) as error:
             console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            _remove_refused_run_dir(run_dir)
             sys.exit(2)
         console.print(audit_table(report))  # rank 0's (the console is quiet on the others)
         verdict = "every check holds" if report.passed else "some checks FAILED"

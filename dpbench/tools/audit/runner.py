@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import SeveralMechanismsPerBatchError
 from dpbench.tools.audit.accounting import accounting_check, several_mechanisms_check
 from dpbench.tools.audit.harness import audited_job
@@ -33,11 +34,25 @@ from dpbench.tools.audit.validation import validation_checks
 from dpbench.tools.audit.one_run import one_run_audit
 
 
+def check_audit_options(audit) -> None:
+    """The self-audit's own settings, before any work: an audit of zero trials or steps would pass
+    having checked nothing, and a significance outside (0, 1) fails or passes everything."""
+    for key, least in (("batch", 1), ("trials", 1), ("sensitivity_steps", 1), ("noise_steps", 2)):
+        if int(audit[key]) < least:
+            raise UserError(f"audit.{key}={audit[key]} must be at least {least}"
+                            + (" (independence compares steps); raise it" if key == "noise_steps" else ""))
+    if not 0 < float(audit.alpha) < 1:
+        raise UserError(f"audit.alpha={audit.alpha} must lie strictly between 0 and 1 (the false-alarm rate), e.g. 1e-3")
+    if not float(audit.loss_scale) > 0:
+        raise UserError(f"audit.loss_scale={audit.loss_scale} must be positive")
+
+
 def run_audit(cfg, run_dir: Path) -> AuditReport:
     """Run every check (with audit.one_run, the one-run canary audit instead); write audit.json; return
     the report (`passed` says whether all checks held)."""
     if cfg.audit.get("one_run", False):  # a lower bound on epsilon from one run with canaries (dpbench/tools/audit/one_run.py)
         return _written(one_run_audit(cfg), run_dir)
+    check_audit_options(cfg.audit)
     import logging
     import warnings
 
