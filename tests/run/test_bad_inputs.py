@@ -107,6 +107,8 @@ CASES = {
     "audit significance 2": Case("dpbench-audit", (*CHEAP, "audit.alpha=2"), "audit.alpha=2.0 must lie strictly between 0 and 1"),
     "report of a missing folder": Case("dpbench-report", ("{missing}",), "{missing}"),
     "report of an empty folder": Case("dpbench-report", ("{empty}",), "results.json"),
+    "report with an unknown format": Case("dpbench-report", ("{empty}", "--format", "xlsx"), "invalid choice: 'xlsx'"),
+    "report without a folder": Case("dpbench-report", (), "required: folder"),
     "evaluate a missing run": Case("dpbench-evaluate", ("{missing}",), "{missing}"),
     "evaluate a folder without a run": Case("dpbench-evaluate", ("{empty}",), "{empty}"),
     "evaluate with a model override": Case("dpbench-evaluate", ("{run}", "model.width=8"), "cannot override 'model.width'"),

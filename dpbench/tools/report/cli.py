@@ -65,7 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                              "ranks are shown beside the tuned ones (default: the preset's report.compare_with)")
     parser.add_argument("--out", type=Path, default=None, help="where the figures (and leaderboard.html) go (default: the folder)")
     parser.add_argument("--no-plots", action="store_true")
-    args = parser.parse_args(argv)
+    parser.exit_on_error = False  # a bad flag or value: one line, not the usage block
+
+    def one_line(message: str):  # argparse's own error() prints the usage block (a missing folder)
+        raise argparse.ArgumentError(None, message)
+
+    parser.error = one_line
+    try:
+        args = parser.parse_args(argv)
+    except argparse.ArgumentError as error:
+        console.print(f"[bold red]error:[/] {error} (dpbench-report --help lists the options)", soft_wrap=True)
+        return 2
     try:
         return _report(args)
     except UserError as error:
