@@ -22,6 +22,7 @@ import torch
 from helpers.algorithms import build_algorithm, tiny_model
 from helpers.config import TINY, compose, compose_point
 from helpers.text_data import write_dataset
+from helpers.tiny_bert import write_corpus, write_tiny_bert
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf, open_dict
@@ -125,6 +126,8 @@ def text_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("text")
     for name in ("sst2", "sst5", "snli", "mnli", "rte", "trec", "boolq", "squad", "drop"):
         write_dataset(root, name, n_train=32, n_test=8)
+    write_tiny_bert(root / "tiny_bert")
+    write_corpus(root / "rt_snippets.csv.bz2")
     return root
 
 
@@ -137,7 +140,10 @@ def stand_in(name: str, algo: str, text_data: Path):
     preset = OmegaConf.to_container(compose([f"experiment={name}", f"algo={algo}"]), resolve=True, enum_to_str=True)
     model = preset["model"]
     validation = float(preset["dataset"].get("validation_fraction") or 0) > 0
-    if model.get("task_kind") == "language":
+    if model["name"] in ("minilm", "bert"):  # the real tier: a tiny random BERT and corpus in the real formats
+        swap = [f"model.path={text_data / 'tiny_bert'}", f"dataset.path={text_data / 'rt_snippets.csv.bz2'}",
+                "dataset.test_fraction=0.3", "dataset.max_length=8", "model.trained_blocks=1"]
+    elif model.get("task_kind") == "language":
         swap = [f"model.dtype={model['dtype']}", "model.size=tiny", "model.path=null",
                 # shuffled batches under add/remove leave one example out per epoch: more than a batch
                 f"dataset.path={text_data / preset['dataset']['name']}",
