@@ -102,7 +102,6 @@ def print_grid_table(sweep_dir: Path) -> None:
     frame = load_runs(sweep_dir)
     if frame.empty:
         return
-    frame.columns = [c.replace("/", "_") for c in frame.columns]  # attribute names for itertuples
     console.print(grid_table(frame, sweep_dir))
     console.print(f"report: dpbench-report {sweep_dir}   (add --leaderboard for the ranked benchmark table)", soft_wrap=True)
 

@@ -124,15 +124,14 @@ def grid_table(frame, sweep_dir) -> Table:
     table = Table(title=f"grid · {sweep_dir}", title_style="bold")
     for name in ("run", "status", "test acc", "validation", "ε spent", "own peak", "process peak", "wall time"):
         table.add_column(name, justify="left" if name in ("run", "status") else "right")
-    for row in frame.sort_values("run_dir").itertuples(index=False):
-        figures = row._asdict()
+    for figures in frame.sort_values("run_dir").to_dict("records"):
         value = lambda key: None if figures.get(key) != figures.get(key) else figures.get(key)  # NaN: missing
-        peak, wall = value("memory_peak_bytes"), value("throughput_wall_s")
-        own = own_peak_bytes({"peak_bytes": peak, "start_bytes": value("memory_start_bytes"), "kind": value("memory_kind")})
+        peak, wall = value("memory/peak_bytes"), value("throughput/wall_s")
+        own = own_peak_bytes({"peak_bytes": peak, "start_bytes": value("memory/start_bytes"), "kind": value("memory/kind")})
         table.add_row(
             str(figures["run_dir"]).removeprefix(str(sweep_dir)).lstrip("/") or ".", str(value("status") or "—"),
-            _fmt(value("test_accuracy"), ".4f"), _fmt(value("validation_score"), ".4f"),
-            "∞" if not value("privacy_private") else _fmt(value("privacy_epsilon"), ".3f"),
+            _fmt(value("test/accuracy"), ".4f"), _fmt(value("validation/score"), ".4f"),
+            "∞" if not value("privacy/private") else _fmt(value("privacy/epsilon"), ".3f"),
             _mib(own), _mib(peak), "—" if wall is None else f"{wall:.1f} s",
         )
     return table

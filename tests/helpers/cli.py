@@ -88,3 +88,14 @@ def console_script_in_process(main, prog: str, *args: str, cwd: Path, **env: str
             else:
                 os.environ[key] = value
     return subprocess.CompletedProcess([prog, *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder this user cannot write: permission bits, or (root ignores them) one in /proc, where
+    no folder can be made."""
+    if os.geteuid() == 0:
+        return Path("/proc/dpbench-test/run")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder / "run"

@@ -14,11 +14,10 @@ import pytest
 import torch
 from helpers.config import OFFLINE, compose
 from helpers.tiny_bert import corpus_rows, write_corpus, write_tiny_bert
-from test_sensitivity_matrix import ZeroNoise
+from test_sensitivity_matrix import ZeroNoise, step_releases
 
 from dpbench.algorithms import algorithm_class
 from dpbench.errors import UserError
-from dpbench.precision import Precision
 from dpbench.privacy.plan import PrivacySetup
 from dpbench.tasks import build_task
 
@@ -50,16 +49,7 @@ def _released(files, name, engine, precision, examples):
     model = task.build_model(cfg.model).train()  # as dpbench.run.setup: from_pretrained returns eval mode
     setup = PrivacySetup(noise_multiplier=1.0, clip_norm=CLIP, expected_batch_size=float(BATCH), sample_rate=0.5,
                          noise=ZeroNoise())
-    algorithm = algorithm_class(name)(model, task, cfg.algo, 1e-3, setup)
-    algorithm.use_precision(Precision(precision, "cpu"))
-    seen = {}
-
-    def observe(release, parts, noisy, mechanism):
-        seen[release] = [(torch.cat([v.detach().double().flatten() for v in part.values]), part.sensitivity) for part in parts]
-
-    algorithm.release_observer = observe
-    algorithm.train_step([task.batch(list(range(examples)))], 0)
-    return seen
+    return step_releases(algorithm_class(name)(model, task, cfg.algo, 1e-3, setup), precision, task, examples)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -70,7 +70,11 @@ def released(name, engine, precision, examples, task):
     cls = algorithm_class(name)
     setup = PrivacySetup(noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=float(BATCH),
                          sample_rate=0.5, noise=ZeroNoise())
-    algorithm = cls(tiny_vit(), task, cfg.algo, 1e-3, setup)
+    return step_releases(cls(tiny_vit(), task, cfg.algo, 1e-3, setup), precision, task, examples)
+
+
+def step_releases(algorithm, precision, task, examples):
+    """One step of `algorithm` on the task's first `examples`: {release: [(values, sensitivity)]}."""
     algorithm.use_precision(Precision(precision, "cpu"))
     seen = {}
 

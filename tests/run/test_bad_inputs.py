@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
-from helpers.cli import console_script_in_process, dpbench_in_process
+from helpers.cli import console_script_in_process, dpbench_in_process, unwritable_folder
 
 from dpbench.errors import UserError
 
@@ -158,19 +158,6 @@ def _main(tool: str):
     else:
         from dpbench.tools.fetch import main
     return lambda: sys.exit(main())
-
-
-def unwritable_folder(tmp_path):
-    """A folder this user cannot write: permission bits, or (root ignores them) one in /proc."""
-    import os
-    from pathlib import Path
-
-    if os.geteuid() == 0:
-        return Path("/proc/dpbench-test/run")
-    folder = tmp_path / "read-only"
-    folder.mkdir()
-    folder.chmod(0o500)
-    return folder / "run"
 
 
 def _fill(text: str, places: dict) -> str:

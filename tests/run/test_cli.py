@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers.cli import dpbench_in_process
+from helpers.cli import dpbench_in_process, unwritable_folder
 from helpers.config import FIXED_SIGMA, TINY, compose
 from helpers.wandb_records import exit_code, summary
 
@@ -96,20 +96,6 @@ def test_cli_bad_input_prints_one_line_and_exits_nonzero(tmp_path):
     unknown = dpbench_in_process("algo=nope", cwd=tmp_path)
     assert unknown.returncode == 2
     assert "algo=nope is not an option of algo" in unknown.stderr and "dpadam" in unknown.stderr
-
-
-def unwritable_folder(tmp_path):
-    """A folder this user cannot write: permission bits, or (root ignores them) one in /proc, where
-    no folder can be made."""
-    import os
-    from pathlib import Path
-
-    if os.geteuid() == 0:
-        return Path("/proc/dpbench-test/run")
-    folder = tmp_path / "read-only"
-    folder.mkdir()
-    folder.chmod(0o500)
-    return folder / "run"
 
 
 # The eight bad inputs of issue 43 (a contradiction, a missing part of the machine, a typo) and a
