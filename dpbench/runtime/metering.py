@@ -160,8 +160,11 @@ def own_peak_bytes(memory) -> int | None:
     doctor): on a GPU the allocator's maximum (`cuda_max_allocated`: what the run's tensors needed;
     the reserved peak adds the caching allocator's slack and stays the absolute figure), else the
     reserved peak; on the CPU the peak resident size minus the resident size at the start of the
-    run (the interpreter, torch and the data are not the run's). `memory`: `PeakMemory.read()`'s
-    dict or results.json's memory section (`MemoryResults`)."""
+    run (the interpreter, torch and the data are not the run's), floored at zero: the resident size
+    also moves with pages the kernel reclaims from the interpreter (shared libraries, freed heap),
+    so a run that added less than that reads as a negative difference, and it used no memory of
+    its own beyond what was measured. `memory`: `PeakMemory.read()`'s dict or results.json's
+    memory section (`MemoryResults`)."""
     def field(name: str):
         return memory.get(name) if isinstance(memory, dict) else getattr(memory, name, None)
 
@@ -171,4 +174,4 @@ def own_peak_bytes(memory) -> int | None:
     if (field("kind") or "").startswith("cuda"):
         allocated = field("cuda_max_allocated")
         return allocated if allocated is not None else peak
-    return peak - start if start is not None else None
+    return max(0, peak - start) if start is not None else None

@@ -45,3 +45,5 @@ def test_own_peak_is_one_rule_for_a_read_and_a_results_section():
     assert own_peak_bytes(MemoryResults(**cpu)) == 600 and own_peak_bytes(MemoryResults(**gpu)) == 700
     assert own_peak_bytes({**gpu, "cuda_max_allocated": None}) == 1000  # older GPU files: the reserved peak
     assert own_peak_bytes({"kind": "cpu_peak_rss", "peak_bytes": None}) is None
+    # The kernel reclaimed more of the interpreter's pages than a tiny run added: nothing of its own.
+    assert own_peak_bytes({"kind": "cpu_peak_rss", "peak_bytes": 300, "start_bytes": 301}) == 0
