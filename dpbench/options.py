@@ -53,6 +53,12 @@ SelectedOn = choice_of("SelectedOn", ("test", "validation", "none"), __name__)
 
 
 # No registry to generate these from: members named as users type them.
+class LrFamily(Choice):  # an update's scale: which entry of a data set's train_defaults.lr applies
+    adam = "adam"                  # Adam-like: steps of about lr whatever the gradient's size
+    sgd = "sgd"                    # SGD-like: steps of lr x the (clipped, noisy) gradient
+    zeroth_order = "zeroth_order"  # two-point estimates along random directions (DPZero, MeZO)
+
+
 class ValidationComposition(Choice):  # dpbench/privacy/plan.py PrivacyPlan.epsilon
     sequential = "sequential"
     parallel = "parallel"
@@ -182,6 +188,13 @@ class AlgoOptions:
     """What every algorithm's options share; each algorithm derives its own."""
 
     name: str = MISSING
+    # What `dpbench algo=X` trains with unless told otherwise (conf/config.yaml): train.lr is, in
+    # order, the command line's, the data set's train_defaults.lr (one rate, or one per lr_family),
+    # then default_lr; privacy.clip_norm is the command line's, then default_clip_norm. Each
+    # algorithm's YAML says where its values come from (its paper, or digits' validation part).
+    default_lr: float = 2.0e-2
+    lr_family: LrFamily = LrFamily.adam
+    default_clip_norm: float = 1.0
 
 
 @dataclass

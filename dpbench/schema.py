@@ -111,12 +111,25 @@ def excluded_from_dirname() -> list[str]:
     return keys
 
 
+def default_learning_rate(dataset_lr, lr_family: str, algo_lr: float) -> float:
+    """train.lr when the command line gives none: a data set's train_defaults.lr (one rate for every
+    algorithm, or a map from lr family to rate) where it has one for this algorithm's family, else
+    the algorithm's own default_lr (conf/config.yaml)."""
+    if dataset_lr is None:
+        return float(algo_lr)
+    if isinstance(dataset_lr, (int, float)):
+        return float(dataset_lr)
+    rate = dataset_lr.get(str(lr_family))
+    return float(algo_lr if rate is None else rate)
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
     from hydra.core.config_store import ConfigStore
 
     # conf/config.yaml names a grid's job folders without the keys that do not change a run
     OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
+    OmegaConf.register_new_resolver("dpbench_default_lr", default_learning_rate, replace=True)
     store = ConfigStore.instance()
     for name, schema in schemas().items():
         node = OmegaConf.structured(schema)

@@ -211,11 +211,16 @@ def test_a_dataset_config_sets_the_train_defaults_it_needs():
 
     real = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets"])
     wanted = OmegaConf.to_container(real.dataset.train_defaults)
+    rates = wanted.pop("lr")  # one per lr family
     assert {key: real.train[key] for key in wanted} == wanted
+    for algo in ("dpadam", "dpsgd", "dpzero"):
+        chosen = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets", f"algo={algo}"])
+        assert chosen.train.lr == rates[chosen.algo.lr_family] and rates[chosen.algo.lr_family] > 0
     assert compose([*OFFLINE, "model=minilm", "dataset=rt_snippets", "train.lr=5e-4"]).train.lr == 5e-4
     digits = compose(OFFLINE)
     assert "train_defaults" not in digits.dataset
-    assert digits.train.epochs == 30 and digits.train.lr == 2e-2 and digits.train.physical_batch_size is None
+    assert digits.train.epochs == 30 and digits.train.lr == digits.algo.default_lr
+    assert digits.train.physical_batch_size is None
 
 
 def test_the_audits_dropout_off_silences_attention_dropout(files):

@@ -26,7 +26,7 @@ from dpbench.privacy.mechanisms import SeveralMechanismsPerBatchError
 from dpbench.tools.audit.accounting import accounting_check, several_mechanisms_check
 from dpbench.tools.audit.harness import audited_job
 from dpbench.tools.audit.noise import noise_check
-from dpbench.tools.audit.report import CHECK_ORDER, AuditReport, family_corrected
+from dpbench.tools.audit.report import CHECK_ORDER, AuditReport, Check, family_corrected
 from dpbench.tools.audit.sampler import sampler_check
 from dpbench.tools.audit.sensitivity import sensitivity_check
 from dpbench.tools.audit.two_step import two_step_checks
@@ -90,15 +90,37 @@ def _written(report: AuditReport, run_dir: Path) -> AuditReport:
     return report
 
 
+def check_verdict(check: Check) -> str:
+    """A check's verdict in one word. The one-run audit's lower bound can refute a claimed epsilon
+    (bound above it), never confirm it: below, it is only consistent with the claim."""
+    if check.name == "one_run":
+        return "consistent" if check.passed else "REFUTED"
+    if check.passed and check.detail.startswith("not applicable"):
+        return "n/a"
+    return "pass" if check.passed else "FAIL"
+
+
 def audit_table(report: AuditReport):
+    """The console's table: short cells and a verdict per check; why only for what failed (every
+    check's detail is in audit.json)."""
     from rich.table import Table
 
-    table = Table(title=f"dpbench-audit · {report.algo} · {report.model} · {report.dataset}")
-    for column in ("check", "release", "measured / bound", "result", "detail"):
-        table.add_column(column, overflow="fold")
+    one_run = any(c.name == "one_run" for c in report.checks)
+    caption = "details of every check: audit.json"
+    if one_run:
+        caption = "a lower bound can refute a claimed ε, not confirm it; " + caption
+    table = Table(title=f"dpbench-audit · {report.algo} · {report.model} · {report.dataset}", caption=caption)
+    table.add_column("check")
+    table.add_column("release", overflow="fold")
+    table.add_column("ε lower bound ≤ claimed" if one_run else "measured / bound", justify="right")
+    table.add_column("verdict")
+    failed = [c for c in report.checks if not c.passed]
+    if failed:
+        table.add_column("why", overflow="fold", ratio=1)
     for c in report.checks:
-        table.add_row(
-            c.name, c.release, f"{c.measured:.4g} / {c.bound:.4g}",
-            "[green]pass[/]" if c.passed else "[bold red]FAIL[/]", c.detail,
-        )
+        verdict = check_verdict(c)
+        style = {"pass": "green", "consistent": "green", "n/a": "dim"}.get(verdict, "bold red")
+        figure = f"{c.measured:.3g} {'≤' if c.passed else '>'} {c.bound:.3g}" if c.name == "one_run" else f"{c.measured:.4g} / {c.bound:.4g}"
+        cells = [c.name, c.release, "—" if verdict == "n/a" else figure, f"[{style}]{verdict}[/]"]
+        table.add_row(*cells, *([c.detail if not c.passed else ""] if failed else []))
     return table
