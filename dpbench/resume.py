@@ -18,6 +18,11 @@ from dpbench.run_config import resolved_config
 from dpbench.schema import RUN_INVARIANT_KEYS, default_of
 
 
+# Keys that only supply other keys' defaults (conf/config.yaml): what they decide is compared as
+# train.* and privacy.clip_norm, so a run stored before they existed (or changed) still matches.
+DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "dataset.train_defaults")
+
+
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
     keys = sorted(set(stored) | set(current))
@@ -27,6 +32,8 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         if dotted in RUN_INVARIANT_KEYS:
             continue
         a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        if dotted in DEFAULT_SUPPLIERS:
+            continue
         if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
             continue  # a key added since the run was stored, left at its default
         if isinstance(a, dict) and isinstance(b, dict):

@@ -151,3 +151,9 @@ def test_resume_matches_a_stored_run_that_predates_a_key_left_at_its_default():
     changed = {"train": {"lr": 0.1, "precision": "bf16"}, "algo": {**current["algo"], "budget_split": "epsilon"}}
     assert config_differences(stored, changed) == [
         "algo.budget_split ('<absent>' -> 'epsilon')", "train.precision ('<absent>' -> 'bf16')"]
+    # an algorithm's default_lr supplies train.lr: the stored run matches while train.lr does
+    supplied = {**current, "algo": {**current["algo"], "default_lr": 0.5, "lr_family": "sgd", "default_clip_norm": 1.0}}
+    assert config_differences(stored, supplied) == []
+    rates = {"dataset": {"train_defaults": {"lr": 1e-3}}}, {"dataset": {"train_defaults": {"lr": {"adam": 1e-3}}}}
+    assert config_differences(*rates) == []
+    assert config_differences(stored, {**supplied, "train": {"lr": 0.5}}) == ["train.lr (0.1 -> 0.5)"]
