@@ -46,7 +46,7 @@ def point_overrides(point: Point, batch: int, model: Path | None, data: Path, de
     """The run's overrides: the published model (`model`: the stand-in folder; None: the tiny
     random-init RoBERTa of the CPU fallback), the synthetic SST-2 folder, a fixed noise multiplier
     (a memory probe, not a calibrated run)."""
-    size = [f"model.size=large", f"model.path={model}"] if model else ["model.size=tiny"]
+    size = ["model.size=large", f"model.path={model}"] if model else ["model.size=tiny"]
     k_shot = max(8, batch)  # the k-shot sampler draws k per class from the synthetic records
     return ["model=roberta", *size, "dataset=sst2", f"dataset.path={data}", f"dataset.k_shot={k_shot}",
             "dataset.num_test=8", "dataset.eval_batch_size=8", *point.algo, "privacy.noise_multiplier=1.0",
