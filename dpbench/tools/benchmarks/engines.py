@@ -104,6 +104,9 @@ SHAPES = {
     "vit": Shape("vit", width=192, depth=6, heads=3),
     "opt": Shape("opt", width=256, depth=4, heads=4, tokens=128, vocab=8192),
     "roberta": Shape("roberta", width=256, depth=4, heads=4, tokens=128, vocab=8192),
+    # the published models' widths (random weights): the GPU check (dpbench/tools/gpu_check)
+    "vit-base": Shape("vit", width=768, depth=12, heads=12),
+    "roberta-base": Shape("roberta", width=768, depth=12, heads=12, tokens=128, vocab=50265),
 }
 
 
@@ -295,7 +298,7 @@ def run_all(args) -> dict[str, list[dict]]:
     for repeat in range(args.repeats):
         for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
             result = _worker(args, method, args.steps, args.warmup)
-            if repeat == 0 and args.device == "cpu" and "error" not in result:
+            if repeat == 0 and args.device == "cpu" and "error" not in result and not getattr(args, "no_freed", False):
                 freed = _worker(args, method, 1, 1, env=freed_env)
                 result["own_peak_freed_bytes"] = freed.get("own_peak_bytes")
             results[method].append(result)
@@ -383,6 +386,7 @@ def parse(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--format", choices=["rich", "markdown"], default="rich")
+    parser.add_argument("--no-freed", action="store_true", help="CPU: leave out the freed-at-once process per method")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [m for m in args.methods if m not in METHODS]
