@@ -44,6 +44,18 @@ class TracingMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs)
 
 
+_MODE: TracingMode | None = None
+
+
+def tracing_mode() -> TracingMode:
+    """One mode per process: a fake tensor left in a cache by one trace (Opacus copies modules)
+    must not meet another mode's in the next."""
+    global _MODE
+    if _MODE is None:
+        _MODE = TracingMode()
+    return _MODE
+
+
 @contextlib.contextmanager
 def fake_safe_engines():
     """The book-keeping engine keys tensors by storage address (`_storage`); a fake tensor's is 0,
@@ -208,7 +220,7 @@ def measure(step: Traced, steps: int = TRACED_STEPS) -> dict:
 def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True) -> dict:
     """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check)."""
     started = time.perf_counter()
-    mode = TracingMode() if fake else contextlib.nullcontext()
+    mode = tracing_mode() if fake else contextlib.nullcontext()
     with mode, fake_safe_engines():
         step = build_step(overrides, batch, seq_len)
         result = measure(step)
