@@ -22,6 +22,7 @@ Two steps are traced (the optimizer's state appears in the first), the peak is o
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class TracingMode(FakeTensorMode):
             return True if tensor.dtype is torch.bool else (0.0 if tensor.is_floating_point() else 0)
         return super().dispatch(func, types, args, kwargs)
 
+    def __deepcopy__(self, memo):  # a module copied during the trace (Opacus's functorch layers) keeps this mode
+        return self
+
 
 _MODE: TracingMode | None = None
 
@@ -59,15 +63,31 @@ def tracing_mode() -> TracingMode:
 @contextlib.contextmanager
 def fake_safe_engines():
     """The book-keeping engine keys tensors by storage address (`_storage`); a fake tensor's is 0,
-    so during the trace it reads the storage's identity (also unique while the storage lives)."""
+    so during the trace it reads the storage's identity (also unique while the storage lives).
+    Opacus's functorch layers (a ViT's class token) deep-copy the module and move the copy to
+    `meta`, which a fake parameter refuses (swapping a tensor the fake mode holds a weak reference
+    to): the copy is made with meta parameters at once, which is what it ends as."""
+    import types
+
+    from opacus.grad_sample import functorch
+
     from dpbench.privacy import bookkeeping
 
-    original = bookkeeping._storage
+    def meta_deepcopy(module, memo=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                    for p in module.parameters()}
+        return copy.deepcopy(module, memo)
+
+    original, original_copy = bookkeeping._storage, functorch.copy
     bookkeeping._storage = lambda tensor: tensor.untyped_storage()._cdata
+    functorch.copy = types.SimpleNamespace(deepcopy=meta_deepcopy)
     try:
         yield
     finally:
-        bookkeeping._storage = original
+        bookkeeping._storage, functorch.copy = original, original_copy
 
 
 @dataclass
@@ -193,13 +213,25 @@ def step_tracker():
     two evaluations): it then starts its per-module breakdown afresh; the device peak is kept."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from torch.utils._pytree import tree_leaves
+
+    def vmapped(values) -> bool:  # a per-example vmap's wrapped tensors have no storage to attribute
+        return any(torch.is_tensor(v) and torch._C._functorch.is_functorch_wrapped_tensor(v)
+                   for v in tree_leaves(values))
+
     class StepTracker(MemTracker):
         def _pre_fw_hook(self, module, inputs):
+            if vmapped(inputs):  # the module breakdown skips it; the device's peak still counts it
+                return
             try:
                 super()._pre_fw_hook(module, inputs)
             except NotImplementedError:  # "multiple iterative calls" of the root module
                 self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if not (vmapped(inputs) or vmapped(outputs)):
+                super()._post_fw_hook(module, inputs, outputs)
 
     return StepTracker()
 
