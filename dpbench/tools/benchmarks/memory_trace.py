@@ -128,12 +128,14 @@ def task_without_data(cfg, device: torch.device):
 
 
 def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
-    """One physical batch of `batch` examples in the task's own batch type (values: zeros)."""
+    """One physical batch of `batch` examples in the task's own batch type (token ids and images
+    drawn at random: a real run's checks need gradients that do not cancel; labels 0)."""
     zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+    ids = lambda *shape: torch.randint(5, info.get("vocab", 6), shape, device=device)  # noqa: E731
     if kind == "prompt_mlm":
         from dpbench.tasks.prompt_mlm import MLMBatch
 
-        return MLMBatch(zeros(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device),
+        return MLMBatch(ids(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device),
                         zeros(batch), zeros(batch))
     if kind == "causal_lm":
         from dpbench.tasks.causal_lm import CausalBatch, _PlaceholderRow
@@ -141,8 +143,8 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
         prompt = task.prompt
         rows = 1 if prompt.generation else len(prompt.candidates(_PlaceholderRow()))
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
-        return CausalBatch(zeros(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
-    return torch.zeros(batch, *info["shape"], device=device), zeros(batch)
+        return CausalBatch(ids(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
+    return torch.randn(batch, *info["shape"], device=device), zeros(batch)
 
 
 def build_model(cfg, info_only: bool = False):
