@@ -49,3 +49,15 @@ def test_the_prediction_grows_with_the_batch_and_states_its_assumptions():
     assert large["reserved_bytes"] == int(large["allocated_bytes"] * (1 + RESERVED_SLACK))
     assert any("algo.per_sample=materialize" in a for a in large["assumptions"])
     assert large["by_category"]["Parameter"] > 0
+
+
+def test_max_batch_predicted_bisects_on_the_prediction():
+    from dpbench.tools.benchmarks.max_batch import MIB, predicted_search
+
+    def predict(overrides, batch):  # affine in the batch, as a step's memory is: 100 MiB + 3 MiB per example
+        return {"reserved_bytes": (100 + 3 * batch) * MIB}
+
+    best, traces = predicted_search(["algo=dpadam"], 100 + 3 * 37 + 1, start=8, predict=predict)
+    assert best == 37 and traces < 12
+    assert predicted_search([], 99, start=8, predict=predict)[0] == 0  # not even one example fits
+    assert predicted_search([], 10**9, start=8, limit=20, predict=predict)[0] == 20
