@@ -112,6 +112,18 @@ def test_grape_moments_and_sums_are_projected():
     assert r["parameters / K"] == 16 * 4  # the weights are sharded
 
 
+def test_grape_materialize_forms_projected_per_example_gradients():
+    # DP-GRAPE's grad sampler (algorithms/grape.py ProjectedLinear) returns [B, r, in] for a
+    # projected weight: B x the released values, not B x every parameter
+    model = tiny()
+    projection = make_projection(0, "0", model[0].weight.shape, 1)  # [4, 3] -> (4, 1)
+    r = rows(estimate_model(model, inputs(), algo="grape", engine="materialize", batch=2, tokens=5,
+                            projected={model[0].weight: projection}))
+    assert r["per-example gradients"] == 2 * (4 + 4 + 8 + 8) * 4
+    r = rows(estimate_model(model, inputs(), algo="dpadam", engine="materialize", batch=2, tokens=5))
+    assert r["per-example gradients"] == 2 * 32 * 4
+
+
 def test_max_batch_is_linear_in_the_batch():
     est = estimate_model(tiny(), inputs(), algo="dpadam", engine="bk", batch=2, tokens=5)
     fixed = est.total - est.per_example_bytes
@@ -149,7 +161,7 @@ def test_opt_6_7b_dp_adam_at_k8_shards_its_accumulators(engine, total_gib):
 
 
 def test_the_command_prints_the_table_and_the_verdict(capsys):
-    main(["--world-size", "1", "2", "--budget-gib", "1", "--seq-len", "16", "--", "model=opt", "model.size=tiny",
+    main(["--world-size", "1", "2", "--budget-gib", "1", "--seq-len", "16", "--no-traced", "--", "model=opt", "model.size=tiny",
           "dataset=squad", "algo=dpadam", "algo.per_sample=bk", "train.physical_batch_size=2"])
     out = capsys.readouterr().out
     assert out.count("parameters / K") == 2 and "K=2" in out and "gathered (FSDP2 all-gather)" in out

@@ -1,8 +1,12 @@
 """Largest batch size that fits a memory budget (the DP-GRAPE paper's "batch 165 vs 50 in 24 GB").
 
     python -m dpbench.tools.benchmarks.max_batch --budget-mib 4096 -- experiment=memory_vs_batch_vit algo=grape algo.per_sample=bk
+    python -m dpbench.tools.benchmarks.max_batch --predicted --budget-mib 24576 -- model=vit model.size=base algo=grape
     python -m dpbench.tools.benchmarks.max_batch --budget-mib 24576 -- experiment=memory_vs_batch_vit \
         model.embed_dim=768 model.num_heads=12 algo=dpadam device=cuda
+
+`--predicted` runs no probe: it bisects on the traced prediction of the GPU's reserved memory
+(memory_trace.py: dpbench's own step on fake tensors; docs/memory-prediction.md).
 
 Each probe is a separate `python -m dpbench.cli` process running a few steps (`--steps`, the
 first ones are throughput warm-up) at one exact batch size (shuffle sampling: a memory probe, not
@@ -165,6 +169,32 @@ def search(overrides, budget_mib, baseline_mib, start, limit, workdir, timeout_s
     return good, probes
 
 
+def predicted_search(overrides: list[str], budget_mib: float, start: int = 8, limit: int = 4096,
+                     predict=None) -> tuple[int, int]:
+    """(largest batch whose traced reserved memory fits `budget_mib`, traces run): doubling, then
+    bisection, on `memory_trace.predict_step_peak` instead of probe runs."""
+    if predict is None:
+        from dpbench.tools.benchmarks.memory_trace import predict_step_peak as predict
+    traces = 0
+
+    def fits(batch: int) -> bool:
+        nonlocal traces
+        traces += 1
+        return predict(list(overrides), batch=batch)["reserved_bytes"] <= budget_mib * MIB
+
+    good, bad = 0, None
+    candidate = max(1, min(start, limit))
+    while bad is None and good < limit:
+        if fits(candidate):
+            good, candidate = candidate, min(2 * candidate, limit)
+        else:
+            bad = candidate
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good, traces
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-mib", type=float, required=True,
@@ -179,8 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sharding", action="store_true",
                         help="print the memory model's per-rank table (no probes; dpbench/tools/benchmarks/memory_model.py)")
     parser.add_argument("--world-size", type=int, nargs="+", default=[1], help="with --sharding: K ranks")
+    parser.add_argument("--predicted", action="store_true",
+                        help="no probes: bisect on the traced GPU prediction (reserved) of one step (memory_trace.py)")
     parser.add_argument("overrides", nargs="*", help="dpbench overrides (after --)")
     args = parser.parse_args(argv)
+    if args.predicted:
+        best, traces = predicted_search(args.overrides, args.budget_mib, args.start, args.limit)
+        print(json.dumps({"max_batch_size": best, "budget_mib": args.budget_mib, "overrides": args.overrides,
+                          "traces": traces, "predicted": True}))
+        return None
     if args.sharding:
         from dpbench.tools.benchmarks import memory_model
 

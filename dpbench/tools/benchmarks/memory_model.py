@@ -41,6 +41,10 @@ most), the table gives rank 0's bytes of:
     norm work at a time;
   - materialize keeps every layer's input and B per-example gradients of every parameter (fp32).
 
+`--traced` (on by default; `--no-traced` to skip) adds the traced prediction: dpbench's own step
+run on fake tensors under torch's MemTracker (memory_trace.py, docs/memory-prediction.md), which
+counts everything below too.
+
 Not counted: autograd's other saved tensors (attention probabilities, nonlinearity inputs), the
 loss and logits, the CUDA context and NCCL buffers, and the caching allocator's slack (reserved
 memory typically exceeds these figures by 10-20 %). The first chunk of a run also checks coverage
@@ -263,11 +267,13 @@ def layer_calls(model: nn.Module, inputs: dict, batch: int, act_bytes: int) -> l
     return calls
 
 
-def per_example_rows(calls: list[LayerCall], engine: str, batch: int, trained_numel: int) -> list[tuple[str, int, str]]:
-    """The per-example rows of `engine` for the layer calls of one physical batch."""
+def per_example_rows(calls: list[LayerCall], engine: str, batch: int, released_numel: int) -> list[tuple[str, int, str]]:
+    """The per-example rows of `engine` for the layer calls of one physical batch (`released_numel`:
+    the elements of the privatised sums, DP-GRAPE's projected layers as r x n)."""
     if engine == "materialize":
         return [("  layer inputs (all layers)", sum(c.in_bytes for c in calls), "kept for the grad samplers"),
-                ("  per-example gradients", batch * trained_numel * 4, f"B={batch} x every parameter, fp32")]
+                ("  per-example gradients", batch * released_numel * 4,
+                 f"B={batch} x every released value (DP-GRAPE: projected), fp32")]
     work = max((c.norm_work + c.instantiated for c in calls), default=0)
     if engine == "bk":
         pieces = sum(c.in_bytes + c.out_bytes for c in calls if c.kind in ("linear", "embedding"))
@@ -341,7 +347,7 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
         est.rows.append(("clipped-sum accumulators", sum(math.prod(s) for s in released) * 4,
                          "fp32, full size on every rank (summed before the all-reduce)" if algo == "grape" and K > 1
                          else "fp32, full size"))
-    rows = per_example_rows(layer_calls(model, inputs, batch, act), engine, batch, numel)
+    rows = per_example_rows(layer_calls(model, inputs, batch, act), engine, batch, sum(math.prod(s) for s in released))
     est.per_example_bytes = sum(b for _, b, _ in rows)
     est.rows.append((f"per-example work ({engine}, B={batch}, T={tokens})", est.per_example_bytes,
                      "not sharded: this rank's examples, full width"))
@@ -408,11 +414,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=None, help="physical batch B (default: train.physical_batch_size)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens T per example (default: dataset.max_length or 512)")
     parser.add_argument("--budget-gib", type=float, default=None, help="per-GPU memory: say whether the run fits")
+    parser.add_argument("--traced", action=argparse.BooleanOptionalAction, default=True,
+                        help="also trace dpbench's own step on fake tensors (memory_trace.py; one process, K=1)")
     parser.add_argument("overrides", nargs="*", help="dpbench overrides (after --)")
     args = parser.parse_args(argv)
     for k in args.world_size:
         print(table(estimate(args.overrides, k, args.batch, args.seq_len), args.budget_gib))
         print()
+    if args.traced:
+        print(traced_section(args.overrides, args.batch, args.seq_len, args.budget_gib))
+
+
+def traced_section(overrides: list[str], batch: int | None, seq_len: int | None, budget_gib: float | None) -> str:
+    """The traced prediction of one process's step (docs/memory-prediction.md), as text."""
+    from dpbench.tools.benchmarks.memory_trace import predict_step_peak
+
+    traced = predict_step_peak(overrides, batch=batch, seq_len=seq_len)
+    lines = [f"traced step (one process, {traced['seconds']:.0f} s): peak allocated "
+             f"{traced['allocated_bytes'] / GIB:.2f} GiB, predicted reserved {traced['reserved_bytes'] / GIB:.2f} GiB "
+             f"(allocated x {1 + traced['reserved_slack']:g})"]
+    lines += [f"  {what:12}{size / GIB:9.2f} GiB" for what, size in traced["by_category"].items() if size]
+    if budget_gib is not None:
+        fits = traced["reserved_bytes"] <= budget_gib * GIB
+        lines.append(f"traced: {'fits' if fits else 'does NOT fit'} in {budget_gib:g} GiB")
+    lines += [f"assumed: {a}" for a in traced["assumptions"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,280 @@
+"""Traced peak memory of one training step: dpbench's own step on fake tensors (docs/memory-prediction.md).
+
+The analytic model (memory_model.py) adds up what it knows; this runs the step itself. The config
+is composed as `dpbench` composes it, the model built at its real size under torch's
+FakeTensorMode (shapes and dtypes, no storage: a 6.7B model costs no memory), the algorithm built
+by its own class with its own engine, and `Algorithm.train_step` run on a fake physical batch
+under torch's MemTracker, which records every tensor the step allocates and frees (activations,
+per-example work, clipping, noise, optimizer step). The peak is the largest sum of live tensors:
+what `torch.cuda.max_memory_allocated` reports on a GPU for the same step; reserved memory is
+predicted as allocated x (1 + RESERVED_SLACK).
+
+Seams (the step's code is not re-implemented; a fake tensor cannot hold a value):
+* host reads (`.item()`, `bool(tensor)`, `.tolist()`) read True for a truth test and 0 for a
+  number: every example finite, the coverage check passes, a loss of 0 (`TracingMode`);
+* the book-keeping engine tells tensors apart by storage address, which fake tensors do not have:
+  during the trace it reads the storage's identity instead (`fake_safe_engines`);
+* the task is dpbench's own class (its `per_sample_loss`), built without reading its dataset
+  (`task_without_data`); the layout probe, a one-off check before training, does not run.
+Two steps are traced (the optimizer's state appears in the first), the peak is over both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+MEMTRACKER_TORCH = "2.13"  # MemTracker (torch.distributed._tools) is private: the version it was checked with
+RESERVED_SLACK = 0.10  # reserved = allocated x (1 + this): the caching allocator's rounding and fragmentation
+TRACED_STEPS = 2
+
+
+class TracingMode(FakeTensorMode):
+    """FakeTensorMode whose host reads return a fixed value instead of raising: a truth test reads
+    True (every example finite, every check passes), a number 0."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return True if tensor.dtype is torch.bool else (0.0 if tensor.is_floating_point() else 0)
+        return super().dispatch(func, types, args, kwargs)
+
+    def __deepcopy__(self, memo):  # a module copied during the trace (Opacus's functorch layers) keeps this mode
+        return self
+
+
+_MODE: TracingMode | None = None
+
+
+def tracing_mode() -> TracingMode:
+    """One mode per process: a fake tensor left in a cache by one trace (Opacus copies modules)
+    must not meet another mode's in the next."""
+    global _MODE
+    if _MODE is None:
+        _MODE = TracingMode()
+    return _MODE
+
+
+@contextlib.contextmanager
+def fake_safe_engines():
+    """The book-keeping engine keys tensors by storage address (`_storage`); a fake tensor's is 0,
+    so during the trace it reads the storage's identity (also unique while the storage lives).
+    Opacus's functorch layers (a ViT's class token) deep-copy the module and move the copy to
+    `meta`, which a fake parameter refuses (swapping a tensor the fake mode holds a weak reference
+    to): the copy is made with meta parameters at once, which is what it ends as."""
+    import types
+
+    from opacus.grad_sample import functorch
+
+    from dpbench.privacy import bookkeeping
+
+    def meta_deepcopy(module, memo=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                    for p in module.parameters()}
+        return copy.deepcopy(module, memo)
+
+    original, original_copy = bookkeeping._storage, functorch.copy
+    bookkeeping._storage = lambda tensor: tensor.untyped_storage()._cdata
+    functorch.copy = types.SimpleNamespace(deepcopy=meta_deepcopy)
+    try:
+        yield
+    finally:
+        bookkeeping._storage, functorch.copy = original, original_copy
+
+
+@dataclass
+class Traced:
+    """A built step: the algorithm, its physical batch and what it was built under."""
+
+    algorithm: object
+    batch: object
+    model: torch.nn.Module
+    batch_size: int
+    tokens: int
+    assumptions: list[str]
+
+
+def task_without_data(cfg, device: torch.device):
+    """dpbench's task class for `cfg` with the fields its `per_sample_loss` reads, no dataset read."""
+    from dpbench.tasks import TASKS
+
+    kind = cfg.dataset.get("task", "image_classification")
+    if kind == "language":
+        from dpbench.tasks.language import language_task_kind
+
+        kind = language_task_kind(cfg)
+    task = object.__new__(TASKS.get(kind))
+    task.cfg, task.device, task.train_size = cfg, device, 0  # train_size 0: no layout probe (a one-off check)
+    if kind == "prompt_mlm":
+        task.prompt = task.prompts[str(cfg.dataset.name)]
+        task.label_ids = list(range(5, 5 + len(task.prompt.label_words)))
+    elif kind == "causal_lm":
+        task.prompt = task.prompts[str(cfg.dataset.name)]
+    elif kind == "image_classification":
+        task.user_loss, task.margins, task.drw = None, None, None
+    else:
+        from dpbench.errors import UserError
+
+        raise UserError(f"the traced memory model covers image, prompt_mlm and causal_lm tasks, not {kind}")
+    return task, kind
+
+
+def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
+    """One physical batch of `batch` examples in the task's own batch type (token ids and images
+    drawn at random: a real run's checks need gradients that do not cancel; labels 0)."""
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+    ids = lambda *shape: torch.randint(5, info.get("vocab", 6), shape, device=device)  # noqa: E731
+    if kind == "prompt_mlm":
+        from dpbench.tasks.prompt_mlm import MLMBatch
+
+        return MLMBatch(ids(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device),
+                        zeros(batch), zeros(batch))
+    if kind == "causal_lm":
+        from dpbench.tasks.causal_lm import CausalBatch, _PlaceholderRow
+
+        prompt = task.prompt
+        rows = 1 if prompt.generation else len(prompt.candidates(_PlaceholderRow()))
+        ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
+        return CausalBatch(ids(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
+    return torch.randn(batch, *info["shape"], device=device), zeros(batch)
+
+
+def build_model(cfg, info_only: bool = False):
+    """`cfg.model` as dpbench builds it (language: from its transformers config, real size, the
+    attention implementation transformers picks by default, SDPA; model.dtype applied)."""
+    from dpbench.models import MODELS, DataSpec, apply_opacus_fixes
+    from dpbench.models.language import AUTO_CLASSES, DTYPES, LanguageFamily, family
+    from dpbench.tools.benchmarks.memory_model import _language_config
+
+    name = str(cfg.model.name)
+    if isinstance(MODELS.get(name).family, LanguageFamily):
+        import transformers
+
+        config = _language_config(cfg)
+        auto = getattr(transformers, AUTO_CLASSES[family(cfg.model).objective])
+        model = auto.from_config(config, dtype=DTYPES[str(cfg.model.get("dtype", "float32"))])
+        return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size,
+                                                 "attention": model.config._attn_implementation}
+    data = cfg.dataset
+    spec = DataSpec(num_classes=int(data.get("num_classes") or 10), channels=int(data.get("channels") or 3),
+                    image_size=int(data.get("image_size") or 32), patch_size=int(data.get("patch_size") or 4))
+    model = apply_opacus_fixes(MODELS.get(name).build(cfg.model, spec), name)
+    return model, {"kind": "image", "shape": (spec.channels, spec.image_size, spec.image_size)}
+
+
+def build_step(overrides: list[str], batch: int | None = None, seq_len: int | None = None) -> Traced:
+    """Model, algorithm and batch of `dpbench <overrides>` (under the caller's tensor mode)."""
+    from dpbench.algorithms import algorithm_class
+    from dpbench.algorithms.learning_rates import mark_head
+    from dpbench.api import compose
+    from dpbench.models import ModelFamily, family_of
+    from dpbench.precision import Precision
+    from dpbench.privacy.noise import GaussianNoise
+    from dpbench.privacy.plan import PrivacySetup
+
+    cfg = compose(list(overrides))
+    device = torch.device("cpu")
+    batch = int(batch or cfg.train.get("physical_batch_size") or cfg.train.batch_size)
+    torch.manual_seed(int(cfg.seed))
+    model, info = build_model(cfg)
+    model.train()
+    mark_head(model, (family_of(model) or ModelFamily()).trained_modules, float(cfg.train.get("head_lr_scale", 1.0)),
+              str(cfg.model.name))
+    task, kind = task_without_data(cfg, device)
+    tokens = 1 if info["kind"] == "image" else int(seq_len or cfg.dataset.get("max_length") or 128)
+    cls = algorithm_class(str(cfg.algo.name))
+    privacy = PrivacySetup(1.0, float(cfg.privacy.get("clip_norm") or 1.0), float(batch), 0.01,
+                           GaussianNoise(device)) if cls.private else None
+    algorithm = cls(model, task, cfg.algo, float(cfg.train.lr), privacy)
+    algorithm.use_precision(Precision(str(cfg.train.precision), "cpu"))  # CPU autocast: the trace runs CPU kernels
+    assumptions = [f"B={batch} examples" + (f" of T={tokens} tokens" if tokens > 1 else f" of {info['shape']}"),
+                   f"algo={cfg.algo.name}" + (f" algo.per_sample={algorithm.engine_spec.name}"
+                                              if hasattr(algorithm, "engine_spec") else ""),
+                   f"precision={cfg.train.precision}, model.dtype={cfg.model.get('dtype', 'float32')}"]
+    if info["kind"] == "language":
+        assumptions.append(f"attention: transformers' {info['attention']} (dpbench's default); the trace runs "
+                           "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities")
+    return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device), model, batch, tokens, assumptions)
+
+
+def batch_tensors(batch) -> list[torch.Tensor]:
+    values = batch if isinstance(batch, (tuple, list)) else vars(batch).values()
+    return [v for v in values if torch.is_tensor(v)]
+
+
+def step_tracker():
+    """MemTracker that allows the root module's forward more than once (the next step, DPZero's
+    two evaluations): it then starts its per-module breakdown afresh; the device peak is kept."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from torch.utils._pytree import tree_leaves
+
+    def vmapped(values) -> bool:  # a per-example vmap's wrapped tensors have no storage to attribute
+        return any(torch.is_tensor(v) and torch._C._functorch.is_functorch_wrapped_tensor(v)
+                   for v in tree_leaves(values))
+
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if vmapped(inputs):  # the module breakdown skips it; the device's peak still counts it
+                return
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # "multiple iterative calls" of the root module
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if not (vmapped(inputs) or vmapped(outputs)):
+                super()._post_fw_hook(module, inputs, outputs)
+
+    return StepTracker()
+
+
+def measure(step: Traced, steps: int = TRACED_STEPS) -> dict:
+    """MemTracker's peak over `steps` training steps of `step` (real or fake tensors)."""
+    tracker = step_tracker()
+    tracker.track_external(step.model, *batch_tensors(step.batch))
+    with tracker:
+        for index in range(steps):
+            step.algorithm.train_step([step.batch], index)
+    peaks = tracker.get_tracker_snapshot("peak")
+    (device_peak,) = [v for k, v in peaks.items() if k.type == "cpu"] or list(peaks.values())
+    by_category = {getattr(k, "value", str(k)): int(v) for k, v in device_peak.items() if k != "Total"}
+    return {"allocated_bytes": int(device_peak["Total"]), "by_category": by_category}
+
+
+def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True) -> dict:
+    """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check)."""
+    started = time.perf_counter()
+    mode = tracing_mode() if fake else contextlib.nullcontext()
+    with mode, fake_safe_engines():
+        step = build_step(overrides, batch, seq_len)
+        result = measure(step)
+    result["assumptions"] = step.assumptions
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None) -> dict:
+    """Trace one training step of the run `dpbench <overrides>` would make (model at its real size,
+    built under FakeTensorMode; the algorithm's real step: forward, per-example work of its engine,
+    clipping, noise, optimizer step) and return
+    {"allocated_bytes": int (peak), "reserved_bytes": int (allocated x (1 + RESERVED_SLACK)),
+     "reserved_slack": float, "by_category": {...MemTracker's categories...}, "assumptions": [str, ...]}"""
+    result = trace(overrides, batch=batch, seq_len=seq_len, fake=True)
+    allocated = result["allocated_bytes"]
+    assumptions = result["assumptions"] + [
+        f"peak over {TRACED_STEPS} steps of live tensors (MemTracker, checked with torch {MEMTRACKER_TORCH}); "
+        "host reads see every example finite; no CUDA context",
+        f"reserved = allocated x (1 + {RESERVED_SLACK})"]
+    return {"allocated_bytes": allocated, "reserved_bytes": int(allocated * (1 + RESERVED_SLACK)),
+            "reserved_slack": RESERVED_SLACK, "by_category": result["by_category"], "assumptions": assumptions,
+            "seconds": result["seconds"]}
