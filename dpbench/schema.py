@@ -165,7 +165,12 @@ def default_of(dotted: str, algo_name: str | None = None) -> Any:
 
 
 def _declared(schema: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(schema)]
+    """A schema's keys, an algorithm's own before the defaults every algorithm has (default_lr ...)."""
+    names = [f.name for f in dataclasses.fields(schema)]
+    if issubclass(schema, AlgoOptions):
+        shared = [f.name for f in dataclasses.fields(AlgoOptions) if f.name != "name"]
+        names = [n for n in names if n not in shared] + shared
+    return names
 
 
 def _undeclared(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, type]]:

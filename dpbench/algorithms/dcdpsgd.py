@@ -25,7 +25,7 @@ from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms
 from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
-from dpbench.options import AlgoOptions, Choice
+from dpbench.options import AlgoOptions, Choice, LrFamily
 
 
 class GradientSensitivity(Choice):
@@ -46,10 +46,12 @@ class BudgetSplit(Choice):  # how the budget is shared by the score and gradient
 @dataclass
 class DCDPSGDOptions(AlgoOptions):
     name: str = "dcdpsgd"
+    default_lr: float = 1.0  # conf/algo/dcdpsgd.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.sgd
     subspace_dim: Optional[int] = 200
     theta: float = 2.0
     tail_fraction: float = 0.1
-    tail_clip_ratio: float = 10.0
+    tail_clip_ratio: float = 2.0  # the paper's 10 stays at chance on the default job (conf/algo/dcdpsgd.yaml)
     tail_clip: Optional[float] = None
     score_budget_fraction: float = 0.5
     budget_split: BudgetSplit = BudgetSplit.renyi

@@ -25,12 +25,14 @@ from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clipped_sum, per_sample_norms
 from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
-from dpbench.options import AlgoOptions
+from dpbench.options import AlgoOptions, LrFamily
 
 
 @dataclass
 class DiffOptions(AlgoOptions):
     name: str = "diff"
+    default_lr: float = 0.3  # conf/algo/diff.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.sgd
     difference_clip: float = 0.1
     momentum: float = 0.0
 

@@ -35,12 +35,14 @@ from dpbench.errors import UserError
 from dpbench.privacy.mechanisms import GaussianMechanism
 from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms, scale_rows
 from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS
-from dpbench.options import AlgoOptions
+from dpbench.options import AlgoOptions, LrFamily
 
 
 @dataclass
 class DPDROptions(AlgoOptions):
     name: str = "dpdr"
+    default_lr: float = 3.0  # conf/algo/dpdr.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.sgd
     decomposition_steps: int = 50
     perp_clip: float = 1.0
     alpha_clip: float = 1.0

@@ -12,12 +12,14 @@ import torch
 from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS
 from dpbench.algorithms.first_order import DPFirstOrderAlgorithm, PerSample
-from dpbench.options import AlgoOptions
+from dpbench.options import AlgoOptions, LrFamily
 
 
 @dataclass
 class DPSGDOptions(AlgoOptions):
     name: str = "dpsgd"
+    default_lr: float = 3.0  # conf/algo/dpsgd.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.sgd
     momentum: float = 0.0
     weight_decay: float = 0.0
     per_sample: PerSample = PerSample.materialize

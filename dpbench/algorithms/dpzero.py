@@ -44,7 +44,7 @@ from dpbench.algorithms.learning_rates import lr_scale
 from dpbench.runtime import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, DIRECTION, Algorithm, OwnDifferenceExamples, ReleasePart, StepResult
 from dpbench.errors import UserError
-from dpbench.options import AlgoOptions, choice_of
+from dpbench.options import AlgoOptions, LrFamily, choice_of
 from dpbench.tasks import Batch
 
 DIRECTIONS = ("gaussian", "sphere")  # N(0, I_d) (experiments) | uniform on sqrt(d) S^{d-1} (theory)
@@ -57,6 +57,8 @@ class ZerothOrderOptions(AlgoOptions):
     estimates along random directions."""
 
     name: str = "dpzero"
+    default_lr: float = 1.0e-4  # conf/algo/dpzero.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.zeroth_order
     smoothing: float = 1.0e-3
     direction: Direction = Direction.gaussian
     weight_decay: float = 0.0

@@ -9,12 +9,14 @@ import torch
 from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.algorithms.base import ALGORITHMS, NonPrivateOptimizerAlgorithm
 from dpbench.errors import UserError
-from dpbench.options import AlgoOptions
+from dpbench.options import AlgoOptions, LrFamily
 
 
 @dataclass
 class SGDOptions(AlgoOptions):
     name: str = "sgd"
+    default_lr: float = 0.3  # conf/algo/sgd.yaml says where it comes from
+    lr_family: LrFamily = LrFamily.sgd
     momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0

@@ -59,7 +59,7 @@ def _batch(task, n):
 
 
 def test_gradient_contributions_are_bounded_by_c1_and_c2():
-    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", clip=0.01)
+    algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_clip_ratio=10", clip=0.01)
     c2, c1 = algorithm.body_clip, algorithm.tail_clip
     assert c1 == pytest.approx(10 * c2)
     losses = task.per_sample_loss(algorithm.model, _batch(task, 40))
@@ -95,7 +95,7 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_2c1_minus_c2():
 
 
 def test_gradient_noise_has_std_sigma_dp_c1_over_b():
-    algorithm, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", sigma=0.8, clip=0.1, batch=32.0)
+    algorithm, _, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", "algo.tail_clip_ratio=10", sigma=0.8, clip=0.1, batch=32.0)
     noisy = algorithm.privatize([torch.zeros(200_000)])[0]
     expected = split_noise_multipliers(0.8, 0.5)[1] * 1.0 / 32.0  # sigma_dp * c1 / B, c1 = 10 * 0.1
     assert noisy.mean().abs() < 4 * expected / math.sqrt(200_000)

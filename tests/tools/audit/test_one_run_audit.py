@@ -277,7 +277,7 @@ def test_an_update_without_its_released_noise_fails(algo, tmp_path):
                                     "privacy.epsilon=1", "audit.seeded_bug=unnoised_update",
                                     f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert "FAIL" in run.stderr and "one_run" in run.stderr and "caught" in run.stderr
+    assert "REFUTED" in run.stderr and "one_run" in run.stderr and "caught" in run.stderr
     stored = json.loads((tmp_path / "run" / "audit.json").read_text())
     figures = stored["one_run"]
     assert stored["passed"] is False and figures["claimed_epsilon"] == pytest.approx(1.0, abs=0.02)
