@@ -31,7 +31,8 @@ from dpbench.errors import UserError
 @dataclass
 class Diff2Options(DiffOptions):
     name: str = "diff2"
-    restart_interval: int = 20
+    default_lr: float = 1.0  # conf/algo/diff2.yaml says where it comes from
+    restart_interval: int = 5  # 20 let the accumulated noise blow up at the default job's end
 
 
 @ALGORITHMS.register("diff2", options=Diff2Options)

@@ -8,9 +8,12 @@ from helpers.config import OFFLINE, compose
 from omegaconf import OmegaConf
 
 from dpbench.algorithms import ALGORITHMS, algorithm_class
-from dpbench.schema import default_learning_rate
+from dpbench.schema import algo_schemas, default_learning_rate
 
 PRIVATE = sorted(name for name in ALGORITHMS.names() if algorithm_class(name).private)
+# Zeroth-order methods fine-tune: one random direction per step does not train the default job's
+# 69k-parameter ViT from scratch at any rate tried, MeZO without noise included (docs/running.md).
+FROM_SCRATCH = [name for name in PRIVATE if algo_schemas()[name].lr_family != "zeroth_order"]
 CHANCE = 0.1  # digits: ten classes, stratified split
 
 
@@ -32,11 +35,11 @@ def test_every_algorithm_composes_with_its_own_defaults_and_the_command_line_win
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", PRIVATE)
-def test_every_private_algorithm_beats_chance_twice_at_its_defaults(algo, tmp_path):
+@pytest.mark.parametrize("algo", FROM_SCRATCH)
+def test_every_private_first_order_algorithm_beats_chance_twice_at_its_defaults(algo, tmp_path):
     """`dpbench algo=X logger=none` on the default task (digits, eps = 8). The noise is drawn fresh
     each run, so the accuracy varies: at the committed defaults every algorithm's lowest of five
-    runs was at least 0.1 above the bound (docs/running.md), which a run misses far less than once
+    runs was well above the bound (docs/running.md: Defaults), which a run misses far less than once
     in a thousand."""
     from dpbench.run import run_job
 
