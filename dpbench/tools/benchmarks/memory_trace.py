@@ -210,6 +210,14 @@ def batch_tensors(batch) -> list[torch.Tensor]:
     return [v for v in values if torch.is_tensor(v)]
 
 
+class _NoHook:
+    def remove(self):
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def step_tracker():
     """MemTracker that allows the root module's forward more than once (the next step, DPZero's
     two evaluations): it then starts its per-module breakdown afresh; the device peak is kept."""
@@ -234,6 +242,14 @@ def step_tracker():
         def _post_fw_hook(self, module, inputs, outputs):
             if not (vmapped(inputs) or vmapped(outputs)):
                 super()._post_fw_hook(module, inputs, outputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # a frozen parameter (LoRA's base, a frozen embedding) gets no gradient, so no grad
+            # hook: MemTracker would try to register one and fail
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     return StepTracker()
 
