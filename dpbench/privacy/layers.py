@@ -37,7 +37,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
-from opacus.grad_sample.embedding import compute_embedding_grad_sample
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 
@@ -237,11 +236,38 @@ def _functorch_sampler(module: nn.Module):
     return ft_compute_per_sample_gradient
 
 
+def embedding_grad_sample(layer: nn.Embedding, activations, backprops, *, zero_padding_row: bool = False) -> dict:
+    """Opacus's embedding grad sampler (its scatter of each example's token gradients into [B, V, d]),
+    writing into the per-example gradient a tied output layer already left on the weight.
+
+    Opacus would form a second [B, V, d] and add it (`create_or_accumulate_grad_sample`): two
+    vocabulary-wide per-example tables at once (RoBERTa-large at B = 40: 2 x 8.2 GB). Here the
+    scatter goes into that buffer, and a first table becomes the buffer itself (the materialize
+    engine, per_sample.py, does the same for a Linear's weight). `zero_padding_row`: the padding
+    row gets no gradient from this layer, as autograd gives it none (the tied layer's part stays)."""
+    weight = layer.weight
+    if not weight.requires_grad:
+        return {}
+    ids = activations[0]
+    examples, width = ids.shape[0], layer.embedding_dim
+    current = getattr(weight, "_current_grad_sample", None)
+    target = current[:examples] if current is not None else \
+        torch.zeros(examples, *weight.shape, device=weight.device, dtype=backprops.dtype)
+    kept = target[:, layer.padding_idx].clone() if zero_padding_row and layer.padding_idx is not None else None
+    index = ids.unsqueeze(-1).expand(*ids.shape, width).reshape(examples, -1, width)
+    target.scatter_add_(1, index, backprops.reshape(examples, -1, width).to(target.dtype))
+    if kept is not None:
+        target[:, layer.padding_idx] = kept
+    if current is not None:
+        return {}
+    if examples == getattr(layer, "max_batch_len", None):  # Opacus would copy it into a zeroed twin
+        weight._current_grad_sample = target
+        return {}
+    return {weight: target}
+
+
 def _embedding_without_padding_row(layer: nn.Embedding, activations, backprops) -> dict:
-    grads = compute_embedding_grad_sample(layer, activations, backprops)
-    if layer.weight in grads:
-        grads[layer.weight][:, layer.padding_idx] = 0
-    return grads
+    return embedding_grad_sample(layer, activations, backprops, zero_padding_row=True)
 
 
 def opacus_corrections(model: nn.Module, *, embeddings: bool) -> dict:

@@ -19,7 +19,7 @@ from torch import nn
 
 from dpbench.precision import unscaled_per_example
 from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
-from dpbench.privacy.layers import check_rows, is_layer_norm, opacus_corrections
+from dpbench.privacy.layers import check_rows, embedding_grad_sample, is_layer_norm, opacus_corrections
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -35,7 +35,11 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
         # instead of functorch (the layer catalogue's `is_layer_norm`, layers.py).
         layer_norms = {type(m): GradSampleModule.GRAD_SAMPLERS[nn.LayerNorm] for m in module.modules()
                        if is_layer_norm(m) and m.bias is not None and m.weight is not None}
-        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, **layer_norms, **overrides}
+        # Linear and Embedding weights: their per-example gradient becomes Opacus's buffer itself,
+        # not copied into a zeroed twin (two of the largest table at once); a tied table's second
+        # part is scattered into it (layers.embedding_grad_sample).
+        self.GRAD_SAMPLERS = {**GradSampleModule.GRAD_SAMPLERS, nn.Linear: _linear_weight_as_buffer,
+                              nn.Embedding: embedding_grad_sample, **layer_norms, **overrides}
         super().__init__(module, batch_first=True, loss_reduction="sum", strict=True)
         self.examples = 0  # examples in the batch being backpropagated (set by the engine)
 
@@ -66,6 +70,18 @@ class _GradSampleModuleWithOverrides(GradSampleModule):
             activations = [merge(activations[0], tail), *activations[1:]]
         module.max_batch_len = examples  # the per-sample buffers Opacus allocates: [B, ...]
         return activations, merge(backprops, tail)
+
+
+def _linear_weight_as_buffer(module: nn.Linear, activations, backprops) -> dict:
+    """Opacus's Linear grad sampler; the weight's [B, out, in] (a fresh einsum) is handed to Opacus
+    as the layer's per-example buffer, which `create_or_accumulate_grad_sample` would otherwise
+    allocate zeroed and copy it into (two of a vocabulary-wide head's [B, V, d] at once)."""
+    grads = GradSampleModule.GRAD_SAMPLERS[nn.Linear](module, activations, backprops)
+    weight = module.weight
+    if weight in grads and not hasattr(weight, "_current_grad_sample") \
+            and grads[weight].shape[0] == getattr(module, "max_batch_len", None):
+        weight._current_grad_sample = grads.pop(weight)
+    return grads
 
 
 def track_entry_params(entry: set, module: nn.Module, inputs) -> None:

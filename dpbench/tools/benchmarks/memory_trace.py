@@ -66,7 +66,9 @@ def fake_safe_engines():
     so during the trace it reads the storage's identity (also unique while the storage lives).
     Opacus's functorch layers (a ViT's class token) deep-copy the module and move the copy to
     `meta`, which a fake parameter refuses (swapping a tensor the fake mode holds a weak reference
-    to): the copy is made with meta parameters at once, which is what it ends as."""
+    to): the copy is made with meta parameters at once, which is what it ends as. peft moves a new
+    LoRA adapter to its base layer's device the same way, a `.to` that changes nothing: such a
+    `.to` returns the module as it is (torch swaps each parameter with itself, which fails too)."""
     import types
 
     from opacus.grad_sample import functorch
@@ -81,13 +83,25 @@ def fake_safe_engines():
                     for p in module.parameters()}
         return copy.deepcopy(module, memo)
 
+    def unchanged_or_to(module, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if memory_format is None and all((device is None or t.device == device) and
+                                         (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                                         for t in tensors):
+            return module
+        return original_to(module, *args, **kwargs)
+
     original, original_copy = bookkeeping._storage, functorch.copy
+    original_to = torch.nn.Module.to
     bookkeeping._storage = lambda tensor: tensor.untyped_storage()._cdata
     functorch.copy = types.SimpleNamespace(deepcopy=meta_deepcopy)
+    torch.nn.Module.to = unchanged_or_to
     try:
         yield
     finally:
         bookkeeping._storage, functorch.copy = original, original_copy
+        torch.nn.Module.to = original_to
 
 
 @dataclass
@@ -210,6 +224,14 @@ def batch_tensors(batch) -> list[torch.Tensor]:
     return [v for v in values if torch.is_tensor(v)]
 
 
+class _NoHook:
+    def remove(self):
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def step_tracker():
     """MemTracker that allows the root module's forward more than once (the next step, DPZero's
     two evaluations): it then starts its per-module breakdown afresh; the device peak is kept."""
@@ -234,6 +256,14 @@ def step_tracker():
         def _post_fw_hook(self, module, inputs, outputs):
             if not (vmapped(inputs) or vmapped(outputs)):
                 super()._post_fw_hook(module, inputs, outputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # a frozen parameter (LoRA's base, a frozen embedding) gets no gradient, so no grad
+            # hook: MemTracker would try to register one and fail
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     return StepTracker()
 
