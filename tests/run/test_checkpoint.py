@@ -84,6 +84,7 @@ ROUND_TRIP = {  # intervals that make the step after the checkpoint use the stor
     "galore": ["algo.update_interval=10"], "galore_naive": ["algo.update_interval=10"],
     "grape": ["algo.update_interval=10"], "dcdpsgd": ["algo.score_params=first"],
     "dpgd0th": ["privacy.clip_norm=1000"],  # at C=1 every |s_i| is clipped to C/sqrt(d) and the signs cancel
+    "dpzero": ["privacy.clip_norm=1000"],  # at C=1 every s_i is clipped to +-1: 8 signs of 16 each way sum to 0
 }
 
 

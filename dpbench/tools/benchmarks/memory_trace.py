@@ -166,13 +166,13 @@ def build_model(cfg, info_only: bool = False):
     attention implementation transformers picks by default, SDPA; model.dtype applied)."""
     from dpbench.models import MODELS, DataSpec, apply_opacus_fixes
     from dpbench.models.language import AUTO_CLASSES, DTYPES, LanguageFamily, family
-    from dpbench.tools.benchmarks.memory_model import _language_config
+    from dpbench.tools.benchmarks.language_configs import language_config
 
     name = str(cfg.model.name)
     if isinstance(MODELS.get(name).family, LanguageFamily):
         import transformers
 
-        config = _language_config(cfg)
+        config = language_config(cfg)
         auto = getattr(transformers, AUTO_CLASSES[family(cfg.model).objective])
         model = auto.from_config(config, dtype=DTYPES[str(cfg.model.get("dtype", "float32"))])
         return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size,

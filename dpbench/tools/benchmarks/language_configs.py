@@ -1,0 +1,55 @@
+"""The transformers config of a language model at its real size, offline: a local folder, the hub
+cache, or the configs of the checkpoints the presets name (the memory model and the trace build
+models from it on fake or meta tensors)."""
+
+from __future__ import annotations
+
+# transformers configs of the hub checkpoints the presets name, for when neither a local folder
+# nor the hub cache has them (offline). From the hub's config.json of each checkpoint.
+_OPT = dict(vocab_size=50272, max_position_embeddings=2048, do_layer_norm_before=True, pad_token_id=1,
+            bos_token_id=2, eos_token_id=2)
+KNOWN_CONFIGS: dict[str, dict] = {
+    "facebook/opt-125m": dict(_OPT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
+                              word_embed_proj_dim=768),
+    "facebook/opt-350m": dict(_OPT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+                              word_embed_proj_dim=512, do_layer_norm_before=False),
+    "facebook/opt-1.3b": dict(_OPT, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+                              word_embed_proj_dim=2048),
+    "facebook/opt-2.7b": dict(_OPT, hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, ffn_dim=10240,
+                              word_embed_proj_dim=2560),
+    "facebook/opt-6.7b": dict(_OPT, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
+                              word_embed_proj_dim=4096),
+    "facebook/opt-13b": dict(_OPT, hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, ffn_dim=20480,
+                             word_embed_proj_dim=5120),
+    "FacebookAI/roberta-base": dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                    intermediate_size=3072, max_position_embeddings=514, type_vocab_size=1,
+                                    pad_token_id=1),
+    "FacebookAI/roberta-large": dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                     intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1,
+                                     pad_token_id=1),
+}
+TINY_VOCAB = 4096  # the tiny models' byte-level BPE (dpbench.models.language.train_tiny_tokenizer)
+
+
+def language_config(cfg):
+    """The transformers config of `cfg.model`: a local folder, the hub cache, `KNOWN_CONFIGS`, or
+    the family's tiny config."""
+    import transformers
+
+    from dpbench.errors import UserError
+    from dpbench.models.language import family
+
+    fam = family(cfg.model)
+    if str(cfg.model.size) == "tiny" and not cfg.model.get("path"):
+        return transformers.AutoConfig.for_model(fam.model_type, vocab_size=TINY_VOCAB, **fam.tiny_config)
+    source = str(cfg.model.path) if cfg.model.get("path") else fam.hub.get(str(cfg.model.size))
+    if source is None:
+        raise UserError(f"model.size={cfg.model.size} is not a size of model={cfg.model.name}; use one of "
+                        f"tiny, {', '.join(fam.hub)}")
+    try:
+        return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError):
+        if source not in KNOWN_CONFIGS:
+            raise UserError(f"no config of {source} offline: set model.path= to a local folder holding its "
+                            "config.json") from None
+        return transformers.AutoConfig.for_model(fam.model_type, **KNOWN_CONFIGS[source])
