@@ -61,3 +61,15 @@ def test_max_batch_predicted_bisects_on_the_prediction():
     assert best == 37 and traces < 12
     assert predicted_search([], 99, start=8, predict=predict)[0] == 0  # not even one example fits
     assert predicted_search([], 10**9, start=8, limit=20, predict=predict)[0] == 20
+
+
+def test_a_sentence_classifier_traces_and_fused_dropout_drops_the_attention_probabilities():
+    # BERT-base, top block trained: CPU torch's SDPA with dropout takes the math path, which keeps the
+    # trained block's [B, heads, T, T] probabilities (and mask); CUDA's fused kernel, modelled by
+    # fused_dropout, keeps neither
+    overrides = ["model=bert", "+model.size=base", "model.trained_blocks=1", "dataset=rt_snippets", "algo=sgd"]
+    batch, tokens = 8, 128  # the block's activations, not its gradients, at the peak
+    math_path = predict_step_peak(overrides, batch=batch, seq_len=tokens)
+    fused = predict_step_peak(overrides, batch=batch, seq_len=tokens, fused_dropout=True)
+    assert math_path["allocated_bytes"] - fused["allocated_bytes"] >= batch * 12 * tokens * tokens * 4
+    assert any("fused SDPA" in a for a in fused["assumptions"])

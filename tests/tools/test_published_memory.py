@@ -13,6 +13,11 @@ def test_an_unstated_measure_compares_as_an_interval():
     point = Point("s", "m", (), 1, None, "unstated", 10 * GB)
     assert compare(point, {"allocated_bytes": 9 * GB, "reserved_bytes": int(9.9 * GB)}).ratio == 1.0
     assert compare(point, {"allocated_bytes": 11 * GB, "reserved_bytes": 12 * GB}).ratio == pytest.approx(1.1)
+    increment = Point("s", "m", (), 1, None, "increment", 1 * GB)  # the weights left out of both ends
+    weights = {"by_category": {"Parameter": 3 * GB, "Buffer": 0}}
+    assert compare(increment, {"allocated_bytes": 4 * GB, "reserved_bytes": int(4.4 * GB), **weights}).ratio == 1.0
+    assert compare(increment, {"allocated_bytes": 4.5 * GB, "reserved_bytes": 5 * GB, **weights}).ratio == \
+        pytest.approx(1.5)
     verdict = Point("s", "m", (), 1, None, "verdict", 80 * GB, fits=False)
     assert compare(verdict, {"allocated_bytes": 90 * GB, "reserved_bytes": 99 * GB}).verdict_right
     assert not compare(verdict, {"allocated_bytes": 9 * GB, "reserved_bytes": 10 * GB}).verdict_right
@@ -30,5 +35,6 @@ def test_the_slow_test_traces_only_claimed_points():
 def test_every_quick_claimed_point_holds(point):
     from dpbench.tools.benchmarks.memory_trace import predict_step_peak
 
-    result = compare(point, predict_step_peak(list(point.overrides), batch=point.batch, seq_len=point.seq_len))
+    result = compare(point, predict_step_peak(list(point.overrides), batch=point.batch, seq_len=point.seq_len,
+                                              fused_dropout=point.fused_dropout))
     assert result.within, (point.method, result.allocated, result.reserved, result.ratio)

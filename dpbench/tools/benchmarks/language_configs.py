@@ -27,7 +27,13 @@ KNOWN_CONFIGS: dict[str, dict] = {
     "FacebookAI/roberta-large": dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                      intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1,
                                      pad_token_id=1),
+    "google-bert/bert-base-uncased": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                                          num_attention_heads=12, intermediate_size=3072,
+                                          max_position_embeddings=512, type_vocab_size=2, pad_token_id=0),
 }
+# Sizes the memory model and the trace know by shape alone, for families whose runs load only a
+# local folder (model=bert loads model.path; `+model.size=base` names BERT-base's shapes here)
+SHAPE_ONLY_SIZES: dict[str, dict[str, str]] = {"bert": {"base": "google-bert/bert-base-uncased"}}
 TINY_VOCAB = 4096  # the tiny models' byte-level BPE (dpbench.models.language.train_tiny_tokenizer)
 
 
@@ -40,12 +46,14 @@ def language_config(cfg):
     from dpbench.models.language import family
 
     fam = family(cfg.model)
-    if str(cfg.model.size) == "tiny" and not cfg.model.get("path"):
+    size = str(cfg.model.get("size"))
+    if size == "tiny" and not cfg.model.get("path"):
         return transformers.AutoConfig.for_model(fam.model_type, vocab_size=TINY_VOCAB, **fam.tiny_config)
-    source = str(cfg.model.path) if cfg.model.get("path") else fam.hub.get(str(cfg.model.size))
+    sizes = {**fam.hub, **SHAPE_ONLY_SIZES.get(str(cfg.model.name), {})}
+    source = str(cfg.model.path) if cfg.model.get("path") else sizes.get(size)
     if source is None:
-        raise UserError(f"model.size={cfg.model.size} is not a size of model={cfg.model.name}; use one of "
-                        f"tiny, {', '.join(fam.hub)}")
+        raise UserError(f"model.size={size} is not a size of model={cfg.model.name}; use one of "
+                        f"tiny, {', '.join(sizes)}")
     try:
         return transformers.AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError):

@@ -104,6 +104,27 @@ def fake_safe_engines():
         torch.nn.Module.to = original_to
 
 
+@contextlib.contextmanager
+def fused_attention_dropout():
+    """SDPA with attention dropout runs, on CUDA, a fused kernel that draws the dropout inside it
+    from a seed and keeps only the output and the log-sum-exp; CPU torch has no fused kernel with
+    dropout and falls back to the math path, which keeps the T x T probabilities and the dropout
+    mask (BERT's and RoBERTa's attention dropout is 0.1). During the trace SDPA runs with dropout 0,
+    which takes the CPU's fused kernel: the memory of the CUDA one, not its values."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    F.scaled_dot_product_attention = without_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 @dataclass
 class Traced:
     """A built step: the algorithm, its physical batch and what it was built under."""
@@ -132,12 +153,15 @@ def task_without_data(cfg, device: torch.device):
         task.label_ids = list(range(5, 5 + len(task.prompt.label_words)))
     elif kind == "causal_lm":
         task.prompt = task.prompts[str(cfg.dataset.name)]
+    elif kind == "sentence_classification":
+        pass  # per_sample_loss reads only cfg and device
     elif kind == "image_classification":
         task.user_loss, task.margins, task.drw = None, None, None
     else:
         from dpbench.errors import UserError
 
-        raise UserError(f"the traced memory model covers image, prompt_mlm and causal_lm tasks, not {kind}")
+        raise UserError(f"the traced memory model covers image, prompt_mlm, causal_lm and sentence_classification "
+                        f"tasks, not {kind}")
     return task, kind
 
 
@@ -151,6 +175,10 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
 
         return MLMBatch(ids(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device),
                         zeros(batch), zeros(batch))
+    if kind == "sentence_classification":
+        from dpbench.tasks.sentence_classification import SentenceBatch
+
+        return SentenceBatch(ids(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device), zeros(batch))
     if kind == "causal_lm":
         from dpbench.tasks.causal_lm import CausalBatch, _PlaceholderRow
 
@@ -159,6 +187,21 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
         return CausalBatch(ids(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
     return torch.randn(batch, *info["shape"], device=device), zeros(batch)
+
+
+def sentence_classifier(cfg, config):
+    """BERT and dpbench's head as `load_classifier` builds them (dpbench/models/bert.py), from the
+    config instead of a folder: the pooler only with `model.pooling=pooler`, the same parts frozen."""
+    import transformers
+
+    from dpbench.models.bert import SentenceClassifier, freeze
+    from dpbench.tasks.sentence_classification import SENTENCE_SETS
+
+    pooling = str(cfg.model.get("pooling", "mean"))
+    encoder = transformers.BertModel(config, add_pooling_layer=pooling == "pooler")
+    model = SentenceClassifier(encoder, SENTENCE_SETS[str(cfg.dataset.name)][1], pooling)
+    freeze(model, bool(cfg.model.get("freeze_embeddings", False)), cfg.model.get("trained_blocks"))
+    return model  # no model.cache_frozen cache (it needs the data): the frozen blocks run in each forward
 
 
 def build_model(cfg, info_only: bool = False):
@@ -173,8 +216,11 @@ def build_model(cfg, info_only: bool = False):
         import transformers
 
         config = language_config(cfg)
-        auto = getattr(transformers, AUTO_CLASSES[family(cfg.model).objective])
-        model = auto.from_config(config, dtype=DTYPES[str(cfg.model.get("dtype", "float32"))])
+        if family(cfg.model).language_task == "sentence_classification":
+            model = sentence_classifier(cfg, config)
+        else:
+            auto = getattr(transformers, AUTO_CLASSES[family(cfg.model).objective])
+            model = auto.from_config(config, dtype=DTYPES[str(cfg.model.get("dtype", "float32"))])
         return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size,
                                                  "attention": model.config._attn_implementation}
     data = cfg.dataset
@@ -215,7 +261,8 @@ def build_step(overrides: list[str], batch: int | None = None, seq_len: int | No
                    f"precision={cfg.train.precision}, model.dtype={cfg.model.get('dtype', 'float32')}"]
     if info["kind"] == "language":
         assumptions.append(f"attention: transformers' {info['attention']} (dpbench's default); the trace runs "
-                           "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities")
+                           "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities, except "
+                           "with attention dropout (CPU torch's math path then keeps them; see fused_dropout)")
     return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device), model, batch, tokens, assumptions)
 
 
@@ -281,11 +328,14 @@ def measure(step: Traced, steps: int = TRACED_STEPS) -> dict:
     return {"allocated_bytes": int(device_peak["Total"]), "by_category": by_category}
 
 
-def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True) -> dict:
-    """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check)."""
+def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True,
+          fused_dropout: bool = False) -> dict:
+    """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check);
+    `fused_dropout`: attention with dropout as CUDA's fused SDPA kernel holds it (`fused_attention_dropout`)."""
     started = time.perf_counter()
     mode = tracing_mode() if fake else contextlib.nullcontext()
-    with mode, fake_safe_engines():
+    attention = fused_attention_dropout() if fused_dropout else contextlib.nullcontext()
+    with mode, fake_safe_engines(), attention:
         step = build_step(overrides, batch, seq_len)
         result = measure(step)
     result["assumptions"] = step.assumptions
@@ -293,15 +343,18 @@ def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None
     return result
 
 
-def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None) -> dict:
+def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None,
+                      fused_dropout: bool = False) -> dict:
     """Trace one training step of the run `dpbench <overrides>` would make (model at its real size,
     built under FakeTensorMode; the algorithm's real step: forward, per-example work of its engine,
     clipping, noise, optimizer step) and return
     {"allocated_bytes": int (peak), "reserved_bytes": int (allocated x (1 + RESERVED_SLACK)),
      "reserved_slack": float, "by_category": {...MemTracker's categories...}, "assumptions": [str, ...]}"""
-    result = trace(overrides, batch=batch, seq_len=seq_len, fake=True)
+    result = trace(overrides, batch=batch, seq_len=seq_len, fake=True, fused_dropout=fused_dropout)
     allocated = result["allocated_bytes"]
-    assumptions = result["assumptions"] + [
+    attention = (["attention dropout as CUDA's fused SDPA kernel holds it (no T x T probabilities or mask)"]
+                 if fused_dropout else [])
+    assumptions = result["assumptions"] + attention + [
         f"peak over {TRACED_STEPS} steps of live tensors (MemTracker, checked with torch {MEMTRACKER_TORCH}); "
         "host reads see every example finite; no CUDA context",
         f"reserved = allocated x (1 + {RESERVED_SLACK})"]

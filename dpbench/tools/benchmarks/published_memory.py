@@ -5,7 +5,8 @@
 The assumptions each point is predicted under (image and patch size, sequence length, dtype, the
 dpbench engine of the paper's method) are fixed here and written in the docs before the
 comparison. A "reserved" figure compares with the traced prediction of reserved memory; an
-"unstated" one as the interval [allocated, reserved + CUDA context (0.3-0.5 GiB)]; a verdict
+"unstated" one as the interval [allocated, reserved + CUDA context (0.3-0.5 GiB)]; an "increment"
+(a step's memory over the loaded model) as [allocated - weights, reserved - weights]; a verdict
 (fits / out of memory) with the predicted reserved memory against the card's size.
 """
 
@@ -23,6 +24,8 @@ VIT_BASE = ["model=vit", "model.size=base", "dataset=synthetic", "dataset.image_
             "dataset.num_classes=10"]
 ROBERTA_SST2 = ["model=roberta", "model.size=large", "dataset=sst2"]
 OPT_BOOLQ = ["model=opt", "dataset=boolq", "model.dtype=float16"]
+# BERT-base, the top encoder block and the head trained (Opacus's clipping write-up: "7M parameters")
+BERT_BLOCK = ["model=bert", "+model.size=base", "model.trained_blocks=1", "dataset=rt_snippets"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,13 @@ class Point:
     overrides: tuple[str, ...]
     batch: int
     seq_len: int | None
-    measure: str  # reserved | unstated | verdict
+    measure: str  # reserved | unstated | increment | verdict
     published: float  # bytes (verdict: the card's bytes)
     fits: bool | None = None  # verdict points: whether the paper's run fit
     counted: bool = True  # ViT points are reported, not counted (image and patch size not stated)
     claimed: bool = False  # docs/memory-prediction.md claims it (within WITHIN, or the verdict)
     quick: bool = False  # claimed and traced by the slow test (under ~30 s on two cores; the others take minutes)
+    fused_dropout: bool = False  # attention dropout held as CUDA's fused SDPA kernel holds it (memory_trace.py)
 
 
 POINTS: tuple[Point, ...] = (
@@ -73,6 +77,15 @@ POINTS: tuple[Point, ...] = (
           "unstated", 20548 * MIB, claimed=True, quick=True),
     Point("DPZero, Table 11", "AdamW, OPT-1.3B", ("model=opt", "dataset=boolq", "model.size=1.3b", "algo=adam"), 8,
           512, "verdict", 24 * GIB, fits=False, claimed=True, quick=True),
+    *(Point("Opacus clipping write-up", f"{method}, B = {batch}", (*BERT_BLOCK, *algo), batch, 128, "increment",
+            published, claimed=claimed, quick=claimed, fused_dropout=True)
+      for method, algo, batch, published, claimed in (
+          ("SGD", ("algo=sgd",), 32, 236e6, False),
+          ("SGD", ("algo=sgd",), 128, 1.04 * GB, True),
+          ("ghost clipping", ("algo=dpsgd", "algo.per_sample=ghost"), 32, 362e6, False),
+          ("ghost clipping", ("algo=dpsgd", "algo.per_sample=ghost"), 128, 1.32 * GB, False),
+          ("per-sample gradients", ("algo=dpsgd", "algo.per_sample=materialize"), 32, 1142e6, True),
+          ("per-sample gradients", ("algo=dpsgd", "algo.per_sample=materialize"), 128, 4.55 * GB, True))),
 )
 
 
@@ -82,6 +95,7 @@ class Comparison:
     allocated: int
     reserved: int
     seconds: float
+    weights: int = 0  # the model's parameters and buffers (an "increment" leaves them out)
     ratio: float | None = None  # predicted / published (an interval's nearest end; 1.0 inside it)
     verdict_right: bool | None = None
     assumptions: list[str] = field(default_factory=list)
@@ -93,14 +107,17 @@ class Comparison:
 
 def compare(point: Point, prediction: dict) -> Comparison:
     allocated, reserved = prediction["allocated_bytes"], prediction["reserved_bytes"]
-    result = Comparison(point, allocated, reserved, prediction.get("seconds", 0.0),
+    categories = prediction.get("by_category", {})
+    weights = categories.get("Parameter", 0) + categories.get("Buffer", 0)
+    result = Comparison(point, allocated, reserved, prediction.get("seconds", 0.0), weights=weights,
                         assumptions=prediction.get("assumptions", []))
     if point.measure == "verdict":
         result.verdict_right = (reserved <= point.published) == point.fits
     elif point.measure == "reserved":
         result.ratio = reserved / point.published
-    else:  # unstated: allocated .. reserved + context
-        low, high = allocated, reserved + CONTEXT[1]
+    else:  # unstated: allocated .. reserved + context; increment: allocated .. reserved, less the weights
+        low, high = ((allocated - weights, reserved - weights) if point.measure == "increment"
+                     else (allocated, reserved + CONTEXT[1]))
         result.ratio = 1.0 if low <= point.published <= high else \
             (low / point.published if low > point.published else high / point.published)
     return result
@@ -111,7 +128,8 @@ def run(points=POINTS, report=print) -> list[Comparison]:
 
     results = []
     for point in points:
-        result = compare(point, predict_step_peak(list(point.overrides), batch=point.batch, seq_len=point.seq_len))
+        result = compare(point, predict_step_peak(list(point.overrides), batch=point.batch, seq_len=point.seq_len,
+                                                  fused_dropout=point.fused_dropout))
         results.append(result)
         report(row(result))
     return results
@@ -122,7 +140,9 @@ def row(c: Comparison) -> str:
     published = (f"{'fits' if p.fits else 'out of memory'} on {p.published / GIB:.0f} GiB" if p.measure == "verdict"
                  else f"{p.published / GIB:.2f} GiB ({p.measure})")
     outcome = ("right" if c.verdict_right else "WRONG") if p.measure == "verdict" else f"{c.ratio:.2f}"
-    return (f"| {p.source} | {p.method} | {p.batch} | {published} | {c.allocated / GIB:.2f} | {c.reserved / GIB:.2f} "
+    less = c.weights if p.measure == "increment" else 0  # an increment's prediction: the step's memory over the weights
+    return (f"| {p.source} | {p.method} | {p.batch} | {published} | {(c.allocated - less) / GIB:.2f} "
+            f"| {(c.reserved - less) / GIB:.2f} "
             f"| {outcome} | {'yes' if p.counted else 'no'} | {c.seconds:.0f} s |")
 
 
