@@ -178,7 +178,8 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
     if kind == "sentence_classification":
         from dpbench.tasks.sentence_classification import SentenceBatch
 
-        return SentenceBatch(ids(batch, tokens), torch.ones(batch, tokens, dtype=torch.long, device=device), zeros(batch))
+        mask = torch.ones(batch, tokens, dtype=torch.long, device=device)
+        return SentenceBatch(ids(batch, tokens), mask, zeros(batch))
     if kind == "causal_lm":
         from dpbench.tasks.causal_lm import CausalBatch, _PlaceholderRow
 
