@@ -345,7 +345,7 @@ def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None
 
 
 def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None,
-                      fused_dropout: bool = False) -> dict:
+                      fused_dropout: bool = True) -> dict:
     """Trace one training step of the run `dpbench <overrides>` would make (model at its real size,
     built under FakeTensorMode; the algorithm's real step: forward, per-example work of its engine,
     clipping, noise, optimizer step) and return
