@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                              "ranks are shown beside the tuned ones (default: the preset's report.compare_with)")
     parser.add_argument("--out", type=Path, default=None, help="where the figures (and leaderboard.html) go (default: the folder)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--predict-gpu", action="store_true",
+                        help="add each group's predicted GPU peak: its first run's step traced on fake tensors "
+                             "(docs/memory-prediction.md; seconds per small run, a minute for a large model)")
     parser.exit_on_error = False  # a bad flag or value: one line, not the usage block
 
     def one_line(message: str):  # argparse's own error() prints the usage block (a missing folder)
@@ -108,7 +111,13 @@ def _report(args) -> int:
     if ref is not None:
         title += f" beside {ref.paper} {ref.table}" + (f" column {ref.column}" if ref.column else "")
         title += f": {caption(ref)}"
-    header, body = build_table(groups, metric, ref)
+    predicted = None
+    if args.predict_gpu:
+        from dpbench.tools.report.predicted import predicted_gpu_mib
+
+        note = lambda text: console.print(f"[yellow]note:[/] {text}", soft_wrap=True)  # noqa: E731
+        predicted = [predicted_gpu_mib(args.folder / g.first.path, note) for g in groups]
+    header, body = build_table(groups, metric, ref, predicted)
     rendered = render(header, body, args.format, title)
     if args.format == "rich":
         console.print(rendered)

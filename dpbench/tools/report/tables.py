@@ -17,7 +17,8 @@ from dpbench.tools.report.paper import ACCURACY_METRICS, PaperRef, paper_value
 APPROXIMATE_ACCOUNTANTS = {"gdp": "GDP (CLT approximation)"}
 FORMATS = ("rich", "markdown", "csv", "latex")
 # Columns right-aligned in the terminal.
-NUMERIC_COLUMNS = ("seeds", "steps", "peak MiB", "samples/s", "audit ε≥", "ceiling", "validation % (noisy)")
+NUMERIC_COLUMNS = ("seeds", "steps", "own peak MiB", "process peak MiB", "predicted GPU peak MiB", "samples/s", "audit ε≥",
+                   "ceiling", "validation % (noisy)")
 AUDIT_HEADER = ["folder", "algo", "model", "dataset", "claimed ε", "ε lower bound", "ceiling", "canaries",
                 "correct / guesses", "verdict"]
 AUDIT_NUMERIC = ("claimed ε", "ε lower bound", "ceiling", "canaries", "correct / guesses")
@@ -60,10 +61,15 @@ def audit_cell(g: Group, name: str) -> str:
     return fmt_bound(low) if low == high else f"{fmt_bound(low)} – {fmt_bound(high)}"  # spaced: a narrow terminal wraps it
 
 
-def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple[list[str], list[list[str]]]:
+def build_table(groups: list[Group], metric: str, ref: PaperRef | None,
+                predicted_mib: list[float | None] | None = None) -> tuple[list[str], list[list[str]]]:
+    """`predicted_mib`: each group's predicted GPU peak (report/predicted.py), a column when given."""
     metric_name = next((g.first.metric_name for g in groups if g.first.metric_name), "accuracy")
+    # the memory glossary's names (docs/results.md): the run's own peak, the process's peak, the prediction
     header = ["dataset", "model", "algo", "setting", "target ε", "ε spent", "seeds", "steps",
-              f"{metric} {metric_name} %", "peak MiB", "samples/s"]
+              f"{metric} {metric_name} %", "own peak MiB", "process peak MiB", "samples/s"]
+    if predicted_mib is not None:
+        header.insert(header.index("samples/s"), "predicted GPU peak MiB")
     # the one-run audit's lower bound on ε and its ceiling, beside ε spent: only when some run has them
     audited = any(r.audit_epsilon_lower_bound is not None or r.audit_ceiling is not None for g in groups for r in g.rows)
     if audited:
@@ -76,7 +82,7 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
         header += [f"paper {ref.paper} {ref.table}", "Δ"]
     header.append("flags")
     body = []
-    for g in groups:
+    for index, g in enumerate(groups):
         r = g.first
         mean, se = accuracy_percent(g, metric)
         ours = fmt(mean, ".1f") + ("" if se is None else f" ± {se:.1f}")
@@ -87,7 +93,9 @@ def build_table(groups: list[Group], metric: str, ref: PaperRef | None) -> tuple
                *([audit_cell(g, "audit_epsilon_lower_bound"), audit_cell(g, "audit_ceiling")] if audited else []),
                str(len(g.rows)), fmt_any(r.steps), ours,
                *([fmt(accuracy_percent(g, "validation")[0], ".1f")] if validated else []),
-               fmt(g.mean("peak_mib"), ".0f"), fmt(g.mean("samples_per_s"), ".1f")]
+               fmt(g.mean("own_mib"), ".0f"), fmt(g.mean("peak_mib"), ".0f"),
+               *([fmt(predicted_mib[index], ".0f")] if predicted_mib is not None else []),
+               fmt(g.mean("samples_per_s"), ".1f")]
         if ref is not None:
             row += _paper_cells(g, ref, mean)
         row.append(flags(g))
