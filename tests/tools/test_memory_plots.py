@@ -17,7 +17,16 @@ def test_draw_writes_both_plots(tmp_path):
 
 def test_the_default_rank_is_not_traced_twice(monkeypatch):
     traced = []
-    monkeypatch.setattr(memory_plots, "predicted_gb", lambda extra, b, t: traced.append(tuple(extra)) or float(b))
+    monkeypatch.setattr(memory_plots, "predicted_gb", lambda extra, b, t, task: traced.append(tuple(extra)) or float(b))
     values = memory_plots.sweep([8], [4, memory_plots.DEFAULT_RANK], 128, log=lambda _: None)
     assert values["by_rank"][memory_plots.DEFAULT_RANK] == values["by_method"]["DP-GRAPE"]
     assert traced.count(("algo=grape",)) == 1 and ("algo=grape", "algo.rank=4") in traced
+
+
+def test_another_model_traces_its_own_task_and_skips_an_empty_rank_plot(tmp_path, monkeypatch):
+    tasks = []
+    monkeypatch.setattr(memory_plots, "predicted_gb", lambda extra, b, t, task: tasks.append((tuple(task), t)) or float(b))
+    values = memory_plots.sweep([1, 8], [], 256, log=lambda _: None, model="opt-6.7b")
+    assert {task for task in tasks} == {(("model=opt", "model.size=6.7b", "dataset=sst2"), 256)}
+    paths = memory_plots.draw(values, tmp_path)
+    assert [p.name for p in paths] == ["opt_6.7b_memory_vs_batch_by_method.png"]
