@@ -308,6 +308,10 @@ ALGORITHM_RUNS["dplora"] = ["model=vit", "model.embed_dim=16", "model.depth=1", 
 # DIFF2 privatises gradient differences, and a canary's loss is linear (its difference is 0): its
 # canaries show at restarts only; 100 restarts miss an included canary with probability 0.875^100
 ALGORITHM_RUNS["diff2"] = ["algo.restart_interval=2"]
+# DIFF's release is each example's difference from the last release, clipped to C_d: at its default
+# rate (0.3) the other examples' differences grow with the model's steps and mask 1 or 2 of 100 canaries
+# even without noise; at 0.02 the release reads the canaries alone
+ALGORITHM_RUNS["diff"] = ["train.lr=0.02"]
 # signed canaries along z (the zeroth-order algorithms): M <= T/10; the other canaries interfere
 ALGORITHM_RUNS["dpzero"] = ALGORITHM_RUNS["dpgd0th"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]
 
