@@ -18,9 +18,11 @@ from dpbench.run_config import resolved_config
 from dpbench.schema import RUN_INVARIANT_KEYS, default_of
 
 
-# Keys that only supply other keys' defaults (conf/config.yaml): what they decide is compared as
-# train.* and privacy.clip_norm, so a run stored before they existed (or changed) still matches.
-DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "dataset.train_defaults")
+# Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
+# tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
+# algo.*), so a run stored before they existed (or changed) still matches.
+DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "dataset.train_defaults",
+                     "paper_setting")
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:

@@ -156,4 +156,7 @@ def test_resume_matches_a_stored_run_that_predates_a_key_left_at_its_default():
     assert config_differences(stored, supplied) == []
     rates = {"dataset": {"train_defaults": {"lr": 1e-3}}}, {"dataset": {"train_defaults": {"lr": {"adam": 1e-3}}}}
     assert config_differences(*rates) == []
+    # a preset's lookup tables (and their labels) land in the keys they set, compared there
+    labels = {"paper_setting": {"source": {"dcdpsgd": "c1 = 10 c2"}}}, {"paper_setting": {"source": {"dcdpsgd": "c1 = 2 c2"}}}
+    assert config_differences(*labels) == []
     assert config_differences(stored, {**supplied, "train": {"lr": 0.5}}) == ["train.lr (0.1 -> 0.5)"]
