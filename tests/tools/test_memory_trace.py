@@ -73,3 +73,10 @@ def test_a_sentence_classifier_traces_and_fused_dropout_drops_the_attention_prob
     fused = predict_step_peak(overrides, batch=batch, seq_len=tokens, fused_dropout=True)
     assert math_path["allocated_bytes"] - fused["allocated_bytes"] >= batch * 12 * tokens * tokens * 4
     assert any("fused SDPA" in a for a in fused["assumptions"])
+
+
+def test_an_image_model_is_traced_on_the_input_its_task_gives_it():
+    """digits declares no image size in its config: the trace reads it from the data set (1 x 8 x 8),
+    as the run's task does, not a default of 32 x 32 (16 times the tokens per image)."""
+    prediction = predict_step_peak(["algo=grape", "train.batch_size=32"])
+    assert "B=32 examples of (1, 8, 8)" in prediction["assumptions"]

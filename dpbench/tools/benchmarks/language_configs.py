@@ -1,6 +1,6 @@
-"""The transformers config of a language model at its real size, offline: a local folder, the hub
-cache, or the configs of the checkpoints the presets name (the memory model and the trace build
-models from it on fake or meta tensors)."""
+"""What the memory model and the trace build a model from, offline: a language model's transformers
+config at its real size (a local folder, the hub cache, or the configs of the checkpoints the
+presets name), and an image model's input as the run's task gives it (`image_spec`)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,22 @@ def language_config(cfg):
             raise UserError(f"no config of {source} offline: set model.path= to a local folder holding its "
                             "config.json") from None
         return transformers.AutoConfig.for_model(fam.model_type, **KNOWN_CONFIGS[source])
+
+
+def image_spec(cfg):
+    """The image model's DataSpec as the run's task gives it: from the config where the data set
+    declares its shape (`dataset.image_size`: synthetic at 224 px), else read from the data set
+    itself (digits: 1 x 8 x 8, patch 2), loaded outside any fake tensor mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from dpbench.data import load_dataset
+    from dpbench.models import DataSpec
+
+    data = cfg.dataset
+    if data.get("image_size") is not None:
+        return DataSpec(num_classes=int(data.get("num_classes") or 10), channels=int(data.get("channels") or 3),
+                        image_size=int(data.image_size), patch_size=int(data.get("patch_size") or 4))
+    with unset_fake_temporarily():
+        loaded = load_dataset(data, int(cfg.get("seed", 0)))
+    return DataSpec(num_classes=loaded.num_classes, channels=loaded.channels, image_size=loaded.image_size,
+                    patch_size=loaded.patch_size, input_shape=tuple(loaded.train_images.shape[1:]))

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dpbench.tools.benchmarks.language_configs import language_config
+from dpbench.tools.benchmarks.language_configs import image_spec, language_config
 
 GIB = 2**30
 FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -138,7 +138,7 @@ def reduce_scatter_bytes(shape, world_size: int) -> int:
 def meta_model(cfg) -> tuple[nn.Module, dict]:
     """(`cfg.model` built on the meta device, the keyword inputs of one example of `cfg`'s task
     with batch and tokens left to `example_inputs`)."""
-    from dpbench.models import MODELS, DataSpec, apply_opacus_fixes
+    from dpbench.models import MODELS, apply_opacus_fixes
     from dpbench.models.language import AUTO_CLASSES, LanguageFamily, family
 
     name = str(cfg.model.name)
@@ -150,12 +150,10 @@ def meta_model(cfg) -> tuple[nn.Module, dict]:
         with torch.device("meta"):
             model = auto.from_config(config)
         return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size}
-    data = cfg.dataset
-    spec = DataSpec(num_classes=int(data.get("num_classes") or 10), channels=int(data.get("channels") or 3),
-                    image_size=int(data.get("image_size") or 32), patch_size=int(data.get("patch_size") or 4))
+    spec = image_spec(cfg)  # the task's input: digits is 1 x 8 x 8, not the config's absent size
     with torch.device("meta"):
         model = apply_opacus_fixes(MODELS.get(name).build(cfg.model, spec), name)
-    return model, {"kind": "image", "shape": (spec.channels, spec.image_size, spec.image_size)}
+    return model, {"kind": "image", "shape": spec.input_shape or (spec.channels, spec.image_size, spec.image_size)}
 
 
 def example_inputs(info: dict, batch: int, tokens: int) -> dict:

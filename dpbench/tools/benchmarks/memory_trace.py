@@ -208,9 +208,9 @@ def sentence_classifier(cfg, config):
 def build_model(cfg, info_only: bool = False):
     """`cfg.model` as dpbench builds it (language: from its transformers config, real size, the
     attention implementation transformers picks by default, SDPA; model.dtype applied)."""
-    from dpbench.models import MODELS, DataSpec, apply_opacus_fixes
+    from dpbench.models import MODELS, apply_opacus_fixes
     from dpbench.models.language import AUTO_CLASSES, DTYPES, LanguageFamily, family
-    from dpbench.tools.benchmarks.language_configs import language_config
+    from dpbench.tools.benchmarks.language_configs import image_spec, language_config
 
     name = str(cfg.model.name)
     if isinstance(MODELS.get(name).family, LanguageFamily):
@@ -224,11 +224,9 @@ def build_model(cfg, info_only: bool = False):
             model = auto.from_config(config, dtype=DTYPES[str(cfg.model.get("dtype", "float32"))])
         return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size,
                                                  "attention": model.config._attn_implementation}
-    data = cfg.dataset
-    spec = DataSpec(num_classes=int(data.get("num_classes") or 10), channels=int(data.get("channels") or 3),
-                    image_size=int(data.get("image_size") or 32), patch_size=int(data.get("patch_size") or 4))
+    spec = image_spec(cfg)  # the task's input: digits is 1 x 8 x 8, not the config's absent size
     model = apply_opacus_fixes(MODELS.get(name).build(cfg.model, spec), name)
-    return model, {"kind": "image", "shape": (spec.channels, spec.image_size, spec.image_size)}
+    return model, {"kind": "image", "shape": spec.input_shape or (spec.channels, spec.image_size, spec.image_size)}
 
 
 def build_step(overrides: list[str], batch: int | None = None, seq_len: int | None = None) -> Traced:
