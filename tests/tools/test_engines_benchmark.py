@@ -62,5 +62,5 @@ def test_a_worker_measures_speed_and_both_peaks_on_a_tiny_vit(monkeypatch):
     for method in ("adam", "dpadam:bk"):
         result = engines.measure(method, engines.SHAPES["vit"], batch=4, steps=1, warmup=1, device=torch.device("cpu"))
         assert result["method"] == method and result["samples_per_s"] > 0
-        assert result["own_peak_bytes"] >= 0 and result["peak_bytes"] > 0 and result["memory_kind"].startswith("cpu")
+        assert 0 <= result["own_peak_bytes"] <= result["peak_bytes"] and result["memory_kind"].startswith("cpu")
         assert result["tensor_peak_bytes"] is None or result["tensor_peak_bytes"] > 0
