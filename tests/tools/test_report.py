@@ -193,3 +193,11 @@ def test_the_table_shows_own_and_process_peaks_and_on_request_a_predicted_gpu_pe
     # without the flag there is no such column
     header, _ = build_table([], "final", None)
     assert "predicted GPU peak MiB" not in header and "own peak MiB" in header
+
+
+def test_predict_gpu_with_the_leaderboard_is_refused_in_one_line(tmp_path: Path, capsys):
+    write_results(tmp_path / "run", fake_results("grape", 8, 700.0, 0, 50.0, 8.0))
+    assert main([str(tmp_path), "--leaderboard", "--predict-gpu", "--no-plots"]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
+    assert len(lines) == 1 and "--predict-gpu" in lines[0] and "leaderboard" in lines[0]

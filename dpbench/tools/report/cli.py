@@ -102,6 +102,8 @@ def _report(args) -> int:
         return 0
     groups, notes = group_runs(rows)
     metric = choose_metric(groups, args.metric)
+    if args.leaderboard and args.predict_gpu:
+        raise UserError("--predict-gpu adds a column to the run table, not to the leaderboard: drop one of them")
     if args.leaderboard:
         return _leaderboard(args, groups, metric, audits)
     if args.format == "html" or args.wandb:
