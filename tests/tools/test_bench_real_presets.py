@@ -1,4 +1,4 @@
-"""The real tier's presets (bench_real, its epsilon-3, engine, calibration and tuned companions):
+"""The real tier's presets (bench_real, its epsilon-3, engine, calibration, full-model and tuned companions):
 every job of every grid their headers run composes to a valid config, on the same data, steps and
 batch, with its family's learning rate, and the tuned one sweeps only keys that exist."""
 
@@ -18,7 +18,7 @@ from test_leaderboard import grid_points, header_grids  # the bench presets' hea
 
 register()
 EXPERIMENTS = Path(config_dir()) / "experiment"
-PRESETS = ("bench_real", "bench_real_eps3", "bench_real_engines", "bench_real_calibration")
+PRESETS = ("bench_real", "bench_real_eps3", "bench_real_engines", "bench_real_calibration", "bench_real_full")
 PRIVATE = {"dpadam", "dpsgd", "grape", "galore_naive", "dplora", "dpdr", "dcdpsgd", "dpzero"}
 PUBLIC = {"adam", "lora", "galore", "mezo"}
 
@@ -48,6 +48,10 @@ def test_every_job_of_the_real_presets_composes_on_one_task(name):
         assert {j["algo"]["name"] for j in jobs} == PRIVATE | PUBLIC  # every method, ceilings included
         assert {j["model"]["trained_blocks"] for j in jobs} == {0, 2}  # the linear probe's second grid
         assert len({j["seed"] for j in jobs}) == 3 and {j["privacy"]["epsilon"] for j in jobs} == {8.0}
+    if name == "bench_real_full":  # the whole encoder, one seed: Adam, DP-GRAPE and DP-Adam (book-keeping)
+        assert {j["model"]["trained_blocks"] for j in jobs} == {None} and {j["seed"] for j in jobs} == {0}
+        assert {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs} == {
+            ("adam", None), ("grape", "materialize"), ("dpadam", "bk")}
     if name == "bench_real_calibration":
         assert {j["dataset"]["validation_fraction"] for j in jobs} == {0.2}  # never the test set
         assert len({(j["algo"]["name"], j["train"]["lr"]) for j in jobs}) == len(jobs) == 12
