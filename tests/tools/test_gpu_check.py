@@ -1,19 +1,19 @@
 """The offline GPU check (python -m dpbench.tools.gpu_check): the wheelhouse it makes and installs
 from (a real `pip install --no-index` of wheels made here, nothing downloaded), its one-line
-refusals, the oracle's column, the engine rows' ratios, and (slow) the CPU fallback end to end."""
+refusals, the oracle's column, the points' figures from the published catalogue, the engine rows' ratios, and (slow) the CPU fallback end to end."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import types
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from dpbench.tools.gpu_check import __main__ as cli
+from dpbench.tools.benchmarks import memory_trace as ORACLE
 from dpbench.tools.gpu_check import check, points, wheelhouse
 
 
@@ -117,9 +117,12 @@ def test_no_cuda_without_cpu_is_one_line_and_exit_2(monkeypatch, tmp_path, capsy
     assert not (tmp_path / "x.json").exists()
 
 
-def test_the_oracle_column_says_when_memory_trace_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, points.ORACLE_MODULE, None)  # import raises ModuleNotFoundError
-    assert points.predict(["algo=grape"], 4, 128) == {"status": "no prediction (memory_trace missing)"}
+def test_the_points_take_their_figures_from_the_published_catalogue():
+    from dpbench.tools.benchmarks.published_memory import POINTS as PUBLISHED
+
+    for point in points.POINTS:
+        assert point.published in PUBLISHED and point.algo and point.algo[0].startswith("algo=")
+    assert [(p.batch, round(p.published_bytes / 1e9, 1)) for p in points.POINTS[:2]] == [(40, 24.4), (40, 78.1)]
 
 
 def test_a_point_holds_its_measurement_against_the_published_figure_and_the_oracle(monkeypatch, tmp_path):
@@ -130,7 +133,7 @@ def test_a_point_holds_its_measurement_against_the_published_figure_and_the_orac
         return {"allocated_bytes": 20 * 10**9, "reserved_bytes": 22 * 10**9, "reserved_slack": 0.1,
                 "by_category": {}, "assumptions": []}
 
-    monkeypatch.setitem(sys.modules, points.ORACLE_MODULE, types.SimpleNamespace(predict_step_peak=predict_step_peak))
+    monkeypatch.setattr(ORACLE, "predict_step_peak", predict_step_peak)
     monkeypatch.setattr(points, "measure", lambda *a: {"ok": True, "reason": None, "reserved_bytes": 20 * 10**9,
                                                         "allocated_bytes": 18 * 10**9, "samples_per_s": 3.0})
     point = points.POINTS[0]  # DP-GRAPE, 24.4 GB
@@ -140,8 +143,7 @@ def test_a_point_holds_its_measurement_against_the_published_figure_and_the_orac
     assert row["measured_vs_published"] == pytest.approx(20 / 24.4)
     assert row["predicted_vs_measured"] == pytest.approx(22 / 20)
     assert row["predicted_vs_published"] == pytest.approx(22 / 24.4)
-    failing = types.SimpleNamespace(predict_step_peak=lambda *a, **k: 1 / 0)
-    monkeypatch.setitem(sys.modules, points.ORACLE_MODULE, failing)
+    monkeypatch.setattr(ORACLE, "predict_step_peak", lambda *a, **k: 1 / 0)
     assert points.predict([], 1, 1)["status"].startswith("no prediction (ZeroDivisionError")
 
 

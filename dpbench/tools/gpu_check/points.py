@@ -15,30 +15,50 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-GB, MIB = 10**9, 2**20
+from dpbench.tools.benchmarks.published_memory import POINTS as PUBLISHED
+from dpbench.tools.benchmarks.published_memory import Point as PublishedPoint
+
+MIB = 2**20
 SEQ_LEN = 128  # the LM-BFF SST-2 template's max_length (the papers do not state theirs)
-ORACLE_MODULE = "dpbench.tools.benchmarks.memory_trace"
 
 
 @dataclass(frozen=True)
 class Point:
     key: str
-    source: str
-    algo: list[str]  # the algorithm's overrides
-    batch: int
-    published_bytes: int
-    published: str  # the figure as printed, with its measure
+    published: PublishedPoint  # the catalogue's entry: source, method, overrides, batch, figure
+    text: str  # the figure as printed, with its measure
     assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> str:
+        return self.published.source
+
+    @property
+    def algo(self) -> list[str]:
+        return [o for o in self.published.overrides if o.startswith("algo")]
+
+    @property
+    def batch(self) -> int:
+        return self.published.batch
+
+    @property
+    def published_bytes(self) -> int:
+        return int(self.published.published)
+
+
+def published(source: str, method: str) -> PublishedPoint:
+    """One entry of the published-memory catalogue (tools/benchmarks/published_memory.py), so a figure
+    is typed in one place."""
+    return next(p for p in PUBLISHED if p.source == source and p.method == method)
 
 
 POINTS = (
-    Point("dpgrape_fig3_grape", "DP-GRAPE (seed), Fig. 3 text", ["algo=grape"], 40, int(24.4 * GB),
-          "DP-GRAPE 24.4 GB reserved", ["GB = 1e9 B", "sequence length 128 (LM-BFF template)", "dpbench's default DP-GRAPE engine"]),
-    Point("dpgrape_fig3_dpadam", "DP-GRAPE (seed), Fig. 3 text", ["algo=dpadam"], 40, int(78.1 * GB),
-          "DP-Adam 78.1 GB reserved", ["GB = 1e9 B", "sequence length 128 (LM-BFF template)", "dpbench's default DP-Adam engine"]),
-    Point("dpzero_t3_dpzero", "DPZero (seed), Table 3", ["algo=dpzero"], 64, 2668 * MIB,
-          "MeZO = DPZero 2,668 MiB (measure unstated)", ["batch 64 (MeZO's RoBERTa setting; the table does not state it)",
-                                                         "sequence length 128 (LM-BFF template)"]),
+    Point("dpgrape_fig3_grape", published("DP-GRAPE, Fig. 3", "DP-GRAPE"), "DP-GRAPE 24.4 GB reserved",
+          ["GB = 1e9 B", "sequence length 128 (LM-BFF template)", "dpbench's default DP-GRAPE engine"]),
+    Point("dpgrape_fig3_dpadam", published("DP-GRAPE, Fig. 3", "DP-Adam"), "DP-Adam 78.1 GB reserved",
+          ["GB = 1e9 B", "sequence length 128 (LM-BFF template)", "dpbench's default DP-Adam engine"]),
+    Point("dpzero_t3_dpzero", published("DPZero, Table 3", "MeZO = DPZero"), "MeZO = DPZero 2,668 MiB (measure unstated)",
+          ["batch 64 (MeZO's RoBERTa setting; the table does not state it)", "sequence length 128 (LM-BFF template)"]),
 )
 
 
@@ -89,17 +109,11 @@ def write_roberta_large(folder: Path) -> Path:
 
 
 def predict(overrides: list[str], batch: int, seq_len: int) -> dict:
-    """The traced oracle's prediction, or why there is none (the module absent, or its error)."""
-    import importlib
+    """The traced oracle's prediction, or why there is none (its error)."""
+    from dpbench.tools.benchmarks import memory_trace
 
     try:
-        oracle = importlib.import_module(ORACLE_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != ORACLE_MODULE:
-            raise
-        return {"status": "no prediction (memory_trace missing)"}
-    try:
-        prediction = oracle.predict_step_peak(list(overrides), batch=batch, seq_len=seq_len)
+        prediction = memory_trace.predict_step_peak(list(overrides), batch=batch, seq_len=seq_len)
     except Exception as error:  # noqa: BLE001 - the measurement stands without it; the row says why
         return {"status": f"no prediction ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"[:200]}
     return {"status": "ok", **prediction}
@@ -142,7 +156,7 @@ def run_point(point: Point, model: Path | None, data: Path, device: str, workdir
     measured = measure(point, batch, overrides, workdir, device == "cuda", timeout_s, steps)
     prediction = predict(overrides, batch, SEQ_LEN)
     return {"key": point.key, "source": point.source, "overrides": overrides, "batch": batch, "seq_len": SEQ_LEN,
-            "published": {"bytes": point.published_bytes, "text": point.published},
+            "published": {"bytes": point.published_bytes, "text": point.text},
             "assumptions": point.assumptions, "measured": measured, "prediction": prediction,
             "measured_vs_published": ratio(measured["reserved_bytes"], point.published_bytes),
             "predicted_vs_measured": ratio(prediction.get("reserved_bytes"), measured["reserved_bytes"]),
