@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dpbench.tools.benchmarks.language_configs import image_spec, language_config
+from dpbench.tools.benchmarks.model_shapes import image_spec, language_config
 
 GIB = 2**30
 FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

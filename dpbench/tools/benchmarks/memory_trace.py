@@ -210,7 +210,7 @@ def build_model(cfg, info_only: bool = False):
     attention implementation transformers picks by default, SDPA; model.dtype applied)."""
     from dpbench.models import MODELS, apply_opacus_fixes
     from dpbench.models.language import AUTO_CLASSES, DTYPES, LanguageFamily, family
-    from dpbench.tools.benchmarks.language_configs import image_spec, language_config
+    from dpbench.tools.benchmarks.model_shapes import image_spec, language_config
 
     name = str(cfg.model.name)
     if isinstance(MODELS.get(name).family, LanguageFamily):

@@ -95,7 +95,7 @@ def write_roberta_large(folder: Path) -> Path:
     import transformers
 
     from dpbench.models.language import public_tokenizer_corpus, train_tiny_tokenizer
-    from dpbench.tools.benchmarks.language_configs import KNOWN_CONFIGS
+    from dpbench.tools.benchmarks.model_shapes import KNOWN_CONFIGS
 
     if (folder / "config.json").exists():
         return folder
