@@ -33,8 +33,8 @@ from dpbench.runtime.metering import PeakMemory
 from dpbench.models import ModelFamily, family_of
 from dpbench.models.user_checks import check_user_model
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
-from dpbench.privacy.plan import COUNT_SENSITIVITY, PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
-from dpbench.privacy.release import ReleasePart, gaussian_release
+from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
+from dpbench.privacy.validation import validation_score
 from dpbench.privacy.sampling import batches_per_epoch, build_sampler
 from dpbench.provenance import versions
 from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
@@ -168,30 +168,6 @@ def fit(job: Job, logger, show_progress: bool, run_dir: Path | None = None,
     finally:  # what runs after training (score, saved model, results) reads each rank's shards only
         sharding.reshard(job.model)
     return trainer, "completed", None
-
-
-def validation_score(job: Job, trainer: Trainer) -> float | None:
-    """The final model's validation score, computed once (None: no validation split): the sum of
-    the per-example scores in [0, 1] (`Task.validation_scores`) plus N(0, sigma_v^2) for a private
-    run, through the one release function, charged to the run's ledger as one more mechanism (the
-    plan's final release, which calibration composed), divided by the public size n f."""
-    task = job.task
-    if task.split is None:
-        return None
-    # in [0, 1] whatever the model outputs: a non-finite score counts 0, so no record can make the
-    # count non-finite and halt the release (its sensitivity stays 1)
-    scores = torch.nan_to_num(task.validation_scores(job.model).detach().float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1)
-    if job.privacy is None:
-        return float(scores.sum()) / task.split.planned_validation_size
-    plan, relation = job.privacy, job.privacy.setup.neighboring
-    # under torchrun the release sums its part over the ranks: each rank contributes a shard
-    count = scores[distributed.rank()::distributed.world_size()].sum().reshape(1).to(job.device)
-    part = ReleasePart([count], COUNT_SENSITIVITY[relation], plan.validation_noise_multiplier)
-    (noisy,), mechanism = gaussian_release("validation score", [part], noise=plan.setup.noise, sample_rate=1.0,
-                                           neighboring=relation, charge=trainer.state.ledger.add_release,
-                                           observer=job.algorithm.release_observer)  # dpbench-audit sees it too
-    plan.check_final_release(mechanism)
-    return float(noisy[0]) / task.split.planned_validation_size
 
 
 def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started: float, notes: list[str],
@@ -361,7 +337,8 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     score = None
     with ranks.together("scoring the validation split"):
         if status == "completed":
-            score = validation_score(job, trainer)  # once, on the final model (charged to the ledger)
+            score = validation_score(job.task, job.model, job.privacy, trainer.state.ledger.add_release,
+                                     job.algorithm.release_observer, job.device)  # once, on the final model (charged)
     results = record(job, trainer, status, memory, started,
                      notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)

@@ -181,17 +181,16 @@ def test_the_cli_runs_with_a_validation_split(tmp_path):
 def test_a_non_finite_validation_record_counts_zero_and_never_halts_the_release():
     """A record whose score is NaN or inf (a diverged prediction) must not make the count
     non-finite: the release would halt on one record, which its sensitivity does not cover."""
-    import types
-
-    from dpbench.run import setup, validation_score
+    from dpbench.privacy.validation import validation_score
+    from dpbench.run import setup
 
     job = setup(compose([*TINY, *FIXED_SIGMA, *SPLIT, "algo=dpsgd", "device=cpu"]))
     size = job.task.split.planned_validation_size
     job.task.validation_scores = lambda model: torch.tensor([float("nan"), float("inf"), 1.0, 0.0])
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(ledger=job.privacy.new_ledger()))
-    score = validation_score(job, trainer)
+    ledger = job.privacy.new_ledger()
+    score = validation_score(job.task, job.model, job.privacy, ledger.add_release, None, job.device)
     assert math.isfinite(score) and abs(score * size - 2.0) < 12 * job.privacy.validation_noise_multiplier
-    assert len(trainer.state.ledger.as_records()) == 1  # charged once
+    assert len(ledger.as_records()) == 1  # charged once
 
 
 @pytest.mark.slow  # starts processes

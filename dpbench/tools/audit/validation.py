@@ -1,5 +1,5 @@
 """The validation-score checks of `dpbench-audit` (dpbench/tools/audit/runner.py): the final model's noisy
-validation score (dataset.validation_fraction > 0, `dpbench.run.validation_score`), a release of its
+validation score (dataset.validation_fraction > 0, `dpbench.privacy.validation.validation_score`), a release of its
 own, made once after training.
 
   what it reads  jobs that differ in their loaded training set (one record, or half of the training
@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import math
 import sys
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -62,11 +61,11 @@ def _left_out(train: set[int], validation: set[int]):
 
 def _released(job, recorder) -> tuple[float, float, float, float]:
     """(noiseless count, noisy count, stated noise std, stated sensitivity) of one validation release of `job`."""
-    from dpbench.run import validation_score
+    from dpbench.privacy.validation import validation_score
 
     recorder.releases.clear()
-    ledger = SimpleNamespace(state=SimpleNamespace(ledger=job.privacy.new_ledger()))  # a throwaway ledger
-    validation_score(job, ledger)
+    ledger = job.privacy.new_ledger()  # a throwaway ledger
+    validation_score(job.task, job.model, job.privacy, ledger.add_release, job.algorithm.release_observer, job.device)
     (release,) = [r for r in recorder.releases if r.name == "validation score"]
     part = release.parts[0]
     return float(release.noiseless[0][0].sum()), float(release.noisy[0][0].sum()), part.noise_std, part.sensitivity
