@@ -21,8 +21,14 @@ from dpbench.schema import RUN_INVARIANT_KEYS, default_of
 # Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
 # tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
 # algo.*), so a run stored before they existed (or changed) still matches.
-DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "dataset.train_defaults",
+DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "algo.default_steps",
+                     "algo.default_batch_size", "dataset.train_defaults",
                      "paper_setting")
+
+
+# Keys added since runs were stored whose new default is not what those runs did: the value a stored
+# run without the key ran with (zeroth-order runs perturbed every weight before algo.mode existed)
+PREDATING_VALUES = {"algo.mode": "full"}
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
@@ -33,7 +39,7 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         dotted = f"{prefix}{key}"
         if dotted in RUN_INVARIANT_KEYS:
             continue
-        a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        a, b = stored.get(key, PREDATING_VALUES.get(dotted, "<absent>")), current.get(key, "<absent>")
         if dotted in DEFAULT_SUPPLIERS:
             continue
         if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
