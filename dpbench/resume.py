@@ -15,15 +15,9 @@ from dpbench.runtime.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_p
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
-from dpbench.schema import RUN_INVARIANT_KEYS, default_of
+from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS, default_of
 
 
-# Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
-# tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
-# algo.*), so a run stored before they existed (or changed) still matches.
-DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "algo.default_steps",
-                     "algo.default_batch_size", "dataset.train_defaults",
-                     "paper_setting")
 
 
 # Keys added since runs were stored whose new default is not what those runs did: the value a stored

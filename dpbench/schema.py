@@ -97,6 +97,11 @@ def schemas() -> dict[str, type]:
 # (conf/config.yaml's override_dirname.exclude_keys reads them through `excluded_from_dirname`).
 RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every",
                       "train.checkpoint", "train.save_model")
+# Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
+# tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
+# algo.*), so resume matches and the report averages runs made before they existed (or changed).
+DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "algo.default_steps",
+                     "algo.default_batch_size", "dataset.train_defaults", "paper_setting")
 
 
 def excluded_from_dirname() -> list[str]:

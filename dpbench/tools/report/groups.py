@@ -12,14 +12,15 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.schema import RUN_INVARIANT_KEYS
+from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS
 from dpbench.tools.report.formatting import fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow
 
 SEED_KEYS = ("seed", "dataset.data_seed")
 # Keys that never change what a run computes (where it logs, whether it resumes, the report block,
-# the audit's options): a key added in a later version does not split runs made before it.
-IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS)
+# the audit's options) or only supply other keys' values (an algorithm's defaults, a preset's
+# tables): a key added in a later version does not split runs made before it.
+IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS, *DEFAULT_SUPPLIERS)
 
 
 def _comparable(row: RunRow) -> dict:
