@@ -45,9 +45,19 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
     return out
 
 
+def without_unused_epochs(config: dict) -> dict:
+    """The config without train.epochs where train.steps is set (steps win: epochs change nothing;
+    an algorithm's default_steps made them null where runs stored before recorded 30)."""
+    train = config.get("train")
+    if not isinstance(train, dict) or train.get("steps") is None:
+        return config
+    return {**config, "train": {k: v for k, v in train.items() if k != "epochs"}}
+
+
 def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
     """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
-    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
+    differences = config_differences(without_unused_epochs(stored.get("config") or {}),
+                                     without_unused_epochs(resolved_config(cfg)))
     if differences:
         console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
                       soft_wrap=True)

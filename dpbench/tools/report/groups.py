@@ -27,6 +27,8 @@ def _comparable(row: RunRow) -> dict:
     """What must agree for two runs to be averaged: the config minus seeds and bookkeeping, plus
     the steps that actually ran and the status (a diverged run is never averaged with a finished one)."""
     keys = {k: v for k, v in row.config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
+    if keys.get("train.steps") is not None:
+        keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.without_unused_epochs)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
         keys = {k: v for k, v in keys.items() if not k.startswith(("privacy.", "accountant.")) or k == "privacy.sampling"}
     for k in ("algo", "dataset", "model", "target_epsilon", "steps", "status", "batch_size", "sampling"):
