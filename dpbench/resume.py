@@ -112,12 +112,12 @@ def unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path | None:
     run_dir = Path(run_dir)
     if not cfg.resume or not run_dir.parent.is_dir():
         return None
-    current = resolved_config(cfg)
+    current = without_unused_epochs(resolved_config(cfg))
     attempts = [path.parent for path in run_dir.parent.glob(f"*/{CHECKPOINT_FILE}")
                 if path.parent != run_dir and not (path.parent / RESULTS_FILE).exists()]
     for folder in sorted(attempts, key=lambda folder: checkpoint_path(folder).stat().st_mtime, reverse=True):
         stored = stored_config(folder)
-        if stored is not None and not config_differences(stored, current):
+        if stored is not None and not config_differences(without_unused_epochs(stored), current):
             return folder
     return None
 
