@@ -124,6 +124,10 @@ class ZerothOrderAlgorithm(Algorithm):
             raise UserError(f"algo={cfg.name} found no trainable parameter in the model")
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.dimension = sum(p.numel() for p in self.params)
+        if self.mode == "lora" and str(cfg.get("mode")) == "auto":
+            total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+            self.run_notes.append(f"algo.mode=auto: the model is built from scratch, so the estimate trains LoRA adapters "
+                                  f"and the head ({self.dimension:,} of {total:,} weights); algo.mode=full perturbs every weight")
         self.smoothing = cfg.smoothing
         if not self.smoothing > 0:
             raise UserError(f"algo.smoothing (lambda) must be positive, got {cfg.smoothing}")
