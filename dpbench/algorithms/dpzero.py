@@ -110,7 +110,8 @@ class ZerothOrderAlgorithm(Algorithm):
         self.mode = "lora" if trains_lora(model, cfg) else "full"
         if self.mode == "lora":
             if sharding.is_sharded(model):
-                raise UserError("algo.mode=lora does not run sharded (train.sharding=fsdp); set algo.mode=full")
+                chose = " (auto's choice for a model built from scratch)" if str(cfg.get("mode")) == "auto" else ""
+                raise UserError(f"algo.mode=lora{chose} does not run sharded (train.sharding=fsdp); set algo.mode=full")
             model = inject_lora(model, OmegaConf.create({
                 "name": cfg.name, "rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
                 "target_modules": cfg.get("target_modules"), "train_modules": cfg.get("train_modules")}))
