@@ -195,6 +195,12 @@ class AlgoOptions:
     default_lr: float = 2.0e-2
     lr_family: LrFamily = LrFamily.adam
     default_clip_norm: float = 1.0
+    # The budget where neither the command line nor the data set's train_defaults gives one:
+    # train.steps = default_steps (train.epochs is then null) and train.batch_size =
+    # default_batch_size; None: 30 epochs at B = 256 (conf/config.yaml). Zeroth-order methods
+    # declare their papers' many cheap steps.
+    default_steps: Optional[int] = None
+    default_batch_size: Optional[int] = None
 
 
 @dataclass

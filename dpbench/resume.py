@@ -15,14 +15,11 @@ from dpbench.runtime.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_p
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
-from dpbench.schema import RUN_INVARIANT_KEYS, default_of
+from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS, default_of
 
-
-# Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
-# tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
-# algo.*), so a run stored before they existed (or changed) still matches.
-DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "dataset.train_defaults",
-                     "paper_setting")
+# Keys added since runs were stored whose new default is not what those runs did: the value a stored
+# run without the key ran with (zeroth-order runs perturbed every weight before algo.mode existed)
+PREDATING_VALUES = {"algo.mode": "full"}
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
@@ -33,7 +30,7 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         dotted = f"{prefix}{key}"
         if dotted in RUN_INVARIANT_KEYS:
             continue
-        a, b = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        a, b = stored.get(key, PREDATING_VALUES.get(dotted, "<absent>")), current.get(key, "<absent>")
         if dotted in DEFAULT_SUPPLIERS:
             continue
         if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
@@ -45,9 +42,19 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
     return out
 
 
+def without_unused_epochs(config: dict) -> dict:
+    """The config without train.epochs where train.steps is set (steps win: epochs change nothing;
+    an algorithm's default_steps made them null where runs stored before recorded 30)."""
+    train = config.get("train")
+    if not isinstance(train, dict) or train.get("steps") is None:
+        return config
+    return {**config, "train": {k: v for k, v in train.items() if k != "epochs"}}
+
+
 def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
     """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
-    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
+    differences = config_differences(without_unused_epochs(stored.get("config") or {}),
+                                     without_unused_epochs(resolved_config(cfg)))
     if differences:
         console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
                       soft_wrap=True)
@@ -102,12 +109,12 @@ def unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path | None:
     run_dir = Path(run_dir)
     if not cfg.resume or not run_dir.parent.is_dir():
         return None
-    current = resolved_config(cfg)
+    current = without_unused_epochs(resolved_config(cfg))
     attempts = [path.parent for path in run_dir.parent.glob(f"*/{CHECKPOINT_FILE}")
                 if path.parent != run_dir and not (path.parent / RESULTS_FILE).exists()]
     for folder in sorted(attempts, key=lambda folder: checkpoint_path(folder).stat().st_mtime, reverse=True):
         stored = stored_config(folder)
-        if stored is not None and not config_differences(stored, current):
+        if stored is not None and not config_differences(without_unused_epochs(stored), current):
             return folder
     return None
 

@@ -97,6 +97,11 @@ def schemas() -> dict[str, type]:
 # (conf/config.yaml's override_dirname.exclude_keys reads them through `excluded_from_dirname`).
 RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize", "train.checkpoint_every",
                       "train.checkpoint", "train.save_model")
+# Keys that only supply other keys' values by interpolation (conf/config.yaml, a preset's lookup
+# tables and their labels): what they decide is compared where it lands (train.*, privacy.clip_norm,
+# algo.*), so resume matches and the report averages runs made before they existed (or changed).
+DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "algo.default_steps",
+                     "algo.default_batch_size", "dataset.train_defaults", "paper_setting")
 
 
 def excluded_from_dirname() -> list[str]:
@@ -123,6 +128,25 @@ def default_learning_rate(dataset_lr, lr_family: str, algo_lr: float) -> float:
     return float(algo_lr if rate is None else rate)
 
 
+def default_batch_size(dataset_batch, algo_batch) -> int:
+    """train.batch_size when the command line gives none: the data set's, the algorithm's, else 256."""
+    return int(next((b for b in (dataset_batch, algo_batch) if b is not None), 256))
+
+
+def default_epochs(dataset_epochs, algo_steps) -> float | None:
+    """train.epochs when the command line gives none: the data set's train_defaults.epochs, else
+    none where the algorithm declares default_steps (train.steps then applies), else 30."""
+    if dataset_epochs is not None:
+        return float(dataset_epochs)
+    return None if algo_steps is not None else 30.0
+
+
+def default_steps(epochs, algo_steps) -> int | None:
+    """train.steps when the command line gives none: the algorithm's default_steps, only where no
+    epochs were given (a typed train.epochs wins over an algorithm's default)."""
+    return None if epochs is not None or algo_steps is None else int(algo_steps)
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
     from hydra.core.config_store import ConfigStore
@@ -130,6 +154,9 @@ def register() -> None:
     # conf/config.yaml names a grid's job folders without the keys that do not change a run
     OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_lr", default_learning_rate, replace=True)
+    OmegaConf.register_new_resolver("dpbench_default_batch_size", default_batch_size, replace=True)
+    OmegaConf.register_new_resolver("dpbench_default_epochs", default_epochs, replace=True)
+    OmegaConf.register_new_resolver("dpbench_default_steps", default_steps, replace=True)
     store = ConfigStore.instance()
     for name, schema in schemas().items():
         node = OmegaConf.structured(schema)

@@ -36,19 +36,28 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_scale
 from dpbench.runtime import distributed, sharding
 from dpbench.algorithms.base import ALGORITHMS, DIRECTION, Algorithm, OwnDifferenceExamples, ReleasePart, StepResult
 from dpbench.errors import UserError
+from dpbench.models import FROM_SCRATCH_ATTRIBUTE, family_of
+from dpbench.models.lora import inject_lora
 from dpbench.options import AlgoOptions, LrFamily, choice_of
 from dpbench.tasks import Batch
 
 DIRECTIONS = ("gaussian", "sphere")  # N(0, I_d) (experiments) | uniform on sqrt(d) S^{d-1} (theory)
 Direction = choice_of("Direction", DIRECTIONS, __name__)
+# What the estimate perturbs: every trainable weight (full: the papers' experiments) or LoRA adapters
+# and the head (lora: the reference code's MODE=lora, from MeZO); auto: full for a pretrained model,
+# lora for a model trained from scratch (`trains_lora`)
+MODES = ("auto", "full", "lora")
+Mode = choice_of("Mode", MODES, __name__)
 
 
 @dataclass
@@ -57,11 +66,31 @@ class ZerothOrderOptions(AlgoOptions):
     estimates along random directions."""
 
     name: str = "dpzero"
-    default_lr: float = 1.0e-4  # conf/algo/dpzero.yaml says where it comes from
+    default_lr: float = 1.0e-2  # conf/algo/dpzero.yaml says where these come from
     lr_family: LrFamily = LrFamily.zeroth_order
+    default_steps: Optional[int] = 10_000
+    default_batch_size: Optional[int] = 64
     smoothing: float = 1.0e-3
     direction: Direction = Direction.gaussian
     weight_decay: float = 0.0
+    mode: Mode = Mode.auto  # a run stored before `mode` existed ran full (resume.PREDATING_VALUES)
+    lora_rank: int = 8  # lora mode: LoRA r and alpha (the reference code's, from MeZO: 8, 16)
+    lora_alpha: float = 16.0
+    target_modules: Optional[List[str]] = None  # lora mode: null, the model family's LoRA targets
+    train_modules: Optional[List[str]] = None  # lora mode: null, the family's head
+
+
+def trains_lora(model: nn.Module, cfg) -> bool:
+    """Whether a zeroth-order run trains LoRA adapters instead of every weight. auto: only a model
+    built from scratch whose family declares LoRA targets. One random direction per step cannot
+    train a random-init model's every weight (the estimate's variance grows with the dimension d;
+    the papers fine-tune pretrained models, whose loss varies in few directions); LoRA and the head
+    leave a few thousand."""
+    mode = str(cfg.get("mode", "full"))
+    if mode != "auto":
+        return mode == "lora"
+    family = family_of(model)
+    return bool(getattr(model, FROM_SCRATCH_ATTRIBUTE, False) and family is not None and family.lora_targets)
 
 SEED_RANGE = 2**62
 SEED_STRIDE = 1_000_003  # per-parameter seeds: seed + index * stride (mod 2^63)
@@ -78,6 +107,14 @@ class ZerothOrderAlgorithm(Algorithm):
     checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
 
     def __init__(self, model, task, cfg, lr, privacy):
+        self.mode = "lora" if trains_lora(model, cfg) else "full"
+        if self.mode == "lora":
+            if sharding.is_sharded(model):
+                chose = " (auto's choice for a model built from scratch)" if str(cfg.get("mode")) == "auto" else ""
+                raise UserError(f"algo.mode=lora{chose} does not run sharded (train.sharding=fsdp); set algo.mode=full")
+            model = inject_lora(model, OmegaConf.create({
+                "name": cfg.name, "rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
+                "target_modules": cfg.get("target_modules"), "train_modules": cfg.get("train_modules")}))
         super().__init__(model, task, cfg, lr, privacy)
         unique: dict[int, nn.Parameter] = {}
         for p in model.parameters():
@@ -88,6 +125,10 @@ class ZerothOrderAlgorithm(Algorithm):
             raise UserError(f"algo={cfg.name} found no trainable parameter in the model")
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.dimension = sum(p.numel() for p in self.params)
+        if self.mode == "lora" and str(cfg.get("mode")) == "auto":
+            total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+            self.run_notes.append(f"algo.mode=auto: the model is built from scratch, so the estimate trains LoRA adapters "
+                                  f"and the head ({self.dimension:,} of {total:,} weights); algo.mode=full perturbs every weight")
         self.smoothing = cfg.smoothing
         if not self.smoothing > 0:
             raise UserError(f"algo.smoothing (lambda) must be positive, got {cfg.smoothing}")
@@ -290,6 +331,7 @@ class ZerothOrderAlgorithm(Algorithm):
 
     def extra_results(self) -> dict:
         return {
+            "mode": self.mode,
             "smoothing": self.smoothing,
             "direction": self.direction,
             "dimension": self.dimension,

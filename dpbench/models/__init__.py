@@ -74,6 +74,10 @@ class RegisteredModel:
 
 MODELS: Registry[RegisteredModel] = Registry("model", package=__name__)
 FAMILY_ATTRIBUTE = "dpbench_family"  # set on every model dpbench builds: its registered name
+# True on a registered model built from its config and the seed alone (no checkpoint, asset or
+# pretrained weights): zeroth-order algo.mode=auto reads it (algorithms/dpzero.py)
+FROM_SCRATCH_ATTRIBUTE = "dpbench_from_scratch"
+CHECKPOINT_KEYS = ("path", "asset", "pretrained")  # model config keys that load weights
 
 
 def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
@@ -89,7 +93,12 @@ def register_model(name: str, family: ModelFamily = ModelFamily()) -> Callable:
 def build_model(model_cfg, spec: DataSpec) -> nn.Module:
     """The registered builder of `model.name`, then the family's Opacus fixes (a user's builder by
     import path: `Task.build_model` dispatches to dpbench/models/user.py)."""
-    return apply_opacus_fixes(MODELS.get(model_cfg.name).build(model_cfg, spec), model_cfg.name)
+    model = apply_opacus_fixes(MODELS.get(model_cfg.name).build(model_cfg, spec), model_cfg.name)
+    # a language family always loads a checkpoint (model.path or the hub's)
+    from_scratch = model_family(model_cfg.name).language_task is None and not any(
+        model_cfg.get(key) for key in CHECKPOINT_KEYS)
+    setattr(model, FROM_SCRATCH_ATTRIBUTE, from_scratch)
+    return model
 
 
 def apply_opacus_fixes(model: nn.Module, name: str) -> nn.Module:

@@ -29,7 +29,7 @@ def inject_lora(model: nn.Module, cfg) -> nn.Module:
         raise UserError(f"algo={cfg.name}: no default LoRA targets for a {type(model).__name__} model; "
                         "set algo.target_modules=[...]")
     trained = list(cfg.train_modules) if cfg.get("train_modules") is not None else list(family.trained_modules)
-    config = LoraConfig(r=int(cfg.rank), lora_alpha=float(cfg.alpha), lora_dropout=float(cfg.dropout),
+    config = LoraConfig(r=int(cfg.rank), lora_alpha=float(cfg.alpha), lora_dropout=float(cfg.get("dropout", 0.0)),
                         target_modules=targets, bias="none")
     try:
         model = inject_adapter_in_model(config, model)

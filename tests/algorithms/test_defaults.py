@@ -1,5 +1,6 @@
 """`dpbench algo=X` learns at X's own defaults: each algorithm's config carries its default learning
-rate, lr family and clip norm (conf/algo/*.yaml), and a data set may set a rate per family."""
+rate, lr family, clip norm and budget (conf/algo/*.yaml), and a data set may set a rate per family
+and its own budget."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from helpers.config import OFFLINE, compose
 from omegaconf import OmegaConf
 
 from dpbench.algorithms import ALGORITHMS, algorithm_class
-from dpbench.schema import algo_schemas, default_learning_rate
+from dpbench.schema import default_learning_rate
 
 PRIVATE = sorted(name for name in ALGORITHMS.names() if algorithm_class(name).private)
-# Zeroth-order methods fine-tune: one random direction per step does not train the default job's
-# 69k-parameter ViT from scratch at any rate tried, MeZO without noise included (docs/running.md).
-FROM_SCRATCH = [name for name in PRIVATE if algo_schemas()[name].lr_family != "zeroth_order"]
+# DP-GD0th, the DPZero paper's baseline, adds d-dimensional noise to a zeroth-order estimate: its
+# error grows with d / (n eps), and on the default job d (4,746 in lora mode) exceeds n (1,437), so no
+# setting tried learns it (docs/running.md: Defaults). Every other private algorithm must.
+LEARNS_AT_DEFAULTS = [name for name in PRIVATE if name != "dpgd0th"]
 CHANCE = 0.1  # digits: ten classes, stratified split
 
 
@@ -34,15 +36,30 @@ def test_every_algorithm_composes_with_its_own_defaults_and_the_command_line_win
     assert sgd_like.algo.lr_family == "sgd" and compose([*OFFLINE, "algo=dpzero"]).algo.lr_family == "zeroth_order"
 
 
+def test_an_algorithms_budget_applies_where_neither_the_command_line_nor_the_data_set_gives_one():
+    def budget(*overrides):
+        train = compose([*OFFLINE, *overrides]).train
+        return train.batch_size, train.epochs, train.steps
+
+    assert budget("algo=dpadam") == (256, 30, None)
+    assert budget("algo=dpzero") == (64, None, 10_000)  # the DPZero paper's 10,000 steps of B = 64
+    assert budget("algo=dpzero", "train.epochs=5") == (64, 5, None)  # typed epochs win
+    assert budget("algo=dpzero", "train.steps=7", "train.batch_size=32") == (32, None, 7)
+    # a data set's train_defaults win over the algorithm's: the real tier sizes every method alike
+    assert budget("algo=dpzero", "model=minilm", "dataset=rt_snippets") == (256, 1, None)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", FROM_SCRATCH)
-def test_every_private_first_order_algorithm_beats_chance_twice_at_its_defaults(algo, tmp_path):
+@pytest.mark.parametrize("algo", LEARNS_AT_DEFAULTS)
+def test_every_private_algorithm_beats_chance_twice_at_its_defaults(algo, tmp_path):
     """`dpbench algo=X logger=none` on the default task (digits, eps = 8). The noise is drawn fresh
     each run, so the accuracy varies: at the committed defaults every algorithm's lowest of five
     runs was well above the bound (docs/running.md: Defaults), which a run misses far less than once
-    in a thousand."""
+    in a thousand. Evaluations only at the end (they do not change training; DPZero's 10,000 steps
+    would otherwise evaluate 500 times)."""
     from dpbench.run import run_job
 
-    results = run_job(compose([*OFFLINE, f"algo={algo}"]), tmp_path, show_progress=False)
+    cfg = compose([*OFFLINE, f"algo={algo}", "train.eval_every=0", "train.checkpoint=false"])
+    results = run_job(cfg, tmp_path, show_progress=False)
     assert results.status == "completed"
     assert results.metrics.test_accuracy >= 2 * CHANCE, f"{algo}: {results.metrics.test_accuracy:.3f}"

@@ -252,3 +252,31 @@ def test_mezo_and_replace_one(tmp_path):
     assert privacy["neighboring"] == "replace_one"
     assert privacy["ledger"][0]["neighboring"] == "replace_one"
     assert privacy["epsilon"] <= 8.0 + 1e-9
+
+
+def test_auto_mode_trains_lora_on_a_model_from_scratch_and_every_weight_of_a_checkpoint(monkeypatch):
+    """A zeroth-order estimate cannot train a random-init model's every weight: algo.mode=auto
+    trains LoRA adapters and the head there, and every weight of a model loaded from a checkpoint."""
+    from dpbench.algorithms.dpzero import trains_lora
+    from dpbench.errors import UserError
+    from dpbench.models import FROM_SCRATCH_ATTRIBUTE, DataSpec, build_model
+
+    model_cfg = compose(["model=vit"]).model
+    model = build_model(model_cfg, DataSpec(num_classes=10))
+    assert getattr(model, FROM_SCRATCH_ATTRIBUTE) is True
+    auto = OmegaConf.create({"name": "dpzero", "smoothing": LAMBDA, "direction": "gaussian", "weight_decay": 0.0,
+                             "mode": "auto", "lora_rank": 8, "lora_alpha": 16.0})
+    assert trains_lora(model, auto) and not trains_lora(model, {**auto, "mode": "full"})
+    assert not trains_lora(tiny_model(), auto)  # not built by dpbench: no LoRA targets known, every weight
+    setattr(model, FROM_SCRATCH_ATTRIBUTE, False)  # what build_model sets for a checkpoint (model.path, ...)
+    assert not trains_lora(model, auto) and trains_lora(model, {**auto, "mode": "lora"})
+    setattr(model, FROM_SCRATCH_ATTRIBUTE, True)
+    total = sum(p.numel() for p in model.parameters())
+    algo = algorithm_class("mezo")(model, TinyTask(), auto, 0.1, None)
+    head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("head."))
+    assert algo.mode == "lora" and head < algo.dimension < total / 10
+    assert {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad} == {"blocks", "head"}
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad and n.startswith("blocks"))
+    monkeypatch.setattr("dpbench.runtime.sharding.is_sharded", lambda model: True)
+    with pytest.raises(UserError, match="algo.mode=full"):
+        algorithm_class("mezo")(build_model(model_cfg, DataSpec(num_classes=10)), TinyTask(), auto, 0.1, None)

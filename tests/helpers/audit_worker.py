@@ -22,7 +22,7 @@ RUNS = {  # run -> its algorithm overrides
     "dpadam_bk": ["algo=dpadam", "algo.per_sample=bk"],
     "dpsgd_ghost": ["algo=dpsgd", "algo.per_sample=ghost"],
     "grape_bk": ["algo=grape", "algo.per_sample=bk"],
-    "dpzero": ["algo=dpzero"],
+    "dpzero": ["algo=dpzero", "algo.mode=full"],  # every weight: LoRA mode does not shard
 }
 BUGS = {"noise_half": "noise", "unnoised_update": "release → update"}  # seeded bug -> the check that must catch it
 

@@ -37,11 +37,11 @@ GRAPE = ["algo=grape", "algo.rank=8", "algo.update_interval=2", "algo.eps=1e-4"]
 RUNS = {
     "grape": ([*GRAPE, "algo.per_sample=bk"], 1e-2, CLIP),
     "grape_ghost": ([*GRAPE, "algo.per_sample=ghost"], 1e-2, CLIP),
-    "dpzero": (["algo=dpzero"], 1e-5, 100.0),
+    "dpzero": (["algo=dpzero", "algo.mode=full"], 1e-5, 100.0),  # every weight: LoRA mode does not shard
     # the tiny OPT (tied head): DP-GRAPE bk projects the decoder layers' Linears; the tied
     # embedding/head, the position embedding, biases and norms are released full-size
     "grape_opt": ([*GRAPE, "algo.per_sample=bk"], 1e-2, CLIP),
-    "dpzero_opt": (["algo=dpzero"], 1e-5, 100.0),
+    "dpzero_opt": (["algo=dpzero", "algo.mode=full"], 1e-5, 100.0),
 }
 
 

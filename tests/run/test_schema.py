@@ -160,3 +160,15 @@ def test_resume_matches_a_stored_run_that_predates_a_key_left_at_its_default():
     labels = {"paper_setting": {"source": {"dcdpsgd": "c1 = 10 c2"}}}, {"paper_setting": {"source": {"dcdpsgd": "c1 = 2 c2"}}}
     assert config_differences(*labels) == []
     assert config_differences(stored, {**supplied, "train": {"lr": 0.5}}) == ["train.lr (0.1 -> 0.5)"]
+    # a key whose new default is not what older runs did: a zeroth-order run stored before algo.mode
+    # perturbed every weight, so it matches mode=full and not the new default, auto
+    zeroth = {"algo": {"name": "dpzero", "smoothing": 1e-3}}
+    assert config_differences(zeroth, {"algo": {**zeroth["algo"], "mode": "full"}}) == []
+    assert config_differences(zeroth, {"algo": {**zeroth["algo"], "mode": "auto"}}) == ["algo.mode ('full' -> 'auto')"]
+    # where train.steps is set, train.epochs changes nothing (an algorithm's default_steps nulls it)
+    from dpbench.resume import without_unused_epochs
+
+    with_steps = {"train": {"steps": 320, "epochs": 30.0}}
+    assert config_differences(*map(without_unused_epochs, (with_steps, {"train": {"steps": 320, "epochs": None}}))) == []
+    assert config_differences(*map(without_unused_epochs, ({"train": {"epochs": 30.0}}, {"train": {"epochs": 5.0}}))) == [
+        "train.epochs (30.0 -> 5.0)"]

@@ -137,7 +137,7 @@ def test_on_the_tied_head_opt_five_sharded_steps_and_releases_match_one_process(
 @pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("algo", ["grape", "dpzero"])
 def test_torchrun_trains_them_sharded(tmp_path, algo):
-    engine = ["algo.per_sample=bk", "algo.rank=4"] if algo == "grape" else []
+    engine = ["algo.per_sample=bk", "algo.rank=4"] if algo == "grape" else ["algo.mode=full"]  # LoRA mode does not shard
     result = torchrun("train.sharding=fsdp", f"algo={algo}", *engine, "model=vit", "train.steps=3", "train.eval_every=2",
                       "device=cpu", "logger=none", "dataset=synthetic", "train.batch_size=32",
                       "privacy.noise_multiplier=1.0", cwd=tmp_path)

@@ -89,6 +89,20 @@ def test_seeds_are_averaged_with_standard_error_beside_the_paper(tmp_path: Path,
     assert rows["adam"][4] == rows["adam"][5] == "∞" and rows["adam"][12] == "93.1 ± 0.3"  # AdamW row
 
 
+def test_runs_that_differ_only_in_keys_that_supply_defaults_are_averaged(tmp_path: Path, capsys):
+    """A seed run after an algorithm gained default_lr (or a preset relabelled its source line) is
+    the same computation: its train.lr landed where it did before."""
+    older = language_results("grape", 13, 0.92)
+    newer = language_results("grape", 21, 0.94)
+    newer["config"]["algo"].update(default_lr=0.02, lr_family="adam", default_clip_norm=1.0, default_steps=None)
+    newer["config"]["paper_setting"] = {"source": {"grape": "relabelled"}}
+    write_results(tmp_path / "older", older)
+    write_results(tmp_path / "newer", newer)
+    assert main([str(tmp_path), "--format", "csv", "--no-plots"]) == 0
+    grape = [line.split(",") for line in capsys.readouterr().out.splitlines() if line.startswith("sst2")]
+    assert len(grape) == 1 and grape[0][6] == "2" and grape[0][8] == "93.0 ± 1.0"
+
+
 def test_runs_of_different_lengths_are_never_averaged_and_the_key_is_named(tmp_path: Path, capsys):
     write_results(tmp_path / "a", language_results("grape", 13, 0.90, steps=168))
     write_results(tmp_path / "b", language_results("grape", 21, 0.80, steps=30))

@@ -12,20 +12,23 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.schema import RUN_INVARIANT_KEYS
+from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS
 from dpbench.tools.report.formatting import fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow
 
 SEED_KEYS = ("seed", "dataset.data_seed")
 # Keys that never change what a run computes (where it logs, whether it resumes, the report block,
-# the audit's options): a key added in a later version does not split runs made before it.
-IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS)
+# the audit's options) or only supply other keys' values (an algorithm's defaults, a preset's
+# tables): a key added in a later version does not split runs made before it.
+IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS, *DEFAULT_SUPPLIERS)
 
 
 def _comparable(row: RunRow) -> dict:
     """What must agree for two runs to be averaged: the config minus seeds and bookkeeping, plus
     the steps that actually ran and the status (a diverged run is never averaged with a finished one)."""
     keys = {k: v for k, v in row.config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
+    if keys.get("train.steps") is not None:
+        keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.without_unused_epochs)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
         keys = {k: v for k, v in keys.items() if not k.startswith(("privacy.", "accountant.")) or k == "privacy.sampling"}
     for k in ("algo", "dataset", "model", "target_epsilon", "steps", "status", "batch_size", "sampling"):
