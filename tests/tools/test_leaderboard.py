@@ -56,7 +56,7 @@ def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expec
                                sampling="poisson", neighboring="add_remove"),
         metrics=MetricsResults(metric="accuracy", test_accuracy=accuracy, best_test_accuracy=accuracy + 0.01),
         memory=MemoryResults(peak_bytes=int(start + own_mib * MIB), start_bytes=start, kind="cpu_peak_rss"),
-        throughput=ThroughputResults(samples_per_s=speed),
+        throughput=ThroughputResults(samples_per_s=speed, wall_s=60.0 * (seed + 1)),  # 1 and 2 minutes
         versions={"device": "cpu"},
         config={
             "seed": seed, "name": "bench_fake",
@@ -99,6 +99,7 @@ def test_methods_are_ranked_with_memory_and_speed_ratios_and_the_pareto_frontier
     assert grape.accuracy == 84.375 and grape.accuracy_se == pytest.approx(1.5625)
     assert grape.memory_ratio_private == pytest.approx(400 / 800) and grape.memory_ratio_public == pytest.approx(400 / 300)
     assert grape.speed_ratio == pytest.approx(1.5) and grape.epsilon == pytest.approx(7.99)
+    assert grape.wall_minutes == pytest.approx(1.5)  # the mean run's wall time, in minutes
     # not dominated in (accuracy up, memory down) among the private methods; the ceiling never counts
     assert [e.method for e in pareto_front(board)] == ["dpzero", "dpadam_ghost", "grape"]
     assert not by["dpadam"].pareto and not by["galore_naive"].pareto and not by["adam"].pareto

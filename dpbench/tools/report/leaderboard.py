@@ -23,8 +23,8 @@ from dpbench.tools.report.tables import flags
 PRIVATE_REFERENCE = "dpadam"     # DP-Adam materialising every per-example gradient
 PUBLIC_REFERENCE = "adam"        # non-private Adam
 HEADER = ["rank", "method", "accuracy %", "seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam",
-          "samples/s", "speed ÷ DP-Adam", "ε spent", "steps", "Pareto", "flags"]
-NUMERIC = ("seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam", "samples/s", "speed ÷ DP-Adam", "steps")
+          "samples/s", "speed ÷ DP-Adam", "wall min", "ε spent", "steps", "Pareto", "flags"]
+NUMERIC = ("seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam", "samples/s", "speed ÷ DP-Adam", "wall min", "steps")
 PARETO_MARK = "★"
 CEILING = "ceiling"
 
@@ -54,6 +54,13 @@ class Entry:
     @property
     def samples_per_s(self) -> float | None:
         return self.group.mean("samples_per_s")
+
+    @property
+    def wall_minutes(self) -> float | None:
+        """The mean run's wall time (throughput.wall_s: the whole job, cache and evaluations included;
+        None where privacy.log_private_stats=false withheld it, as a private study's trials do)."""
+        wall = self.group.mean("wall_s")
+        return None if wall is None else wall / 60
 
     @property
     def epsilon(self) -> float | None:
@@ -171,7 +178,7 @@ def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
         body.append([
             CEILING if not e.private else fmt_any(e.rank), e.method, accuracy, str(len(e.group.rows)),
             fmt(e.own_mib, ".1f"), fmt(e.memory_ratio_private, ".2f"), fmt(e.memory_ratio_public, ".2f"),
-            fmt(e.samples_per_s, ".1f"), fmt(e.speed_ratio, ".2f"),
+            fmt(e.samples_per_s, ".1f"), fmt(e.speed_ratio, ".2f"), fmt(e.wall_minutes, ".1f"),
             fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), PARETO_MARK if e.pareto else "", flags(e.group),
         ])
     header = list(HEADER)
@@ -192,9 +199,9 @@ def records(boards: list[Board]) -> tuple[list[str], list[list]]:
     """All boards with numbers as numbers (None where unknown): the W&B Table, sortable."""
     columns = ["dataset", "model", "target_epsilon", "rank", "method", "accuracy_pct", "accuracy_se_pct", "seeds",
                "own_peak_mib", "memory_vs_dpadam", "memory_vs_adam", "samples_per_s", "speed_vs_dpadam",
-               "epsilon_spent", "steps", "pareto", "private", "flags"]
+               "wall_minutes", "epsilon_spent", "steps", "pareto", "private", "flags"]
     data = [[b.dataset, b.model, b.epsilon, e.rank, e.method, e.accuracy, e.accuracy_se, len(e.group.rows), e.own_mib,
-             e.memory_ratio_private, e.memory_ratio_public, e.samples_per_s, e.speed_ratio, e.epsilon,
+             e.memory_ratio_private, e.memory_ratio_public, e.samples_per_s, e.speed_ratio, e.wall_minutes, e.epsilon,
              e.group.first.steps, e.pareto, e.private, flags(e.group)] for b in boards for e in b.entries]
     return columns, data
 

@@ -82,6 +82,7 @@ class RunRow:
     per_sample_grad_bytes: int | None = None
     optimizer_state_bytes: int | None = None
     samples_per_s: float | None = None
+    wall_s: float | None = None  # the run's wall time (whole job: model, cache, steps, evaluations)
     device: str | None = None
     paper_accounting: bool = False
     validation: float | None = None  # noisy validation score (dataset.validation_fraction > 0), a fraction
@@ -243,6 +244,7 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
         per_sample_grad_bytes=figures["memory/per_sample_grad_bytes"],
         optimizer_state_bytes=figures["memory/optimizer_state_bytes"],
         samples_per_s=figures["throughput/samples_per_s"],
+        wall_s=figures["throughput/wall_s"],
         device=(results.versions or {}).get("device"),
         paper_accounting=bool((config.get("algo") or {}).get("paper_accounting")),
         report=config.get("report") or {},
