@@ -108,6 +108,7 @@ class ZerothOrderAlgorithm(Algorithm):
 
     def __init__(self, model, task, cfg, lr, privacy):
         self.mode = "lora" if trains_lora(model, cfg) else "full"
+        weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # before any adapter
         if self.mode == "lora":
             if sharding.is_sharded(model):
                 chose = " (auto's choice for a model built from scratch)" if str(cfg.get("mode")) == "auto" else ""
@@ -126,9 +127,9 @@ class ZerothOrderAlgorithm(Algorithm):
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.dimension = sum(p.numel() for p in self.params)
         if self.mode == "lora" and str(cfg.get("mode")) == "auto":
-            total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
             self.run_notes.append(f"algo.mode=auto: the model is built from scratch, so the estimate trains LoRA adapters "
-                                  f"and the head ({self.dimension:,} of {total:,} weights); algo.mode=full perturbs every weight")
+                                  f"and the head ({self.dimension:,} weights; the model has {weights:,}); "
+                                  "algo.mode=full perturbs every weight")
         self.smoothing = cfg.smoothing
         if not self.smoothing > 0:
             raise UserError(f"algo.smoothing (lambda) must be positive, got {cfg.smoothing}")

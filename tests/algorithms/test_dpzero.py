@@ -275,6 +275,7 @@ def test_auto_mode_trains_lora_on_a_model_from_scratch_and_every_weight_of_a_che
     algo = algorithm_class("mezo")(model, TinyTask(), auto, 0.1, None)
     head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("head."))
     assert algo.mode == "lora" and head < algo.dimension < total / 10
+    assert f"({algo.dimension:,} weights; the model has {total:,})" in algo.run_notes[0]
     assert {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad} == {"blocks", "head"}
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad and n.startswith("blocks"))
     monkeypatch.setattr("dpbench.runtime.sharding.is_sharded", lambda model: True)
