@@ -15,11 +15,7 @@ from dpbench.runtime.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_p
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
-from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS, default_of
-
-# Keys added since runs were stored whose new default is not what those runs did: the value a stored
-# run without the key ran with (zeroth-order runs perturbed every weight before algo.mode existed)
-PREDATING_VALUES = {"algo.mode": "full"}
+from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS, default_of
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:

@@ -102,6 +102,9 @@ RUN_INVARIANT_KEYS = ("logger", "resume", "name", "audit", "threads", "optimize"
 # algo.*), so resume matches and the report averages runs made before they existed (or changed).
 DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_norm", "algo.default_steps",
                      "algo.default_batch_size", "dataset.train_defaults", "paper_setting")
+# Keys added since runs were stored whose new default is not what those runs did: the value a stored
+# run without the key ran with (zeroth-order runs perturbed every weight before algo.mode existed)
+PREDATING_VALUES = {"algo.mode": "full"}
 
 
 def excluded_from_dirname() -> list[str]:

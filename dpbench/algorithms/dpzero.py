@@ -73,7 +73,7 @@ class ZerothOrderOptions(AlgoOptions):
     smoothing: float = 1.0e-3
     direction: Direction = Direction.gaussian
     weight_decay: float = 0.0
-    mode: Mode = Mode.auto  # a run stored before `mode` existed ran full (resume.PREDATING_VALUES)
+    mode: Mode = Mode.auto  # a run stored before `mode` existed ran full (schema.PREDATING_VALUES)
     lora_rank: int = 8  # lora mode: LoRA r and alpha (the reference code's, from MeZO: 8, 16)
     lora_alpha: float = 16.0
     target_modules: Optional[List[str]] = None  # lora mode: null, the model family's LoRA targets

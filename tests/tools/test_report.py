@@ -96,6 +96,7 @@ def test_runs_that_differ_only_in_keys_that_supply_defaults_are_averaged(tmp_pat
     newer = language_results("grape", 21, 0.94)
     newer["config"]["algo"].update(default_lr=0.02, lr_family="adam", default_clip_norm=1.0, default_steps=None)
     newer["config"]["paper_setting"] = {"source": {"grape": "relabelled"}}
+    newer["config"]["algo"]["mode"] = "full"  # a key added since, at the value runs before it had (PREDATING_VALUES)
     write_results(tmp_path / "older", older)
     write_results(tmp_path / "newer", newer)
     assert main([str(tmp_path), "--format", "csv", "--no-plots"]) == 0

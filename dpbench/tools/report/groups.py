@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.schema import DEFAULT_SUPPLIERS, RUN_INVARIANT_KEYS
+from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS
 from dpbench.tools.report.formatting import fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow
 
@@ -26,7 +26,8 @@ IGNORED_PREFIXES = ("device", "report", "hydra", *RUN_INVARIANT_KEYS, *DEFAULT_S
 def _comparable(row: RunRow) -> dict:
     """What must agree for two runs to be averaged: the config minus seeds and bookkeeping, plus
     the steps that actually ran and the status (a diverged run is never averaged with a finished one)."""
-    keys = {k: v for k, v in row.config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
+    config = {**{k: v for k, v in PREDATING_VALUES.items() if k.split(".")[0] + ".name" in row.config}, **row.config}
+    keys = {k: v for k, v in config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
     if keys.get("train.steps") is not None:
         keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.without_unused_epochs)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
