@@ -17,6 +17,8 @@ from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
 from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS, default_of
 
+UNUSED_WITH_STEPS = "train.epochs"  # not compared where either side sets train.steps
+
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
@@ -29,6 +31,8 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         a, b = stored.get(key, PREDATING_VALUES.get(dotted, "<absent>")), current.get(key, "<absent>")
         if dotted in DEFAULT_SUPPLIERS:
             continue
+        if dotted == UNUSED_WITH_STEPS and (stored.get("steps") is not None or current.get("steps") is not None):
+            continue  # steps win: epochs change nothing (an algorithm's default_steps nulls them; older runs recorded 30)
         if a == "<absent>" and b == default_of(dotted, current.get("name") if prefix == "algo." else None):
             continue  # a key added since the run was stored, left at its default
         if isinstance(a, dict) and isinstance(b, dict):
@@ -38,19 +42,9 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
     return out
 
 
-def without_unused_epochs(config: dict) -> dict:
-    """The config without train.epochs where train.steps is set (steps win: epochs change nothing;
-    an algorithm's default_steps made them null where runs stored before recorded 30)."""
-    train = config.get("train")
-    if not isinstance(train, dict) or train.get("steps") is None:
-        return config
-    return {**config, "train": {k: v for k, v in train.items() if k != "epochs"}}
-
-
 def matches_config(stored: dict, cfg: DictConfig, held: str, otherwise: str) -> bool:
     """Whether a stored run (results.json or checkpoint) is of this config; if not, say so."""
-    differences = config_differences(without_unused_epochs(stored.get("config") or {}),
-                                     without_unused_epochs(resolved_config(cfg)))
+    differences = config_differences(stored.get("config") or {}, resolved_config(cfg))
     if differences:
         console.print(f"[yellow]note:[/] {held} of another config ({'; '.join(differences[:4])}); {otherwise}",
                       soft_wrap=True)
@@ -105,12 +99,12 @@ def unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path | None:
     run_dir = Path(run_dir)
     if not cfg.resume or not run_dir.parent.is_dir():
         return None
-    current = without_unused_epochs(resolved_config(cfg))
+    current = resolved_config(cfg)
     attempts = [path.parent for path in run_dir.parent.glob(f"*/{CHECKPOINT_FILE}")
                 if path.parent != run_dir and not (path.parent / RESULTS_FILE).exists()]
     for folder in sorted(attempts, key=lambda folder: checkpoint_path(folder).stat().st_mtime, reverse=True):
         stored = stored_config(folder)
-        if stored is not None and not config_differences(without_unused_epochs(stored), current):
+        if stored is not None and not config_differences(stored, current):
             return folder
     return None
 

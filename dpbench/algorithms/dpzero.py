@@ -108,10 +108,11 @@ class ZerothOrderAlgorithm(Algorithm):
 
     def __init__(self, model, task, cfg, lr, privacy):
         self.mode = "lora" if trains_lora(model, cfg) else "full"
-        weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # before any adapter
+        auto = str(cfg.get("mode")) == "auto"
         if self.mode == "lora":
+            weights = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # before the adapters
             if sharding.is_sharded(model):
-                chose = " (auto's choice for a model built from scratch)" if str(cfg.get("mode")) == "auto" else ""
+                chose = " (auto's choice for a model built from scratch)" if auto else ""
                 raise UserError(f"algo.mode=lora{chose} does not run sharded (train.sharding=fsdp); set algo.mode=full")
             model = inject_lora(model, OmegaConf.create({
                 "name": cfg.name, "rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
@@ -126,7 +127,7 @@ class ZerothOrderAlgorithm(Algorithm):
             raise UserError(f"algo={cfg.name} found no trainable parameter in the model")
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.dimension = sum(p.numel() for p in self.params)
-        if self.mode == "lora" and str(cfg.get("mode")) == "auto":
+        if self.mode == "lora" and auto:
             self.run_notes.append(f"algo.mode=auto: the model is built from scratch, so the estimate trains LoRA adapters "
                                   f"and the head ({self.dimension:,} weights; the model has {weights:,}); "
                                   "algo.mode=full perturbs every weight")

@@ -29,7 +29,7 @@ def _comparable(row: RunRow) -> dict:
     config = {**{k: v for k, v in PREDATING_VALUES.items() if k.split(".")[0] + ".name" in row.config}, **row.config}
     keys = {k: v for k, v in config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
     if keys.get("train.steps") is not None:
-        keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.without_unused_epochs)
+        keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.UNUSED_WITH_STEPS)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
         keys = {k: v for k, v in keys.items() if not k.startswith(("privacy.", "accountant.")) or k == "privacy.sampling"}
     for k in ("algo", "dataset", "model", "target_epsilon", "steps", "status", "batch_size", "sampling"):
