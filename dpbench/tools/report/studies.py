@@ -271,16 +271,17 @@ def plot_tuned_vs_paper(board: StudyBoard, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(shown) + 1.6))
     ys = range(len(shown))
     ax.barh([y + 0.2 for y in ys], [e.paper_accuracy or 0 for e in shown], height=0.4, color="#bbbbbb",
-            label="paper hyperparameters (one run's ε)")
+            label="untuned: the benchmark preset's hyperparameters (one run's ε)")
     ax.barh([y - 0.2 for y in ys], [e.accuracy for e in shown], height=0.4, xerr=[e.accuracy_se or 0 for e in shown],
             color="#3b75af", label="tuned privately (the study's ε)")
     ax.set_yticks(list(ys), [e.method for e in shown])
     ax.invert_yaxis()
     ax.set_xlabel("test accuracy %")
     ax.set_title(board.title, fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    # below the axes: inside, it hides the shortest bars
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14 - 0.6 / len(shown)), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
