@@ -9,6 +9,7 @@ published (publish.py)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import secrets
@@ -34,6 +35,20 @@ STUDIES_NOTE = ("each study is charged its own epsilon_study; S studies on the s
 
 def _json_shape(shape: float) -> float | str:
     return "inf" if shape == math.inf else shape  # JSON has no infinity
+
+
+def _earlier_studies(sweep_dir: Path, folders: set[str]) -> list[dict]:
+    """The index entries of studies an earlier sweep left in this folder (another grid, more seeds)
+    that this sweep does not redo: kept, so that studies.json lists every study the folder holds."""
+    path = sweep_dir / INDEX_FILE
+    if not path.is_file():
+        return []
+    stored = json.loads(path.read_text())
+    kept = [entry for entry in stored.get("studies", []) if entry.get("folder") not in folders]
+    for entry in kept:  # entries written before the index kept them carry the header's options
+        entry.setdefault("mean_trials", stored.get("mean_trials"))
+        entry.setdefault("shape", stored.get("shape"))
+    return kept
 
 
 class StudySweep:
@@ -102,13 +117,15 @@ class StudySweep:
         if plan == [("", [])]:
             return self._study(sweep_dir, "", fixed, dimensions)
         index = []
+        earlier = _earlier_studies(sweep_dir, {folder for folder, _ in plan})
         for folder, combination in plan:
             summary = self._study(sweep_dir / folder, folder, [*fixed, *combination], dimensions)
             index.append({"folder": folder, "overrides": combination, "study_id": summary["study_id"],
-                          "epsilon_study": summary["epsilon_study"]})
+                          "epsilon_study": summary["epsilon_study"], "mean_trials": self.mean_trials,
+                          "shape": _json_shape(self.shape)})
             publish.write_json(sweep_dir / INDEX_FILE, {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape),
                                                "studies_per_combination": self.studies, "grid": self.grid,
-                                               "studies": index, "note": STUDIES_NOTE})
+                                               "studies": earlier + index, "note": STUDIES_NOTE})
         return index
 
     def _study(self, sweep_dir: Path, folder: str, fixed: list[str], dimensions: list[Dimension]) -> dict:

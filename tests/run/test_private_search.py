@@ -630,6 +630,20 @@ def test_a_grid_runs_one_independent_study_per_combination_and_repetition(tmp_pa
     assert stored["studies_per_combination"] == 2 and "S x epsilon_study" in stored["note"]
 
 
+def test_a_second_grid_into_the_same_folder_keeps_the_first_grids_studies_in_the_index(tmp_path, monkeypatch):
+    """More seeds for some methods, swept later into the benchmark's folder: studies.json lists
+    every study there, the redone combination once."""
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda mean, shape, rng=None: 1)
+    _Sweeper(tmp_path, _GridLauncher(tmp_path), grid={"algo": "dpsgd,grape", "seed": "0"},
+             keep_private=True)._sweep(["train.lr=interval(0.1, 1)"])
+    _Sweeper(tmp_path, _GridLauncher(tmp_path), grid={"algo": "grape", "seed": "0,1"},
+             keep_private=True)._sweep(["train.lr=interval(0.1, 1)"])
+    stored = json.loads((tmp_path / "studies.json").read_text())
+    folders = [s["folder"] for s in stored["studies"]]
+    assert sorted(folders) == ["algo-dpsgd_seed-0", "algo-grape_seed-0", "algo-grape_seed-1"]
+    assert all(s["mean_trials"] == stored["mean_trials"] for s in stored["studies"])
+
+
 @pytest.mark.parametrize("preset, methods", [("bench_mini_tuned", 8), ("bench_vit_tuned", 8),
                                              ("bench_roberta_tuned", 6), ("bench_opt_tuned", 6)])
 def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, methods):
