@@ -43,7 +43,11 @@ def _earlier_studies(sweep_dir: Path, folders: set[str]) -> list[dict]:
     path = sweep_dir / INDEX_FILE
     if not path.is_file():
         return []
-    stored = json.loads(path.read_text())
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path} is unreadable ({error}); move it aside and sweep again (each study's own "
+                        "study.json still says what it published)") from error
     kept = [entry for entry in stored.get("studies", []) if entry.get("folder") not in folders]
     for entry in kept:  # entries written before the index kept them carry the header's options
         entry.setdefault("mean_trials", stored.get("mean_trials"))

@@ -642,6 +642,11 @@ def test_a_second_grid_into_the_same_folder_keeps_the_first_grids_studies_in_the
     folders = [s["folder"] for s in stored["studies"]]
     assert sorted(folders) == ["algo-dpsgd_seed-0", "algo-grape_seed-0", "algo-grape_seed-1"]
     assert all(s["mean_trials"] == stored["mean_trials"] for s in stored["studies"])
+    (tmp_path / "studies.json").write_text("{not json")
+    with pytest.raises(UserError, match="studies.json is unreadable") as error:
+        _Sweeper(tmp_path, _GridLauncher(tmp_path), grid={"algo": "grape", "seed": "2"},
+                 keep_private=True)._sweep(["train.lr=interval(0.1, 1)"])
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("preset, methods", [("bench_mini_tuned", 8), ("bench_vit_tuned", 8),
