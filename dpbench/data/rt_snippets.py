@@ -9,8 +9,12 @@ into dpbench.
 
 What a run trains and tests on, a fixed function of the file:
 1. plot summaries and empty texts are left out;
-2. texts are de-duplicated on their normalised form (`normalise`): the first copy in file order is
-   kept, with its label and movie (a sentence filed under two movies or two labels is one example);
+2. texts are de-duplicated on their normalised form (`normalise`): a text that occurs more than once
+   is left out altogether, every copy of it. Keeping the first copy in file order would not be
+   1-stable: one row added before a sentence would swap that record's label and movie (a substitution,
+   two records) while the run accounts add/remove. Dropping every repeated text, one added or removed
+   row changes the trained part by at most one record (ARCHITECTURE.md, "the neighbouring relation");
+   `DATA_VERSION` 2 (version 1 kept the first copy);
 3. a keyed hash of `movie_name` (BLAKE2b, the public key `SPLIT_KEY`) below `dataset.test_fraction`
    puts the movie's snippets in the test part. No movie and no sentence is on both sides.
 `dataset.validation_fraction` then holds out training movies the same way (with the validation
@@ -25,6 +29,7 @@ import csv
 import hashlib
 import re
 import unicodedata
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +40,7 @@ ASSET = "rt-snippets"
 LABELS = {"rotten": 0, "fresh": 1}  # `category` -> label; `plot` (summaries) is left out
 COLUMNS = ("category", "text", "movie_name")
 SPLIT_KEY = b"dpbench-rt-snippets-test-v1"  # public and fixed: anyone reproduces the split
+DATA_VERSION = 2  # conf/dataset/rt_snippets.yaml's data_version: 2 drops repeated texts (1 kept the first copy)
 
 
 @dataclass(frozen=True)
@@ -73,15 +79,21 @@ def normalise(text: str) -> str:
 
 
 def snippets(rows: list[dict]) -> list[Snippet]:
-    """Review snippets only, one per normalised text (the first in file order)."""
-    kept: dict[str, Snippet] = {}
+    """Review snippets only, in file order, each normalised text that occurs once (module docstring, 2)."""
+    reviews = []
     for row in rows:
         label = LABELS.get((row.get("category") or "").strip())
         text = (row.get("text") or "").strip()
-        if label is None or not text:
-            continue
-        kept.setdefault(normalise(text), Snippet(text, label, (row.get("movie_name") or "").strip()))
-    return list(kept.values())
+        if label is not None and text:
+            reviews.append(Snippet(text, label, (row.get("movie_name") or "").strip()))
+    return unique_texts(reviews)
+
+
+def unique_texts(items: list[Snippet]) -> list[Snippet]:
+    """The items whose normalised text no other item shares: adding or removing one item changes
+    the result by at most one item (it joins, leaves, or takes its twin out), unlike keep-first."""
+    copies = Counter(normalise(item.text) for item in items)
+    return [item for item in items if copies[normalise(item.text)] == 1]
 
 
 def movie_hash(movie: str) -> float:
@@ -98,6 +110,10 @@ def split_by_movie(items: list[Snippet], test_fraction: float) -> tuple[list[Sni
 
 def load_rt_snippets(dataset_cfg) -> tuple[list[Snippet], list[Snippet]]:
     """(train, test) snippets of `dataset=rt_snippets` (module docstring)."""
+    version = dataset_cfg.get("data_version", DATA_VERSION)
+    if version != DATA_VERSION:  # keep-first (1) is not 1-stable: its runs' add/remove epsilon does not hold
+        raise UserError(f"dataset.data_version={version} is not available: only {DATA_VERSION} (repeated texts dropped, "
+                        f"one row changes the training part by at most one record); remove the override")
     fraction = float(dataset_cfg.get("test_fraction", 0.2))
     if not 0 < fraction < 1:
         raise UserError(f"dataset.test_fraction={fraction} must lie in (0, 1); e.g. dataset.test_fraction=0.2")
