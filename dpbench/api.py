@@ -128,7 +128,7 @@ def load_runs(folder: str | Path):
 
 def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
     """The run's job (task, model, algorithm) rebuilt from the config saved with its model, with dotted
-    `overrides` (dataset.*, device, threads: what the weights do not depend on), its saved weights
+    `overrides` (dataset.*, device, threads, model.path: what the weights do not depend on), its saved weights
     loaded, in eval mode. (Here, not in dpbench.saved_model: rebuilding runs `setup`, and run.py
     imports saved_model to write the file.)"""
     from omegaconf import OmegaConf
@@ -136,24 +136,28 @@ def rebuild(run_dir: str | Path, overrides: list[str] | None = None):
     from dpbench.errors import UserError
     from dpbench.run import setup
     from dpbench.run_config import stored_config
-    from dpbench.saved_model import load_weights, saved_config
+    from dpbench.assets import asset_dir
+    from dpbench.saved_model import find_base, load_weights, saved_config
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a folder; give a run folder such as outputs/runs/<run>")
     config = stored_config(saved_config(run_dir))  # older runs' epsilon beside sigma reads as today's checks want
-    allowed = ("dataset.", "device=", "threads=")
+    allowed = ("dataset.", "device=", "threads=", "model.path=")
     for override in overrides or []:
         if not override.startswith(allowed) or "=" not in override:
             raise UserError(f"cannot override {override.split('=')[0]!r} when evaluating a saved model: only "
-                            "dataset.*, device and threads (the weights depend on the rest)")
+                            "dataset.*, device, threads and model.path (the weights depend on the rest)")
         key, absent = override.split("=")[0], object()
         if OmegaConf.select(config, key, default=absent) is absent:  # a typo would evaluate the run's own test set
             raise UserError(f"{key} is not a key of this run's config (dataset keys: "
                             f"{', '.join(config.get('dataset') or {})})")
     config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides or [])))
+    base = find_base(run_dir, config.model)  # by SHA-256, before anything is built: a moved cache still serves
+    if base is not None and not (config.model.get("asset") and base == asset_dir(str(config.model.asset))):
+        config.model.path = str(base)  # model.path wins over model.asset (dpbench/models/bert.py)
     job = setup(config)
-    load_weights(job.model, run_dir)
+    load_weights(job.model, run_dir, base)
     job.model.eval()
     return job
 

@@ -16,7 +16,8 @@ What the file holds (safetensors: tensors plus a string-to-string header, no pic
 - the resolved config, which rebuilds the task, model and algorithm (LoRA adds its adapters).
 
 `load_model(run_dir)` (also `dpbench.api.load_model`) rebuilds from the header and loads the
-weights; `dpbench-evaluate RUN_DIR` prints its test metric.
+weights; `dpbench-evaluate RUN_DIR` prints its test metric. The base checkpoint is found by its
+SHA-256, not by the path it had where the run trained (`find_base`): a moved cache still serves.
 """
 
 from __future__ import annotations
@@ -128,8 +129,35 @@ def saved_config(run_dir: Path) -> dict:
     return stored["config"]
 
 
-def load_weights(model: torch.nn.Module, run_dir: Path) -> None:
-    """Load the saved weights into a model rebuilt from `saved_config` (UserError if they do not fit)."""
+def find_base(run_dir: Path, model_cfg=None) -> Path | None:
+    """The base checkpoint the saved model's frozen parts are rebuilt from (None: it has none), found
+    by its SHA-256 among `model.path` (as given now), the fetched `model.asset` in the current cache
+    and the path it had when the run trained; else one line before anything is rebuilt."""
+    path = Path(run_dir) / MODEL_FILE
+    base = read_header(path)["base"] if path.is_file() else None
+    if base is None:
+        return None
+    candidates = []
+    if model_cfg is not None and model_cfg.get("path"):
+        candidates.append(Path(str(model_cfg.path)).expanduser())
+    if model_cfg is not None and model_cfg.get("asset"):
+        from dpbench.assets import asset_dir, fetch_command
+
+        candidates.append(asset_dir(str(model_cfg.asset)))
+    candidates.append(Path(base["path"]))
+    candidates = list(dict.fromkeys(candidates))
+    for candidate in candidates:
+        if candidate.exists() and sha256_of_checkpoint(candidate) == base["sha256"]:
+            return candidate
+    fetch = (f", or fetch the asset with `{fetch_command(str(model_cfg.asset))}`"
+             if model_cfg is not None and model_cfg.get("asset") else "")
+    raise UserError(f"{path} needs its base checkpoint (SHA-256 {base['sha256'][:12]}...), which is not at "
+                    f"{' nor '.join(map(str, candidates))}: give its place with model.path=DIR{fetch}")
+
+
+def load_weights(model: torch.nn.Module, run_dir: Path, base_folder: Path | None = None) -> None:
+    """Load the saved weights into a model rebuilt from `saved_config` (UserError if they do not fit);
+    `base_folder`: the base checkpoint `find_base` found (else it is looked up at its saved path)."""
     from safetensors.torch import load_file
 
     from dpbench.runtime.algorithm_state import CheckpointMismatch, check_frozen
@@ -145,11 +173,8 @@ def load_weights(model: torch.nn.Module, run_dir: Path) -> None:
         return
     header = read_header(path)
     base = header["base"]
-    if base is not None:
-        where = Path(base["path"])
-        if not where.exists() or sha256_of_checkpoint(where) != base["sha256"]:
-            raise UserError(f"{path} needs its base checkpoint {where} with SHA-256 {base['sha256'][:12]}..., "
-                            "which is missing or differs; restore it (model.path) to load this model")
+    if base is not None and base_folder is None:
+        find_base(run_dir)  # the checkpoint at its saved path, or one line
     tensors = load_file(str(path))  # on the CPU; load_state_dict copies them to the model's device
     expected = set(model.state_dict()) - set(header["aliases"])
     if base is not None:

@@ -242,3 +242,27 @@ def test_the_audits_dropout_off_silences_attention_dropout(files):
     assert model.training
     torch.testing.assert_close(model(batch.input_ids, batch.attention_mask), model(batch.input_ids, batch.attention_mask),
                                rtol=0, atol=0)
+
+
+def test_a_saved_model_finds_its_base_checkpoint_by_hash_after_the_folder_moves(files, tmp_path):
+    import shutil
+
+    from dpbench.api import rebuild
+    from dpbench.run import run_job
+
+    model, corpus = files
+    trained_on = tmp_path / "cache" / "model"
+    shutil.copytree(model, trained_on)
+    run = tmp_path / "run"
+    results = run_job(compose([*OFFLINE, "model=minilm", f"model.path={trained_on}", "dataset=rt_snippets",
+                               f"dataset.path={corpus}", "dataset.test_fraction=0.5", "dataset.max_length=8",
+                               "algo=adam", "train.steps=1", "train.batch_size=4", "train.physical_batch_size=4"]), run, show_progress=False)
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.move(str(trained_on), moved)
+    with pytest.raises(UserError, match="model.path=DIR"):  # one line, before the task is rebuilt
+        rebuild(run)
+    job = rebuild(run, [f"model.path={moved}"])
+    assert job.task.evaluate(job.model)["accuracy"] == results.metrics.test_accuracy
+    other = write_tiny_bert(tmp_path / "other", seed=1)  # another checkpoint: its hash differs
+    with pytest.raises(UserError, match="SHA-256"):
+        rebuild(run, [f"model.path={other}"])

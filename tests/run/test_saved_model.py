@@ -38,7 +38,7 @@ def test_a_run_keeps_its_model_and_evaluating_it_again_gives_the_final_test_figu
     assert evaluate.main([str(tmp_path)]) == 0
     assert f"test acc {results.metrics.test_accuracy:.4f}" in capsys.readouterr().out
     assert evaluate.main([str(tmp_path), "train.lr=1"]) == 2  # the weights depend on it: refused in one line
-    assert "only dataset.*, device and threads" in capsys.readouterr().err
+    assert "only dataset.*, device, threads and model.path" in capsys.readouterr().err
     assert evaluate.main([str(tmp_path / "nope")]) == 2
 
 
