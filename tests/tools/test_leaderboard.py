@@ -340,3 +340,17 @@ def test_the_linear_probe_is_its_own_method():
     probe = RunRow(path="p", algo="dpadam", algo_config={"per_sample": "bk"}, config={"model.trained_blocks": 0})
     assert method_name(probe) == "dpadam_bk_probe"
     assert method_name(RunRow(path="q", algo="dpadam", config={"model.trained_blocks": 2})) == "dpadam"
+
+
+def test_a_ranking_on_few_seeds_or_within_the_noise_gets_a_caveat(tmp_path):
+    from dpbench.tools.report.leaderboard import headline
+
+    folder = tmp_path / "close"
+    for method in ("dpadam", "grape", "dpzero"):  # two seeds each; dpadam 81.25 ± 6.25 and grape 85.9 ± 1.6 overlap
+        for seed in (0, 1):
+            write_run(folder, method, seed, 8.0)
+    lines = headline(boards_of(folder))
+    (few,) = [line for line in lines if "fewer than 3 seeds" in line]
+    assert "dpadam (2)" in few and "grape (2)" in few and "dpzero (2)" in few
+    (close,) = [line for line in lines if "under 2 SE" in line]
+    assert "grape vs dpadam" in close and "dpzero" not in close  # dpzero trails by 50 points: settled

@@ -295,9 +295,33 @@ def fairness_markdown(items: list[Fairness]) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+MIN_SEEDS = 3  # a ranking on fewer seeds gets a caveat: one seed has no standard error at all
+
+
+def ranking_caveats(board: Board) -> list[str]:
+    """What the ranking cannot claim: methods on fewer than MIN_SEEDS seeds, and neighbouring ranks
+    whose accuracy gap is under 2 SE of the difference (√(SE₁² + SE₂²)): a reader should not take
+    their order as settled."""
+    ranked = [e for e in board.entries if e.rank is not None]
+    few = [f"{e.method} ({len(e.group.rows)})" for e in ranked if len(e.group.rows) < MIN_SEEDS]
+    close = []
+    for upper, lower in zip(ranked, ranked[1:]):
+        if upper.accuracy_se is None or lower.accuracy_se is None:
+            continue  # a one-seed row: the seeds caveat covers it
+        se = (upper.accuracy_se ** 2 + lower.accuracy_se ** 2) ** 0.5
+        if upper.accuracy - lower.accuracy < 2 * se:
+            close.append(f"{upper.method} vs {lower.method} ({upper.accuracy - lower.accuracy:.1f} < 2 SE = {2 * se:.1f})")
+    lines = []
+    if few:
+        lines.append(f"{board.title}: caveat: ranked on fewer than {MIN_SEEDS} seeds: {', '.join(few)}")
+    if close:
+        lines.append(f"{board.title}: caveat: gaps under 2 SE, order not settled: {'; '.join(close)}")
+    return lines
+
+
 def headline(boards: list[Board]) -> list[str]:
-    """One line per board: the most accurate private method and the Pareto frontier; then, per task
-    with several ε, how well the rankings at each pair of ε agree."""
+    """One line per board: the most accurate private method and the Pareto frontier, and the caveats
+    of its ranking; then, per task with several ε, how well the rankings at each pair of ε agree."""
     lines = []
     for b in boards:
         best = next((e for e in b.entries if e.rank == 1), None)
@@ -305,6 +329,7 @@ def headline(boards: list[Board]) -> list[str]:
         if best is not None:
             lines.append(f"{b.title}: most accurate private method {best.method} ({fmt(best.accuracy, '.1f')}%); "
                          f"accuracy-vs-memory Pareto frontier: {front or '—'}")
+        lines += ranking_caveats(b)
     return lines + epsilon_agreement(boards)
 
 
