@@ -110,8 +110,9 @@ def require_asset(name: str) -> Path:
                             f"`{fetch_command(name)} --force`")
     unpinned = unpinned_entries(spec, folder)
     if unpinned:
-        raise UserError(f"asset {name}: {folder} holds {', '.join(unpinned)}, which dpbench does not pin (a loader "
-                        f"would read it, e.g. apply an adapter); remove it, or fetch again with `{fetch_command(name)} --force`")
+        raise UserError(f"asset {name}: {folder} holds what the asset does not pin: {', '.join(unpinned)} (the loaders "
+                        "read what the folder holds: from_pretrained would apply an adapter unasked); remove it, or fetch "
+                        f"again with `{fetch_command(name)} --force`")
     return folder
 
 

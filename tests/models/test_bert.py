@@ -210,7 +210,7 @@ def test_an_asset_folder_holding_an_unpinned_adapter_is_refused_before_any_load(
         with pytest.raises(UserError) as error:
             load(model_cfg)
         message = str(error.value)
-        assert "\n" not in message and "holds adapter_config.json, extra," in message
+        assert "\n" not in message and "does not pin: adapter_config.json, extra (" in message
         assert "dpbench-fetch tiny-bert --force" in message
 
 # One step per algorithm family: non-private, DP first-order (each engine above), projected,
