@@ -8,6 +8,8 @@ Every kept file's SHA-256 is pinned here; a file whose bytes differ is refused a
 The cache: `$DPBENCH_CACHE/assets/<name>` when DPBENCH_CACHE is set, else
 `$XDG_CACHE_HOME/dpbench/assets/<name>` (XDG_CACHE_HOME defaults to ~/.cache). A run reads only
 the cache (no network); a missing or altered asset is a one-line error naming the fetch command.
+The folder holds the pinned files only: any other file is refused at load, because the loaders read
+whatever a folder holds (`from_pretrained` applies an `adapter_config.json` and its weights unasked).
 """
 
 from __future__ import annotations
@@ -94,9 +96,9 @@ def fetch_command(name: str) -> str:
 
 
 def require_asset(name: str) -> Path:
-    """The asset's folder, every pinned file present with its pinned hash; else a one-line error
-    naming the fetch command. Re-hashing (about 0.3 s for the 91 MB model) catches a file altered
-    or truncated after the fetch."""
+    """The asset's folder, every pinned file present with its pinned hash and nothing else; else a
+    one-line error naming the fetch command. Re-hashing (about 0.3 s for the 91 MB model) catches a
+    file altered or truncated after the fetch."""
     spec, folder = asset(name), asset_dir(name)
     for relative, expected in spec.files.items():
         path = folder / relative
@@ -106,4 +108,25 @@ def require_asset(name: str) -> Path:
         if sha256_of(path) != expected:
             raise UserError(f"asset {name}: {path} does not have its pinned SHA-256; fetch it again with "
                             f"`{fetch_command(name)} --force`")
+    unpinned = unpinned_entries(spec, folder)
+    if unpinned:
+        raise UserError(f"asset {name}: {folder} holds what the asset does not pin: {', '.join(unpinned)} (the loaders "
+                        "read what the folder holds: from_pretrained would apply an adapter unasked); remove it, or fetch "
+                        f"again with `{fetch_command(name)} --force`")
     return folder
+
+
+def unpinned_entries(spec: Asset, folder: Path) -> list[str]:
+    """Every file, link or folder under `folder` that is neither a pinned file nor a folder of one
+    (paths relative to `folder`, sorted); a link is listed, never followed."""
+    pinned_folders = {parent.as_posix() for relative in spec.files for parent in Path(relative).parents} - {"."}
+    unpinned = []
+    for root, folders, files in os.walk(folder):
+        here = Path(root)
+        for entry in [*folders, *files]:
+            relative = (here / entry).relative_to(folder).as_posix()
+            pinned = relative in spec.files or (relative in pinned_folders and not (here / entry).is_symlink())
+            if not pinned:
+                unpinned.append(relative)
+        folders[:] = [f for f in folders if (here / f).relative_to(folder).as_posix() in pinned_folders]
+    return sorted(unpinned)

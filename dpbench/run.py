@@ -193,8 +193,8 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
     if job.privacy is not None and not job.privacy.log_private_stats:  # they depend on realised batch sizes
         for values, section in ((memory_figures, "memory"), (throughput, "throughput")):
             values.update(dict.fromkeys(PRIVATE_STATISTIC_FIGURES[section]))
-        notes = [*notes, "memory and throughput figures that depend on realised batch sizes ("
-                 + ", ".join(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys)
+        notes = [*notes, "memory and throughput figures that depend on realised batch sizes or on what ran before "
+                 "in the process (" + ", ".join(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys)
                  + ") are withheld, as privacy.log_private_stats is off; the benchmarks measure them"]
     counters = algorithm.unnoised_counters()
     extra = {**algorithm.extra_results(), **counters}

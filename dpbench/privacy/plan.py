@@ -112,9 +112,11 @@ UNNOISED_RELEASES = (
     "depend on the realised batch sizes and the longest sampled record), and W&B's system metrics",
 )
 
-# results.json figures that depend on realised batch sizes: withheld (None) unless log_private_stats
+# results.json figures withheld (None) unless log_private_stats: those that depend on realised batch
+# sizes, and start_bytes, the process's size when the run began (what ran before it in the process:
+# a private study's first trial starts smaller than its later ones, which tells K)
 PRIVATE_STATISTIC_FIGURES = {
-    "memory": ("peak_bytes", "cuda_max_allocated", "per_sample_grad_bytes"),
+    "memory": ("peak_bytes", "cuda_max_allocated", "per_sample_grad_bytes", "start_bytes"),
     "throughput": ("samples_per_s", "wall_s"),
 }
 

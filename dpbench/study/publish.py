@@ -14,7 +14,10 @@ bound hides, and the other trials' outcomes are not released by it. So a study f
                               first key ("outside_epsilon") say that epsilon_study does not cover it.
 
 A folder name or a trial number would leak K (trial_7 exists, so K >= 8): the selected run is
-renamed to selected_trial/ and study.json names no trial index.
+renamed to selected_trial/ and study.json names no trial index. Times would too: the trials run one
+after another, so the selected trial's files' times against the sweep's start and study.json's
+count the trials before and after it. Every published file and folder of a sweep folder gets one
+time, the folder's stamp (`sweep_stamp`: the first sweep's start there, taken before any K is drawn).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +35,7 @@ from dpbench.study.trials import TrialOutcome, parse_shape, selected_trial
 from dpbench.errors import UserError
 
 STUDY_FILE, STATE_FILE = "study.json", "study_state.json"
+SWEEP_CONFIG, INDEX_FILE = "multirun.yaml", "studies.json"  # the sweep folder's own published files
 PRIVATE_DIR, SELECTED_DIR = "private_outside_epsilon", "selected_trial"
 STATE_FORMAT = 2  # 1: study_state.json beside study.json (dpbench before the private area)
 STUDY_SCHEMA = "dpbench.study/2"  # 1 (no `schema` key): study.json held K and every outcome
@@ -159,6 +164,38 @@ def finish(study_dir: Path, state: dict, outcomes: list[TrialOutcome], planned, 
     if not keep_private:
         shutil.rmtree(private, ignore_errors=True)
     return summary
+
+
+def sweep_stamp(sweep_dir: Path) -> int:
+    """The one time (ns, whole seconds) every published file of `sweep_dir` carries: its multirun.yaml's
+    (stamped so by the first sweep there, written at that sweep's start), else now, at this sweep's
+    start. Read before multirun.yaml is written again: a resumed or later sweep keeps the first one's,
+    so no two published times span a study's trials."""
+    config = Path(sweep_dir) / SWEEP_CONFIG
+    seconds = config.stat().st_mtime_ns // 10**9 if config.is_file() else int(time.time())
+    return seconds * 10**9
+
+
+def published_paths(sweep_dir: Path) -> list[Path]:
+    """What a sweep folder publishes: multirun.yaml, studies.json, and each study's study.json and
+    selected_trial/ (every file and folder in it), with the folders that lead to them. Private areas and
+    what else the folder holds (a launcher's records, e.g. .submitit/) are not published."""
+    root = Path(sweep_dir)
+    paths = [root / SWEEP_CONFIG, root / INDEX_FILE]
+    for study_file in root.rglob(STUDY_FILE):
+        study = study_file.parent
+        if PRIVATE_DIR in study.relative_to(root).parts:
+            continue
+        paths += [study_file, study / SELECTED_DIR, *(study / SELECTED_DIR).rglob("*")]
+        paths += [study, *(folder for folder in study.parents if root in folder.parents)]
+    return list(dict.fromkeys(p for p in [root, *paths] if p.exists() or p.is_symlink()))
+
+
+def stamp_published(sweep_dir: Path, stamp_ns: int) -> None:
+    """Every published file and folder of `sweep_dir` gets the time `stamp_ns` (modification and access):
+    none then depends on how long any study ran, i.e. on its K."""
+    for path in published_paths(sweep_dir):
+        os.utime(path, ns=(stamp_ns, stamp_ns), follow_symlinks=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dpbench.study import trials as study_trials
 from dpbench.study.planner import TrialPlanner
 from dpbench.study.space import Dimension, draw_values, parse_search_space, study_folders, with_config_space
 
-INDEX_FILE = "studies.json"
+INDEX_FILE = publish.INDEX_FILE
 STUDIES_NOTE = ("each study is charged its own epsilon_study; S studies on the same data together cost their "
                 "composition (at most S x epsilon_study): publish one per method, or state the total")
 
@@ -116,10 +116,14 @@ class StudySweep:
         fixed, dimensions = parse_search_space([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        stamp = publish.sweep_stamp(sweep_dir)  # before any K is drawn; a resumed sweep keeps the first one's
+        OmegaConf.save(self.config, sweep_dir / publish.SWEEP_CONFIG)
+        publish.stamp_published(sweep_dir, stamp)  # multirun.yaml keeps the stamp should this sweep stop
         plan = study_folders(self.grid, self.studies)
         if plan == [("", [])]:
-            return self._study(sweep_dir, "", fixed, dimensions)
+            summary = self._study(sweep_dir, "", fixed, dimensions)
+            publish.stamp_published(sweep_dir, stamp)
+            return summary
         index = []
         earlier = _earlier_studies(sweep_dir, {folder for folder, _ in plan})
         for folder, combination in plan:
@@ -130,6 +134,7 @@ class StudySweep:
             publish.write_json(sweep_dir / INDEX_FILE, {"mean_trials": self.mean_trials, "shape": _json_shape(self.shape),
                                                "studies_per_combination": self.studies, "grid": self.grid,
                                                "studies": earlier + index, "note": STUDIES_NOTE})
+            publish.stamp_published(sweep_dir, stamp)  # after each study: a sweep stopped later leaves no time behind
         return index
 
     def _study(self, sweep_dir: Path, folder: str, fixed: list[str], dimensions: list[Dimension]) -> dict:

@@ -184,6 +184,35 @@ def test_a_sentence_model_with_another_dataset_is_a_user_error(files, tmp_path):
         build_task(compose([*OFFLINE, "model=minilm", f"model.path={files[0]}", "dataset=sst2", f"dataset.path={sst2}"]), CPU)
 
 
+def test_an_asset_folder_holding_an_unpinned_adapter_is_refused_before_any_load(files, tmp_path, monkeypatch):
+    """`from_pretrained` applies an adapter_config.json and its weights found in the folder unasked:
+    an asset (the tiny BERT pinned as one) holding any file it does not pin is refused in one line
+    that names the file and the fix; the same folder without them loads."""
+    import hashlib
+    import shutil
+
+    from dpbench import assets
+    from dpbench.models.bert import load_classifier, load_tokenizer
+
+    monkeypatch.setenv(assets.CACHE_VARIABLE, str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "assets" / "tiny-bert"
+    shutil.copytree(files[0], folder)
+    pinned = {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*")}
+    monkeypatch.setitem(assets.ASSETS, "tiny-bert", assets.Asset("tiny-bert", "tiny-bert", "0", "model", pinned, "test"))
+    model_cfg = bert_cfg(files).model
+    model_cfg.path, model_cfg.asset = None, "tiny-bert"
+    vocab = len(load_tokenizer(model_cfg))
+    assert isinstance(load_classifier(model_cfg, 2, vocab), torch.nn.Module)  # the pinned files alone: loaded
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "."}')
+    (folder / "extra").mkdir()
+    (folder / "extra" / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    for load in (load_tokenizer, lambda cfg: load_classifier(cfg, 2, vocab)):
+        with pytest.raises(UserError) as error:
+            load(model_cfg)
+        message = str(error.value)
+        assert "\n" not in message and "does not pin: adapter_config.json, extra (" in message
+        assert "dpbench-fetch tiny-bert --force" in message
+
 # One step per algorithm family: non-private, DP first-order (each engine above), projected,
 # LoRA, zeroth-order. B = 2, T = 8.
 FAMILIES = {"adam": [], "dpadam": ["algo.per_sample=bk"], "grape": [], "dplora": [], "dpzero": []}

@@ -430,6 +430,8 @@ def test_a_study_through_the_console_script(tmp_path):
     assert results["metrics"].get("test_accuracy") is None  # a trial reads no test example
     assert results["privacy"]["log_private_stats"] is False and results["epsilon_covers"]["outside_epsilon"] == []
     assert results["metrics"]["train_loss"] is None and results["memory"]["per_sample_grad_bytes"] is None
+    assert results["memory"]["start_bytes"] is None  # no process-level figure: a process's first trial starts smaller
+    assert len({path.stat().st_mtime_ns for path in publish.published_paths(sweep)}) == 1  # one time: no trial's own
     assert results["throughput"]["samples_per_s"] is None and results["config"]["logger"]["name"] == "none"
     # every trial (the private area, kept as asked) trained the same way
     trials = sorted((sweep / publish.PRIVATE_DIR).glob("trial_*"))
@@ -674,3 +676,96 @@ def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, method
         assert job.dataset.validation_fraction == 0.2 and job.privacy.noise_multiplier is None
         assert job.privacy.log_private_stats is False  # a published benchmark holds no un-noised statistic
         assert job.report.compare_with == f"outputs/multirun/{preset.removesuffix('_tuned')}"
+
+
+# ------------------------------------------------------------------ what the published files' times tell
+
+
+class _TimedLauncher(_Launcher):
+    """Each trial takes a simulated minute (its files get that time), scores its train.lr, and writes
+    files from its overrides alone: the same drawn values write the same files in any study."""
+
+    def __init__(self, sweep_dir: Path):
+        super().__init__(sweep_dir)
+        self.clock, self.first_launch_ns = None, None
+
+    def launch(self, batch, initial_job_idx):
+        import os
+        import time
+
+        self.first_launch_ns = self.first_launch_ns or time.time_ns()
+        self.clock = self.clock or time.time_ns()
+        returns = []
+        for overrides in batch:
+            subdir = [o for o in overrides if o.startswith("hydra.sweep.subdir=")][0].split("=", 1)[1]
+            own = [o for o in overrides if not o.startswith("hydra.sweep.subdir=")]
+            self.calls.append((subdir, own))
+            folder = self.sweep_dir / subdir
+            (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+            (folder / ".hydra" / "overrides.yaml").write_text("\n".join(own) + "\n")
+            (folder / "results.json").write_text(json.dumps(
+                {"status": "completed", "privacy": {"ledger": _ledger(1.0, 0.02, 5).as_records()}, "overrides": own}))
+            self.clock += 60 * 10**9
+            for path in [folder, *folder.rglob("*")]:
+                os.utime(path, ns=(self.clock, self.clock))
+            lr = next(o for o in own if o.startswith("train.lr="))
+            returns.append(types.SimpleNamespace(return_value=float(lr.split("=", 1)[1])))
+        return returns
+
+
+def _published_tree(sweep_dir: Path) -> dict:
+    """{path: (mtime against multirun.yaml's, size, bytes)} of every file and folder in the sweep folder."""
+    reference = (sweep_dir / publish.SWEEP_CONFIG).stat().st_mtime_ns
+    tree = {".": (sweep_dir.stat().st_mtime_ns - reference, None, None)}
+    for path in sorted(sweep_dir.rglob("*")):
+        stat = path.stat()
+        tree[path.relative_to(sweep_dir).as_posix()] = (
+            stat.st_mtime_ns - reference, *((stat.st_size, path.read_bytes()) if path.is_file() else (None, None)))
+    return tree
+
+
+def test_no_published_time_size_or_byte_depends_on_k(tmp_path, monkeypatch):
+    """Two sweeps of two studies each, the same selected trial (train.lr=0.9) forced in every study,
+    one with K = 1 and 2, the other with K = 4 and 3 (trials before and after the selected one, each
+    a simulated minute): every published file and folder, studies.json and multirun.yaml included,
+    has the same time, size and bytes in both, and that time is the sweep's start."""
+    import dpbench.api
+    import dpbench.study.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "secrets", types.SimpleNamespace(token_hex=lambda n: "ab" * n))
+    monkeypatch.setattr(dpbench.api, "evaluate_saved", lambda run_dir: {"metric": "accuracy", "accuracy": 0.5})
+    trees = []
+    for ks, draws in (((1, 2), [[0.9], [0.1, 0.9]]), ((4, 3), [[0.2, 0.3, 0.9, 0.1], [0.9, 0.4, 0.5]])):
+        counts, values = iter(ks), iter(f"train.lr={lr}" for lrs in draws for lr in lrs)
+        monkeypatch.setattr(study_trials, "draw_trial_count", lambda mean, shape, rng=None: next(counts))
+        monkeypatch.setattr(sweep_module, "draw_values", lambda dimensions, rng: [next(values)])
+        folder = tmp_path / f"k{sum(ks)}"
+        folder.mkdir()
+        monkeypatch.chdir(folder)  # multirun.yaml names the sweep folder: the same relative name in both
+        launcher = _TimedLauncher(Path("sweep"))
+        _Sweeper(Path("sweep"), launcher, studies=2)._sweep(["train.lr=interval(0.1, 1)"])
+        assert len(launcher.calls) == sum(ks)
+        sweep = folder / "sweep"
+        assert (sweep / publish.SWEEP_CONFIG).stat().st_mtime_ns <= launcher.first_launch_ns  # the sweep's start
+        trees.append(_published_tree(sweep))
+    few, many = trees
+    assert {"studies.json", "multirun.yaml", "study_0/study.json", "study_1/selected_trial/.hydra/overrides.yaml",
+            "study_1/selected_trial/results.json"} <= set(few)
+    assert few == many
+    assert {time for time, _, _ in few.values()} == {0}
+
+
+def test_a_later_sweep_into_the_folder_keeps_its_first_time(tmp_path, monkeypatch):
+    """A resumed or later sweep restamps with the first sweep's time, so no two published times
+    span a study's trials."""
+    import os
+
+    monkeypatch.setattr(study_trials, "draw_trial_count", lambda mean, shape, rng=None: 2)
+    _Sweeper(tmp_path, _TimedLauncher(tmp_path), grid={"seed": "0"})._sweep(["train.lr=interval(0.1, 1)"])
+    earlier = (tmp_path / publish.SWEEP_CONFIG).stat().st_mtime_ns - 3600 * 10**9  # as if it ran an hour ago
+    publish.stamp_published(tmp_path, earlier)
+    _Sweeper(tmp_path, _TimedLauncher(tmp_path), grid={"seed": "1"})._sweep(["train.lr=interval(0.1, 1)"])
+    published = publish.published_paths(tmp_path)
+    assert {p.relative_to(tmp_path).as_posix() for p in published} >= {
+        "seed-0/study.json", "seed-1/selected_trial/results.json", "studies.json", "multirun.yaml"}
+    assert {os.stat(p).st_mtime_ns for p in published} == {earlier}
