@@ -30,6 +30,7 @@ from dpbench.logging.results import (
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.runtime.metering import PeakMemory
+from dpbench.runtime.warmup import warm_up
 from dpbench.models import ModelFamily, family_of
 from dpbench.models.user_checks import check_user_model
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
@@ -322,6 +323,8 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
         return existing
     prepare(cfg, ranks, on_start)
     memory = PeakMemory(resolve_device(cfg.device))
+    warm_up(cfg)  # what the first job of a process would pay alone (imports, first kernels): every job pays it
+    memory.warmed_up = True
     memory.reset()
     started = time.perf_counter()
     checkpoint, earlier = resume_point(cfg, run_dir, ranks)

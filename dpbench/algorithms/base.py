@@ -42,6 +42,8 @@ class Algorithm(ABC):
     # keys of extra_results() computed from the private batch without noise (dropped when
     # privacy.log_private_stats=false)
     unnoised_results: ClassVar[tuple[str, ...]] = ()
+    # libraries it imports when it runs, imported before memory is metered (dpbench/runtime/warmup.py)
+    libraries: ClassVar[tuple[str, ...]] = ()
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)

@@ -23,6 +23,7 @@ class DPLoRAOptions(LoRAOptions):
 @ALGORITHMS.register("dplora", options=DPLoRAOptions)
 class DPLoRA(DPAdam):
     shardable = False  # train.sharding=fsdp: LoRA's injected adapters are not sharded (untested there)
+    libraries = ("peft",)  # the adapters
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

@@ -100,6 +100,7 @@ class ZerothOrderAlgorithm(Algorithm):
     """Two-point estimates along one public random direction per step; subclasses privatise them."""
 
     autocast_forward = False  # losses are evaluated in the model's own dtype
+    libraries = ("peft",)  # algo.mode=lora's adapters
     # One-run canaries are examples with their own two-point difference: they join the estimate
     # after the batch's chunks and are clipped as every example is (`estimate`)
     canary_site = DIRECTION

@@ -26,5 +26,6 @@ class LoRAOptions(AlgoOptions):
 
 @ALGORITHMS.register("lora", options=LoRAOptions)
 class LoRA(Adam):
+    libraries = ("peft",)  # the adapters
     def __init__(self, model, task, cfg, lr, privacy=None):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

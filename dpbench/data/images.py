@@ -62,6 +62,9 @@ def load_digits(cfg, seed: int) -> ImageDataset:
     )
 
 
+load_digits.libraries = ("sklearn.datasets", "sklearn.model_selection", "sklearn.datasets.data", "sklearn.datasets.descr")  # imported when it runs (runtime/warmup.py)
+
+
 @DATASETS.register("synthetic")
 def load_synthetic(cfg, seed: int) -> ImageDataset:
     """Gaussian class clusters of any shape: learnable, tiny, generated on the spot (for tests)."""

@@ -150,6 +150,7 @@ class MemoryResults(Section):
     kind: str | None = None  # what peak_bytes measures (cpu_peak_rss, cuda_max_reserved, ...)
     cuda_max_allocated: int | None = _only_when_known()
     start_bytes: int | None = None
+    warmed_up: bool | None = None  # runtime/warmup.py ran before the meter's reset (None: a run from before it)
     per_sample_grad_bytes: int | None = None
     optimizer_state_bytes: int | None = None
     parameter_bytes: int | None = None

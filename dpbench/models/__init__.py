@@ -62,6 +62,9 @@ class ModelFamily:
     # fnmatch patterns of the transformer blocks `train.sharding=fsdp` wraps one by one (the
     # outermost modules they match; dpbench/runtime/sharding.py); () : the family cannot be sharded.
     block_modules: tuple[str, ...] = ()
+    # Libraries its builder imports when it runs: imported before a job's memory is metered
+    # (dpbench/runtime/warmup.py), so the first job of a process does not pay for them alone.
+    libraries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

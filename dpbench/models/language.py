@@ -38,6 +38,7 @@ class LanguageFamily(ModelFamily):
     objective: str  # "masked" | "causal": the Auto class and the tiny tokenizer's template
     hub: dict[str, str] = field(default_factory=dict)  # size -> hub id
     tiny_config: dict = field(default_factory=dict)  # transformers config of the random-init `tiny`
+    libraries: tuple[str, ...] = ("transformers", "tokenizers", "datasets")  # loaded lazily (warm-up)
 
 
 def register_language_family(name: str, family: LanguageFamily) -> None:

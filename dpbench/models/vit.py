@@ -85,6 +85,7 @@ VIT_FAMILY = ModelFamily(
     lora_targets=("qkv",),
     trained_modules=("head",),  # a from-scratch image head must learn beside the adapters
     block_modules=("blocks.*",),  # train.sharding=fsdp wraps each block
+    libraries=("timm",),
 )
 
 

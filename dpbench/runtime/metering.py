@@ -5,7 +5,8 @@ on a GPU through torch.cuda's peak statistics; on the CPU by resetting Linux's r
 high-water mark (writing 5 to /proc/self/clear_refs) and reading VmHWM afterwards. Before the CPU
 reset, memory freed by an earlier job is handed back to the OS (glibc keeps freed heap pages
 otherwise, and the next job's peak would include them). `start_bytes` is the resident size at
-the reset (interpreter and libraries), so `peak_bytes - start_bytes` is what the run itself added.
+the reset (interpreter and libraries), so `peak_bytes - start_bytes` is what the run itself added;
+the libraries a job loads lazily are loaded before the reset, by every job alike (runtime/warmup.py).
 
 CUDA runs asynchronously: a kernel launched in one step may still run in the next, so the clock
 is read only after `torch.cuda.synchronize()` (step start and end, peak reads). The synchroniser
@@ -44,6 +45,7 @@ class PeakMemory:
         self.device = device
         self.cuda = cuda  # seam: a fake module in the CPU tests
         self.start_bytes = 0
+        self.warmed_up = False  # whether runtime/warmup.py ran before the reset (the own peak is comparable)
 
     @property
     def kind(self) -> str:
@@ -74,8 +76,10 @@ class PeakMemory:
                 "kind": self.kind,
                 "cuda_max_allocated": int(cuda.max_memory_allocated(self.device)),
                 "start_bytes": self.start_bytes,
+                "warmed_up": self.warmed_up,
             }
-        return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind, "start_bytes": self.start_bytes}
+        return {"peak_bytes": _cpu_peak_rss(), "kind": self.kind, "start_bytes": self.start_bytes,
+                "warmed_up": self.warmed_up}
 
 
 def _can_reset_rss() -> bool:

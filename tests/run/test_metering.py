@@ -47,3 +47,53 @@ def test_own_peak_is_one_rule_for_a_read_and_a_results_section():
     assert own_peak_bytes({"kind": "cpu_peak_rss", "peak_bytes": None}) is None
     # The kernel reclaimed more of the interpreter's pages than a tiny run added: nothing of its own.
     assert own_peak_bytes({"kind": "cpu_peak_rss", "peak_bytes": 300, "start_bytes": 301}) == 0
+
+
+WINDOW_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from helpers.config import compose
+from dpbench.runtime.metering import PeakMemory
+from dpbench.run import run_job
+
+at_reset, reset = {}, PeakMemory.reset
+def remembering(self):
+    at_reset.update(dict.fromkeys(sys.modules))
+    reset(self)
+PeakMemory.reset = remembering
+run_job(compose(sys.argv[3:]), sys.argv[2], show_progress=False)
+new = {name for name in set(sys.modules) - set(at_reset) if name.split(".")[0] not in sys.stdlib_module_names}
+print(sorted(name for name in new if not name.startswith("dpbench")))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["algo=grape"],  # the default job: timm, scikit-learn's digits, the accountant
+    ["algo=dpadam", "algo.per_sample=ghost"],
+    ["algo=dplora"],
+    ["algo=dpzero"],
+])
+def test_the_first_job_of_a_process_imports_no_library_while_its_memory_is_metered(overrides, tmp_path):
+    """What the first job of a process would load alone (2.4x the own peak of the same job run fifth
+    in a grid, before the warm-up) is loaded before the meter's reset by every job alike."""
+    import subprocess
+
+    from helpers.config import REPO
+
+    out = subprocess.run([sys.executable, "-c", WINDOW_SCRIPT, str(REPO / "tests"), str(tmp_path),
+                          "logger=none", "train.steps=2", "train.eval_every=2", *overrides],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"imported inside the metered window: {out.stdout.strip().splitlines()[-1]}"
+
+
+def test_the_warm_up_imports_what_the_jobs_components_declare():
+    from helpers.config import compose
+
+    from dpbench.runtime.warmup import EVERY_JOB, libraries_of
+
+    assert libraries_of(compose(["algo=grape"]))[:len(EVERY_JOB)] == list(EVERY_JOB)
+    assert {"timm", "sklearn.datasets"} <= set(libraries_of(compose(["algo=grape"])))  # the ViT's and the digits' loader's
+    assert "peft" in libraries_of(compose(["algo=dplora"])) and "peft" not in libraries_of(compose(["algo=dpadam"]))
+    assert "transformers" in libraries_of(compose(["model=minilm", "dataset=rt_snippets", "algo=dpadam"]))

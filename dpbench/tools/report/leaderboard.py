@@ -171,6 +171,13 @@ def pareto_front(board: Board) -> list[Entry]:
     return sorted((e for e in board.entries if e.pareto), key=lambda e: e.own_mib)
 
 
+def memory_flag(group: Group) -> str:
+    """A CPU own peak metered without the warm-up (runs before it) may hold the imports the first job
+    of a process pays alone: the board cannot vouch for its memory ratios."""
+    unwarmed = [r for r in group.rows if (r.memory_kind or "").startswith("cpu") and r.memory_warmed_up is not True]
+    return "own peak metered without the warm-up: may include a process's first imports" if unwarmed else ""
+
+
 def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
     body = []
     for e in board.entries:
@@ -179,7 +186,8 @@ def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
             CEILING if not e.private else fmt_any(e.rank), e.method, accuracy, str(len(e.group.rows)),
             fmt(e.own_mib, ".1f"), fmt(e.memory_ratio_private, ".2f"), fmt(e.memory_ratio_public, ".2f"),
             fmt(e.samples_per_s, ".1f"), fmt(e.speed_ratio, ".2f"), fmt(e.wall_minutes, ".1f"),
-            fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), PARETO_MARK if e.pareto else "", flags(e.group),
+            fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), PARETO_MARK if e.pareto else "",
+            "; ".join(f for f in (flags(e.group), memory_flag(e.group)) if f),
         ])
     header = list(HEADER)
     header[2] = f"{board.metric} {board.metric_name} % (mean ± SE)"

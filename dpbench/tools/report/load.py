@@ -79,6 +79,7 @@ class RunRow:
     run_mib: float | None = None          # peak minus the resident size at the start of the run
     own_mib: float | None = None          # the run's own peak: allocated on CUDA, peak - start on the CPU
     memory_kind: str | None = None
+    memory_warmed_up: bool | None = None  # the job's imports ran before the meter's reset (runtime/warmup.py)
     per_sample_grad_bytes: int | None = None
     optimizer_state_bytes: int | None = None
     samples_per_s: float | None = None
@@ -241,6 +242,7 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
         run_mib=(peak - start) / MIB if peak is not None and start is not None else None,
         own_mib=own / MIB if own is not None else None,
         memory_kind=figures["memory/kind"],
+        memory_warmed_up=results.memory.warmed_up,
         per_sample_grad_bytes=figures["memory/per_sample_grad_bytes"],
         optimizer_state_bytes=figures["memory/optimizer_state_bytes"],
         samples_per_s=figures["throughput/samples_per_s"],
