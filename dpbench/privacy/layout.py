@@ -143,25 +143,26 @@ def check_layout(model: nn.Module, modules: Iterable[nn.Module], probe: LayoutPr
     kept = [0, 1, 2] if probe.size >= 4 else [0, 1]
     base = probe.batch(kept)
     replaced, allowed = _neighbour(probe, kept, base)
-    _compare(subject, targets, probe, dtype, engine, base, len(kept), [("", _widen(replaced, dtype), allowed)], 1, "")
+    _compare(subject, targets, probe, dtype, engine, base, len(kept), [("", 1, _widen(replaced, dtype), allowed)], "")
     for size in probe.sizes():  # the run's largest chunk and a random size below it
         indices = DRAWS.sample(range(probe.size), size)
-        position = DRAWS.randrange(size)
         base = probe.batch(indices)
-        neighbours = _neighbours(probe, indices, position, base, dtype)
-        _compare(subject, targets, probe, dtype, engine, base, size, neighbours, position, f" in a batch of {size}")
+        neighbours = _neighbours(probe, indices, base, dtype)
+        _compare(subject, targets, probe, dtype, engine, base, size, neighbours, f" in a batch of {size}")
 
 
 def _compare(subject, targets, probe: LayoutProbe, dtype, engine: str, base, examples: int, neighbours,
-             position: int, where: str) -> None:
-    """The hooked layers' rows on `base` (of `examples`) against each neighbouring batch (example
-    `position` replaced, its loss weighted 2): a one-line UserError where rows outside `allowed` moved."""
-    weights = torch.ones(examples, dtype=torch.float64)
-    changed_weights = weights.clone()
-    changed_weights[position] = 2.0  # the replaced example's loss also moves its output gradients
-    first = _record(subject, targets, probe, _widen(base, dtype), weights)
-    for what, batch, allowed in neighbours:
-        second = _record(subject, targets, probe, batch, changed_weights)
+             where: str) -> None:
+    """The hooked layers' rows on `base` (of `examples`) against each neighbouring batch (one
+    example replaced, its loss weighted 2): a one-line UserError where rows outside `allowed` moved."""
+    firsts: dict[int, dict] = {}
+    for what, position, batch, allowed in neighbours:
+        weights = torch.ones(examples, dtype=torch.float64)
+        if position not in firsts:
+            firsts[position] = _record(subject, targets, probe, _widen(base, dtype), weights)
+        first = firsts[position]
+        weights[position] = 2.0  # the replaced example's loss also moves its output gradients
+        second = _record(subject, targets, probe, batch, weights)
         for name, module in targets:
             for call, (a, b) in enumerate(zip(first[module], second[module])):
                 for part, x, y in _pairs(a, b):
@@ -176,35 +177,43 @@ def _compare(subject, targets, probe: LayoutProbe, dtype, engine: str, base, exa
                             "(a batch statistic, a flip or shift of the batch)")
 
 
-def _neighbours(probe: LayoutProbe, indices: list[int], position: int, base, dtype) -> list:
-    """[(what replaces example `position`, the neighbouring batch (widened), examples allowed to
-    move)]: a record of the same class, one of another class (any record where classes are not
-    known), each whose batch has the same shapes, and an outlier (its floating inputs scaled far
-    out, where the batch has any). Where no record fits: the example swapped with another."""
-    shapes, taken = _shapes(base), set(indices)
-    label = probe.label_of(indices[position])
-    wanted = {"a record of the same class": lambda c: c == label,
-              "a record of another class": lambda c: c != label} if label is not None else {"another record": None}
-    drawn = DRAWS.sample(range(probe.size), min(probe.size, len(indices) + CANDIDATE_TRIES))
+def _neighbours(probe: LayoutProbe, indices: list[int], base, dtype) -> list:
+    """[(what replaces the example, its position (drawn afresh for each), the neighbouring batch
+    (widened), the examples allowed to move)]: a record of the same class, one of another class
+    (any record where classes are not known), each whose batch has the same shapes, and an outlier
+    (its floating inputs scaled far out, where the batch has any). Where no record fits: the
+    example swapped with another."""
+    shapes, taken, size = _shapes(base), set(indices), len(indices)
+    drawn = DRAWS.sample(range(probe.size), min(probe.size, size + CANDIDATE_TRIES))
     others = [r for r in drawn if r not in taken][:CANDIDATE_TRIES]
+    kinds = {"a record of the same class": lambda c, label: c == label,
+             "a record of another class": lambda c, label: c != label}
     found = []
-    for what, fits in wanted.items():
+    for what, fits in kinds.items():
+        position = DRAWS.randrange(size)
+        label = probe.label_of(indices[position])
+        if label is None:  # classes unknown: any record, once
+            what, fits = "another record", None
         for record in others:
-            if fits is not None and not fits(probe.label_of(record)):
+            if fits is not None and not fits(probe.label_of(record), label):
                 continue
             candidate = probe.batch([*indices[:position], record, *indices[position + 1:]])
             if _shapes(candidate) == shapes:
-                found.append((what, _widen(candidate, dtype), {position}))
+                found.append((what, position, _widen(candidate, dtype), {position}))
                 break
-    if not found and len(indices) > 1:
-        other = DRAWS.choice([i for i in range(len(indices)) if i != position])
+        if label is None:
+            break
+    if not found and size > 1:
+        position = DRAWS.randrange(size)
+        other = DRAWS.choice([i for i in range(size) if i != position])
         swapped = list(indices)
         swapped[position], swapped[other] = swapped[other], swapped[position]
-        found.append((f"example {other} (no other record fits its shapes)", _widen(probe.batch(swapped), dtype),
+        found.append((f"example {other} (no other record fits its shapes)", position, _widen(probe.batch(swapped), dtype),
                       {position, other}))
-    outlier = _outlier(_widen(base, dtype), position, len(indices))
+    position = DRAWS.randrange(size)
+    outlier = _outlier(_widen(base, dtype), position, size)
     if outlier is not None:
-        found.append(("an outlier (its inputs scaled far out)", outlier, {position}))
+        found.append(("an outlier (its inputs scaled far out)", position, outlier, {position}))
     return found
 
 
