@@ -119,7 +119,12 @@ def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
         others = DRAWS.sample([i for i in range(examples) if i != position], min(NORM_EXAMPLES - 1, examples - 1))
         alone = [_widen(probe.batch([indices[i]]), dtype) for i in [position, *others]]
         if batch is not None:
-            alone[0] = _outlier(alone[0], 0, 1)
+            try:
+                with torch.no_grad():
+                    probe.losses(subject, batch)
+                alone[0] = _outlier(alone[0], 0, 1)
+            except (RuntimeError, IndexError, ValueError):  # inputs far outside what the model takes
+                batch = None
         cases.append((f" in a batch of {examples}", plain if batch is None else batch, [position, *others], alone))
     params = [p for p in subject.parameters() if p.requires_grad]
     expected = []

@@ -51,6 +51,7 @@ REPLACEMENT_TRIES = 16  # records tried for a replacement whose batch has the sa
 # examples' rows are bit-identical in a right layout; mixing moves them by far more.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 OUTLIER_SCALE = 100.0  # an outlier record: its floating inputs x -> 100 x + 100 (far beyond the data's norms)
+OUTLIER = "an outlier (its inputs scaled far out)"
 CANDIDATE_TRIES = 64  # records read for a replacement of the same (another) class
 # Sizes and positions beyond the first records: unpredictable from the seed or the data.
 DRAWS = random.SystemRandom()
@@ -162,7 +163,12 @@ def _compare(subject, targets, probe: LayoutProbe, dtype, engine: str, base, exa
             firsts[position] = _record(subject, targets, probe, _widen(base, dtype), weights)
         first = firsts[position]
         weights[position] = 2.0  # the replaced example's loss also moves its output gradients
-        second = _record(subject, targets, probe, batch, weights)
+        try:
+            second = _record(subject, targets, probe, batch, weights)
+        except (RuntimeError, IndexError, ValueError):
+            if what != OUTLIER:
+                raise
+            continue  # inputs far outside what the model takes (an index, a range it checks): no outlier probe
         for name, module in targets:
             for call, (a, b) in enumerate(zip(first[module], second[module])):
                 for part, x, y in _pairs(a, b):
@@ -213,7 +219,7 @@ def _neighbours(probe: LayoutProbe, indices: list[int], base, dtype) -> list:
     position = DRAWS.randrange(size)
     outlier = _outlier(_widen(base, dtype), position, size)
     if outlier is not None:
-        found.append(("an outlier (its inputs scaled far out)", position, outlier, {position}))
+        found.append((OUTLIER, position, outlier, {position}))
     return found
 
 

@@ -161,3 +161,22 @@ def test_build_engine_refuses_without_a_probe_and_warns_when_told_to_skip_it():
             build_engine(engine, SequenceFirst().double(), probe=sequence_probe)
     with pytest.warns(UserWarning, match="the layout probe is skipped"):
         build_engine("bk", SequenceFirst().double(), unprobed=True).detach()
+
+
+def test_a_model_that_cannot_take_the_outlier_is_probed_without_it():
+    """Floating inputs read as indices: the outlier's are out of range, so that replacement is skipped
+    (not a crash, not a refusal); the other replacements still run."""
+
+    class Indexed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, CLASSES)
+
+        def forward(self, x):
+            return self.head(self.embed(x[:, 0].long()))
+
+    pool, labels = torch.arange(POOL, dtype=torch.float64)[:, None] % 10, torch.arange(POOL) % CLASSES
+    indexed = LayoutProbe(cross_entropy, lambda i: (pool[list(i)], labels[list(i)]), POOL, largest=LARGEST)
+    build_engine("bk", Indexed().double(), probe=indexed).detach()
+    check_norms(Indexed(), indexed, "bk", "model=custom")
