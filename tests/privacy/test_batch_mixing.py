@@ -5,8 +5,9 @@ an outlier, so each is refused in one line in every engine; an ordinary per-exam
 at those sizes. `build_engine` without a probe refuses (or warns, when told `unprobed=True`).
 
 Every refusal here holds whatever the sizes and positions drawn: the largest chunk is even (a flip
-pairs no row with itself) and above 4 (the centring switches on), the outlier tops every feature's
-batch maximum, and each batch of 8 holds several examples of every class."""
+pairs no row with itself) and above 4 (the centring switches on), the outlier tops some feature's
+batch maximum (every record of the pool has a feature above -0.9), and a batch of 8 holds other
+examples of the classes a replacement of another class swaps."""
 
 from __future__ import annotations
 
