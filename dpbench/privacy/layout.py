@@ -65,8 +65,8 @@ class LayoutProbe:
     losses: Callable[[nn.Module, Any], torch.Tensor]
     batch: Callable[[list[int]], Any]
     size: int
-    # The largest chunk the run uses (train.physical_batch_size, else train.batch_size): the probe
-    # also runs at it and at a random size below it. None: the first records only.
+    # The largest chunk the run uses (a user's model: dpbench.models.user_checks.largest_chunk): the
+    # probe also runs at it and at a random size below it. None: the first records only.
     largest: int | None = None
     label: Callable[[int], Any] | None = None  # a record's class (None: read from its batch of one)
 
