@@ -7,10 +7,13 @@ private run trains it: dpbench's own models are covered by its tests, a user's m
    buffer a training forward writes (a running statistic of the batch: it would carry every
    example's data into the model unclipped and un-noised).
 2. The layout probe (`privacy.layout.check_layout`): each example's rows stay together along
-   dimension 0 in every layer the engine hooks (a sequence-first layer fails it).
-3. The engine's per-example gradient norms on the first records equal autograd's on each example
-   alone (float64 copy, dropout off): the norms the clip factors are computed from are the norms of
-   what is summed.
+   dimension 0 in every layer the engine hooks (a sequence-first layer fails it), on the first
+   records and at the run's largest chunk (`train.physical_batch_size`, else `train.batch_size`)
+   and a random size below it, one record replaced at a random position by one of its class, one
+   of another class and an outlier.
+3. The engine's per-example gradient norms equal autograd's on each example alone (float64 copy,
+   dropout off), on the first records and at those two sizes with an outlier record: the norms the
+   clip factors are computed from are the norms of what is summed.
 
 Each failure is one line naming the layer and the fix (exit 2 from the console script).
 """
@@ -18,6 +21,7 @@ Each failure is one line naming the layer and the fix (exit 2 from the console s
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import torch
@@ -46,11 +50,20 @@ def check_user_model(cfg, task, model: nn.Module) -> None:
     name = f"model={cfg.model.name}"
     check_layers(model, engine)
     check_mixing_layers(model, name)
-    probe = LayoutProbe.of_task(task)
+    probe = LayoutProbe.of_task(task, largest_chunk(cfg))
     check_buffers_unwritten(model, probe, name)
     check_layout(model, hooked_modules(model, {}), probe, engine)
     if algo.per_example_engine:
         check_norms(model, probe, engine, name)
+
+
+def largest_chunk(cfg) -> int | None:
+    """The largest batch a forward of the run sees: train.physical_batch_size, else the logical
+    batch plus 4 standard deviations of Poisson sampling's draw (a whole Poisson batch is one chunk)."""
+    physical, logical = cfg.train.get("physical_batch_size"), cfg.train.get("batch_size")
+    if physical:
+        return int(physical)
+    return int(logical + math.ceil(4 * math.sqrt(logical))) if logical else None
 
 
 def check_mixing_layers(model: nn.Module, name: str) -> None:
@@ -71,8 +84,9 @@ def check_buffers_unwritten(model: nn.Module, probe, name: str) -> None:
     before = {n: b.detach().clone() for n, b in subject.named_buffers()}
     if not before:
         return
-    with torch.no_grad():
-        probe.losses(subject, probe.batch(list(range(min(2, probe.size)))))
+    with torch.no_grad():  # at two records and at the run's largest chunk (a statistic kept only above a size)
+        for examples in sorted({min(2, probe.size), min(int(probe.largest or 2), probe.size)}):
+            probe.losses(subject, probe.batch(list(range(examples))))
     for n, b in subject.named_buffers():
         if n in before and (b.shape != before[n].shape or not torch.equal(b, before[n])):
             raise UserError(f"{name}: buffer {n} changes during a training forward (a statistic of the batch), so it "
@@ -81,9 +95,12 @@ def check_buffers_unwritten(model: nn.Module, probe, name: str) -> None:
 
 
 def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
-    """The engine's per-example gradient norms against autograd on each example alone."""
+    """The engine's per-example gradient norms against autograd on each example alone: on the
+    first records, then (where the probe knows the run's largest chunk) on a batch at each of
+    `probe.sizes()` holding an outlier record at a random position, compared at the outlier and at
+    NORM_EXAMPLES - 1 other random examples."""
     from dpbench.privacy.engines import engine_spec
-    from dpbench.privacy.layout import FLOAT64_COPY_LIMIT, _widen
+    from dpbench.privacy.layout import DRAWS, FLOAT64_COPY_LIMIT, _outlier, _widen
 
     size = sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()) * 8
     wide = size <= FLOAT64_COPY_LIMIT  # as the layout probe: a large model is copied in its own dtype
@@ -92,13 +109,31 @@ def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
     for module in subject.modules():  # the same function in the batch and alone (train mode kept: the hooks need it)
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
-    indices = list(range(min(NORM_EXAMPLES, probe.size)))
+    first = list(range(min(NORM_EXAMPLES, probe.size)))
+    # (where, the batch, the positions compared, each of them alone)
+    cases = [("", _widen(probe.batch(first), dtype), first, [_widen(probe.batch([i]), dtype) for i in first])]
+    for examples in probe.sizes():  # the run's largest chunk and a random size below it
+        indices, position = DRAWS.sample(range(probe.size), examples), DRAWS.randrange(examples)
+        plain = _widen(probe.batch(indices), dtype)
+        batch = _outlier(plain, position, examples)
+        others = DRAWS.sample([i for i in range(examples) if i != position], min(NORM_EXAMPLES - 1, examples - 1))
+        alone = [_widen(probe.batch([indices[i]]), dtype) for i in [position, *others]]
+        if batch is not None:
+            try:
+                with torch.no_grad():
+                    probe.losses(subject, batch)
+                alone[0] = _outlier(alone[0], 0, 1)
+            except (RuntimeError, IndexError, ValueError):  # inputs far outside what the model takes
+                batch = None
+        cases.append((f" in a batch of {examples}", plain if batch is None else batch, [position, *others], alone))
     params = [p for p in subject.parameters() if p.requires_grad]
     expected = []
-    for i in indices:
-        loss = probe.losses(subject, _widen(probe.batch([i]), dtype)).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        expected.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+    for _, _, _, alone in cases:
+        norms = []
+        for one in alone:
+            grads = torch.autograd.grad(probe.losses(subject, one).sum(), params, allow_unused=True)
+            norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))))
+        expected.append(norms)
     seen: list[torch.Tensor] = []
 
     def record(norms: torch.Tensor) -> torch.Tensor:
@@ -109,13 +144,20 @@ def check_norms(model: nn.Module, probe, engine: str, name: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")  # as the trainer: inputs need no grad
-            hooked.clipped_sum(probe.losses(subject, _widen(probe.batch(indices), dtype)), record)
+            for _, batch, positions, _ in cases:
+                count = len(seen)
+                hooked.clipped_sum(probe.losses(subject, batch), record)
+                if len(seen) == count:  # no hooked layer: no norm at all
+                    seen.append(torch.zeros(max(positions) + 1, dtype=torch.float64))
     finally:
         hooked.detach()
-    norms = seen[0] if seen else torch.zeros(len(indices), dtype=torch.float64)
-    for i, (got, want) in enumerate(zip(norms.tolist(), torch.stack(expected).cpu().tolist())):
-        if abs(got - want) > tolerance * max(abs(want), 1e-12) + 1e-9:
-            # no value in the message: the norms are statistics of private records
-            raise UserError(f"{name}: algo.per_sample={engine}'s per-example gradient norm of example {i} differs from "
-                            "autograd's on that example alone, so clipping would not bound it; a layer mixes examples or a "
-                            "parameter is read outside its own module's forward: keep each parameter inside its module")
+    for (where, _, positions, _), norms, wanted in zip(cases, seen, expected):
+        for i, want in zip(positions, wanted):
+            got = float(norms[i])
+            if abs(got - want) > tolerance * max(abs(want), 1e-12) + 1e-9:
+                # no value in the message: the norms are statistics of private records
+                raise UserError(f"{name}: algo.per_sample={engine}'s per-example gradient norm of example {i}{where} "
+                                "differs from autograd's on that example alone, so clipping would not bound it; a layer "
+                                "mixes examples (a statistic over the batch, a flip or shift of it) or a parameter is "
+                                "read outside its own module's forward: compute each example alone and keep each "
+                                "parameter inside its module")

@@ -16,10 +16,15 @@ asking an engine for one it lacks is a one-line error before training. The capab
     loss_scale              yes          -      -    LossScaled: loss_scale divided out (fp16)
     coverage_check          -            yes    yes  CoverageChecked: tolerance of the coverage check
     sharded_sums            -            yes    yes  clipped_sum(..., reduce=): each sum reduced as formed (fsdp)
+
+`build_engine(mode, model, probe=LayoutProbe(...))` is the public way to build one on a model of
+your own: it runs the layout probe (privacy/layout.py) first and refuses without a probe unless
+told `unprobed=True`.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
@@ -167,10 +172,26 @@ def engines_with(*capabilities: str) -> list[str]:
 
 
 def build_engine(mode: str, model: nn.Module, sampler_overrides: dict[nn.Module, GradSampler] | None = None, *,
-                 needs: Iterable[str] = (), who: str = "this", probe: LayoutProbe | None = None) -> Engine:
-    """The engine for `algo.per_sample=mode` (`EngineSpec.attach`: its layer checks, and the layout
-    probe where a `probe` is given); a one-line error when it lacks a capability in `needs` (asked
-    for by `who`)."""
+                 needs: Iterable[str] = (), who: str = "this", probe: LayoutProbe | None = None,
+                 unprobed: bool = False) -> Engine:
+    """The engine for `algo.per_sample=mode` on `model`, after its layer checks and the layout probe
+    on `probe` (`EngineSpec.attach`); a one-line error when it lacks a capability in `needs` (asked
+    for by `who`).
+
+        probe = LayoutProbe(losses, batch, size, largest=physical_batch)  # losses(model, batch) -> [B];
+        engine = build_engine("bk", model, probe=probe)                  # batch(indices) -> a batch
+
+    Without a probe nothing shows that the model keeps each example's rows together along dimension
+    0 (a sequence-first or batch-mixing model would be clipped wrong), so it refuses in one line;
+    `unprobed=True` builds the engine all the same, with a warning that the check was skipped."""
     spec = engine_spec(mode)
     spec.require(needs, who)
+    if probe is None and not unprobed:
+        raise UserError(f"build_engine({mode!r}, ...): no probe=LayoutProbe(losses, batch, size, largest=...), so "
+                        "nothing shows that each example's rows stay together along dimension 0 (a sequence-first "
+                        "or batch-mixing model would be clipped wrong); pass one, or unprobed=True to skip the check")
+    if probe is None:
+        warnings.warn(f"build_engine({mode!r}, ..., unprobed=True): the layout probe is skipped, so a sequence-first "
+                      "or batch-mixing model is not refused and its clipped sum may exceed the clip bound",
+                      UserWarning, stacklevel=2)
     return spec.attach(model, sampler_overrides, probe)

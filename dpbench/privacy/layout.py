@@ -15,6 +15,14 @@ rows are bit for bit the same whatever the records hold (each row is computed on
 the outcome depends on the model's structure, not on the records' values. A layer that fails is
 refused in one line naming it and the fix.
 
+Where the probe knows the largest chunk the run uses (`LayoutProbe.largest`: a user's model,
+dpbench/models/user_checks.py), it also runs at that size and at a random size below it, the
+replaced example at a random position, three times at each: by a record of the same class, by
+one of another class, and by an outlier (the record's inputs scaled far out). A model that mixes
+its batch only above some size, only with a partner row (a flip), only through a batch maximum
+or only across classes is refused there. Sizes and positions come from the OS's entropy, not the
+seed. What this cannot prove is in docs/bring-your-own.md.
+
 `check_layers` refuses, before any engine is built, the layer kinds whose per-example gradient
 the engines do not form right: torch's MultiheadAttention and recurrent layers (Opacus's DP
 versions instead; its DPLSTM/DPGRU/DPRNN with materialize only), EmbeddingBag, and an Embedding
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +50,11 @@ REPLACEMENT_TRIES = 16  # records tried for a replacement whose batch has the sa
 # Relative change (of the tensor's largest entry) below which a row counts as unchanged: other
 # examples' rows are bit-identical in a right layout; mixing moves them by far more.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+OUTLIER_SCALE = 100.0  # an outlier record: its floating inputs x -> 100 x + 100 (far beyond the data's norms)
+OUTLIER = "an outlier (its inputs scaled far out)"
+CANDIDATE_TRIES = 64  # records read for a replacement of the same (another) class
+# Sizes and positions beyond the first records: unpredictable from the seed or the data.
+DRAWS = random.SystemRandom()
 
 
 @dataclass(frozen=True)
@@ -51,9 +65,13 @@ class LayoutProbe:
     losses: Callable[[nn.Module, Any], torch.Tensor]
     batch: Callable[[list[int]], Any]
     size: int
+    # The largest chunk the run uses (a user's model: dpbench.models.user_checks.largest_chunk): the
+    # probe also runs at it and at a random size below it. None: the first records only.
+    largest: int | None = None
+    label: Callable[[int], Any] | None = None  # a record's class (None: read from its batch of one)
 
     @classmethod
-    def of_task(cls, task) -> "LayoutProbe":
+    def of_task(cls, task, largest: int | None = None) -> "LayoutProbe":
         set_step = getattr(task, "set_step", None)  # a loss that reads the step (LDAM-DRW) sees the first
 
         def losses(model, batch):
@@ -61,7 +79,22 @@ class LayoutProbe:
                 set_step(0)  # train_step sets each step's own
             return task.per_sample_loss(model, batch)
 
-        return cls(losses, task.batch, int(task.train_size))
+        return cls(losses, task.batch, int(task.train_size), largest, getattr(task, "train_label", None))
+
+    def sizes(self) -> list[int]:
+        """The batch sizes probed beyond the first records: the largest chunk (one record kept spare
+        for a replacement) and a random size below it; none without `largest`."""
+        top = min(int(self.largest or 0), self.size - 1)
+        if top < 2:
+            return []
+        return [top, DRAWS.randrange(2, top)] if top > 2 else [top]
+
+    def label_of(self, index: int):
+        """Record `index`'s class: `label`, else the last integer tensor of one entry in its batch."""
+        if self.label is not None:
+            return int(self.label(index))
+        found = [t for t in _tensors(self.batch([index])) if not t.is_floating_point() and t.numel() == 1]
+        return int(found[-1]) if found else None
 
 
 def check_layers(model: nn.Module, engine: str) -> None:
@@ -111,20 +144,100 @@ def check_layout(model: nn.Module, modules: Iterable[nn.Module], probe: LayoutPr
     kept = [0, 1, 2] if probe.size >= 4 else [0, 1]
     base = probe.batch(kept)
     replaced, allowed = _neighbour(probe, kept, base)
-    weights = torch.ones(len(kept), dtype=torch.float64)
-    changed_weights = weights.clone()
-    changed_weights[1] = 2.0  # the replaced example's loss also moves its output gradients
-    first = _record(subject, targets, probe, _widen(base, dtype), weights)
-    second = _record(subject, targets, probe, _widen(replaced, dtype), changed_weights)
-    for name, module in targets:
-        for call, (a, b) in enumerate(zip(first[module], second[module])):
-            for what, x, y in _pairs(a, b):
-                problem = _rows_problem(x, y, len(kept), allowed, TOLERANCE.get(dtype, 1e-2))
-                if problem:
-                    raise UserError(
-                        f"algo.per_sample={engine}: layer {name or 'model'} ({type(module).__name__}): its {what} "
-                        f"{tuple(x.shape)} {problem}; every per-example engine needs each example's rows together "
-                        "along dimension 0: feed it batch-first tensors (e.g. batch_first=True)")
+    _compare(subject, targets, probe, dtype, engine, base, len(kept), [("", 1, _widen(replaced, dtype), allowed)], "")
+    for size in probe.sizes():  # the run's largest chunk and a random size below it
+        indices = DRAWS.sample(range(probe.size), size)
+        base = probe.batch(indices)
+        neighbours = _neighbours(probe, indices, base, dtype)
+        _compare(subject, targets, probe, dtype, engine, base, size, neighbours, f" in a batch of {size}")
+
+
+def _compare(subject, targets, probe: LayoutProbe, dtype, engine: str, base, examples: int, neighbours,
+             where: str) -> None:
+    """The hooked layers' rows on `base` (of `examples`) against each neighbouring batch (one
+    example replaced, its loss weighted 2): a one-line UserError where rows outside `allowed` moved."""
+    firsts: dict[int, dict] = {}
+    for what, position, batch, allowed in neighbours:
+        weights = torch.ones(examples, dtype=torch.float64)
+        if position not in firsts:
+            firsts[position] = _record(subject, targets, probe, _widen(base, dtype), weights)
+        first = firsts[position]
+        weights[position] = 2.0  # the replaced example's loss also moves its output gradients
+        try:
+            second = _record(subject, targets, probe, batch, weights)
+        except (RuntimeError, IndexError, ValueError):
+            if what != OUTLIER:
+                raise
+            continue  # inputs far outside what the model takes (an index, a range it checks): no outlier probe
+        for name, module in targets:
+            for call, (a, b) in enumerate(zip(first[module], second[module])):
+                for part, x, y in _pairs(a, b):
+                    problem = _rows_problem(x, y, examples, allowed, TOLERANCE.get(dtype, 1e-2))
+                    if problem:
+                        replaced = f" when example {position} is replaced by {what}" if what else ""
+                        raise UserError(
+                            f"algo.per_sample={engine}: layer {name or 'model'} ({type(module).__name__}): its {part} "
+                            f"{tuple(x.shape)}{where} {problem}{replaced}; every per-example engine needs each "
+                            "example's rows together along dimension 0, computed from that example alone: feed it "
+                            "batch-first tensors (e.g. batch_first=True) and compute nothing across the batch "
+                            "(a batch statistic, a flip or shift of the batch)")
+
+
+def _neighbours(probe: LayoutProbe, indices: list[int], base, dtype) -> list:
+    """[(what replaces the example, its position (drawn afresh for each), the neighbouring batch
+    (widened), the examples allowed to move)]: a record of the same class, one of another class
+    (any record where classes are not known), each whose batch has the same shapes, and an outlier
+    (its floating inputs scaled far out, where the batch has any). Where no record fits: the
+    example swapped with another."""
+    shapes, taken, size = _shapes(base), set(indices), len(indices)
+    drawn = DRAWS.sample(range(probe.size), min(probe.size, size + CANDIDATE_TRIES))
+    others = [r for r in drawn if r not in taken][:CANDIDATE_TRIES]
+    kinds = {"a record of the same class": lambda c, label: c == label,
+             "a record of another class": lambda c, label: c != label}
+    found = []
+    for what, fits in kinds.items():
+        position = DRAWS.randrange(size)
+        label = probe.label_of(indices[position])
+        if label is None:  # classes unknown: any record, once
+            what, fits = "another record", None
+        for record in others:
+            if fits is not None and not fits(probe.label_of(record), label):
+                continue
+            candidate = probe.batch([*indices[:position], record, *indices[position + 1:]])
+            if _shapes(candidate) == shapes:
+                found.append((what, position, _widen(candidate, dtype), {position}))
+                break
+        if label is None:
+            break
+    if not found and size > 1:
+        position = DRAWS.randrange(size)
+        other = DRAWS.choice([i for i in range(size) if i != position])
+        swapped = list(indices)
+        swapped[position], swapped[other] = swapped[other], swapped[position]
+        found.append((f"example {other} (no other record fits its shapes)", position, _widen(probe.batch(swapped), dtype),
+                      {position, other}))
+    position = DRAWS.randrange(size)
+    outlier = _outlier(_widen(base, dtype), position, size)
+    if outlier is not None:
+        found.append((OUTLIER, position, outlier, {position}))
+    return found
+
+
+def _outlier(batch, position: int, examples: int):
+    """The batch with example `position`'s floating inputs x -> OUTLIER_SCALE (x + 1), or None where
+    it has no floating tensor with one row per example."""
+    hit = []
+
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dim() == 0 or t.shape[0] != examples:
+            return t
+        hit.append(t)
+        t = t.clone()
+        t[position] = OUTLIER_SCALE * (t[position] + 1)
+        return t
+
+    scaled = _map_tensors(batch, scale)
+    return scaled if hit else None
 
 
 def _probe_model(model: nn.Module) -> tuple[nn.Module, torch.dtype]:
@@ -211,8 +324,12 @@ def _rows_problem(x: torch.Tensor, y: torch.Tensor, examples: int, allowed: set[
 def _moved(x: torch.Tensor, y: torch.Tensor, tolerance: float) -> torch.Tensor:
     if not x.is_floating_point():
         return x != y
-    scale = torch.maximum(x.abs().max(), y.abs().max()).double()
-    return (x.double() - y.double()).abs() > tolerance * scale
+    x, y = x.double(), y.double()
+    finite = torch.isfinite(x) & torch.isfinite(y)  # an outlier's overflow: its own rows, not the scale
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    scale = torch.maximum(torch.where(finite, x.abs(), zero).max(), torch.where(finite, y.abs(), zero).max())
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    return torch.where(finite, (x - y).abs() > tolerance * scale, ~same)
 
 
 def _found_at(x: torch.Tensor, y: torch.Tensor, examples: int, tolerance: float) -> str:
@@ -246,15 +363,20 @@ def _widen(batch, dtype: torch.dtype):
     """The batch with its floating tensors in `dtype` (a float64 copy reads float64 inputs)."""
     if dtype != torch.float64:
         return batch
+    return _map_tensors(batch, lambda t: t.double() if t.is_floating_point() else t)
+
+
+def _map_tensors(batch, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """The batch with `fn` applied to each of its tensors, its structure kept."""
     if torch.is_tensor(batch):
-        return batch.double() if batch.is_floating_point() else batch
+        return fn(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: _widen(getattr(batch, f.name), dtype)
+        return dataclasses.replace(batch, **{f.name: _map_tensors(getattr(batch, f.name), fn)
                                              for f in dataclasses.fields(batch) if f.init})
     if isinstance(batch, dict):
-        return type(batch)((k, _widen(v, dtype)) for k, v in batch.items())
+        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_widen(v, dtype) for v in batch))
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_widen(v, dtype) for v in batch)
+        return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch

@@ -74,6 +74,10 @@ class ImageClassificationTask(Task):
     def batch_size(self, batch) -> int:
         return int(batch[1].shape[0])
 
+    def train_label(self, index: int) -> int:
+        """Record `index`'s class (the layout probe replaces a record by one of its class and of another)."""
+        return int(self.data.train_labels[index])
+
     def per_sample_loss(self, model: nn.Module, batch) -> torch.Tensor:
         images, labels = batch
         logits = model(images)

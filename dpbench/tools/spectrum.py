@@ -48,8 +48,10 @@ def clipped_layer_sums(model, task, layers: dict[str, nn.Linear], batch: list[in
     """For each C: {layer name: sum_i clip_C(g_i)[layer weight]}, fp32; flat clipping over all parameters."""
     from dpbench.privacy.clipping import clip_factors, per_sample_norms
     from dpbench.privacy.engines import PER_EXAMPLE_GRADIENTS, build_engine
+    from dpbench.privacy.layout import LayoutProbe
 
-    engine = build_engine("materialize", model, needs={PER_EXAMPLE_GRADIENTS}, who="dpbench-spectrum")
+    engine = build_engine("materialize", model, needs={PER_EXAMPLE_GRADIENTS}, who="dpbench-spectrum",
+                          probe=LayoutProbe.of_task(task))
     index = {id(p): i for i, p in enumerate(engine.params)}
     positions = {name: index[id(m.weight)] for name, m in layers.items()}
     sums = {c: {name: torch.zeros_like(m.weight, dtype=torch.float32) for name, m in layers.items()} for c in clips}

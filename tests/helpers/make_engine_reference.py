@@ -237,7 +237,7 @@ def run(name: str, engine_name: str, seed: int | None = None) -> dict:
     generator = torch.Generator().manual_seed(seed)
     batch = tuple(t.to(case.dtype) if t.is_floating_point() else t for t in case.batch(generator))
     overrides = case.overrides(model, generator) if case.overrides else {}
-    engine = build_engine(engine_name, model, overrides)
+    engine = build_engine(engine_name, model, overrides, unprobed=True)
     if case.autocast is not None and hasattr(engine, "tolerance"):
         engine.tolerance = 2e-2  # as a run under autocast sets it (dpbench/algorithms/base.py)
     norms, sums = [], []

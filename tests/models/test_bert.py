@@ -54,7 +54,7 @@ def test_engines_match_per_example_autograd_in_float64(files, mode, pooling):
         seen.append(norms.detach().clone())
         return factors.to(norms)
 
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     try:
         sums = engine.clipped_sum(task.per_sample_loss(model, task.batch(indices)), factors_fn)
     finally:
@@ -149,7 +149,7 @@ def test_cached_model_under_each_engine_matches_autograd(files):
     expected = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in grads)) for grads in reference])
     for mode in PER_SAMPLE_ENGINES.names():
         seen = []
-        engine = build_engine(mode, model)
+        engine = build_engine(mode, model, unprobed=True)
         try:
             engine.clipped_sum(task.per_sample_loss(model, task.batch(indices)),
                                lambda norms: seen.append(norms.detach().clone()) or torch.ones_like(norms))

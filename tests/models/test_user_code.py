@@ -71,6 +71,9 @@ REFUSED = {  # overrides -> a piece of the one line
                                  "mixes examples within the rows of dimension 0 (its examples lie along dimension 1)"),
     "buffer from the batch": (["model=custom", "model.builder=my_dp.bad:running_mean"],
                               "buffer mean changes during a training forward"),
+    "centres batches above 4": (["model=custom", "model.builder=my_dp.bad:centre_large_batches"],
+                                "in a batch of"),  # the run's largest chunk (or the random size below it)
+    "flips its batch": (["model=custom", "model.builder=my_dp.bad:flip_mix"], "mixes examples"),
     "norms against autograd": (["model=custom", "model.builder=my_dp.bad:shared_weight"],
                                "per-example gradient norm of example 0 differs from autograd's on that example alone"),
     "a name of dpbench's": (["model=custom", "model.builder=my_dp.models:tiny_mlp", "model.name=cnn"],

@@ -289,7 +289,7 @@ def test_capabilities_are_declared_in_the_registry_and_asked_for_before_training
         "bk": {COVERAGE_CHECK, SHARDED_SUMS}}
     protocols = {PER_EXAMPLE_GRADIENTS: PerExampleGradients, LOSS_SCALE: LossScaled, COVERAGE_CHECK: CoverageChecked}
     for name in PER_SAMPLE_ENGINES.names():
-        engine = build_engine(name, tiny_cnn())
+        engine = build_engine(name, tiny_cnn(), unprobed=True)
         assert isinstance(engine, Engine)
         for capability in engine_spec(name).capabilities:  # what a capability promises, the engine offers
             if capability == SHARDED_SUMS:  # a keyword of clipped_sum: each sum handed to a reduce as formed
@@ -411,7 +411,7 @@ def test_a_gradient_that_is_zero_but_for_rounding_is_not_refused(mode):
     gradient and does not refuse the model (it did before)."""
     torch.manual_seed(0)
     model = SoftmaxAttention()
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     ids, targets = torch.randint(0, 50, (8, 16)), torch.randint(0, 50, (8, 16))
 
     def losses():
@@ -441,7 +441,7 @@ def test_examples_whose_gradients_cancel_under_bf16_are_not_refused(mode):
     scale): dpbench-audit's RoBERTa under train.precision=bf16 was refused on a LayerNorm weight."""
     torch.manual_seed(0)
     model = NormedHead()
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     engine.tolerance = 2e-2  # as for a low-precision run (Algorithm.use_precision)
     ids, targets = torch.randint(0, 50, (32, 16)), torch.randint(0, 50, (32, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -479,7 +479,7 @@ def test_a_layer_called_on_data_and_on_a_hidden_state_gets_each_calls_inputs(mod
         torch.sqrt(sum(g.pow(2).sum() for g in torch.autograd.grad(
             F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params, allow_unused=True) if g is not None))
         for i in range(6)])
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     seen = []
 
     def factors(norms):
@@ -511,10 +511,10 @@ def test_reduce_sees_each_parameters_sum_once_and_its_results_are_returned(mode)
     def factors(norms):
         return (1.0 / norms.clamp(min=1.0)).float()
 
-    first = build_engine(mode, model)
+    first = build_engine(mode, model, unprobed=True)
     plain = first.clipped_sum(losses(), factors)
     first.detach()
-    engine, seen, inside = build_engine(mode, model), {}, []
+    engine, seen, inside = build_engine(mode, model, unprobed=True), {}, []
 
     def reduce(summed, index):
         assert index not in seen

@@ -195,7 +195,7 @@ def test_each_example_of_a_batch_contributes_at_most_c(case, mode):
     expected = exact_norms(model_fn, x)
     torch.manual_seed(0)
     model = model_fn()
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     seen = []
 
     def factors(norms):

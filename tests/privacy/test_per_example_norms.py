@@ -98,7 +98,7 @@ def engine_norms(name: str, mode: str) -> list[torch.Tensor]:
     calls: ghost and bk check their coverage against autograd's full backward in the first and
     backpropagate only to the layers' outputs in every later one."""
     model = MODELS[name](name)
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     seen = []
 
     def factors(norms):
@@ -139,7 +139,7 @@ def test_materialize_forms_per_example_not_per_row_gradients(monkeypatch):
 
     monkeypatch.setattr(gsm, "create_or_accumulate_grad_sample", recording)
     model = language_model("opt")
-    engine = build_engine("materialize", model)
+    engine = build_engine("materialize", model, unprobed=True)
     engine.clipped_sum(per_example_loss("opt", model, token_batch()), torch.ones_like)
     engine.detach()
     assert leading and set(leading) == {(BATCH, BATCH)}
@@ -159,7 +159,7 @@ def test_bk_keeps_a_tied_output_layer_and_embedding_apart(monkeypatch):
     model = language_model("opt")
     head, table = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     assert head is table
-    engine = build_engine("bk", model)
+    engine = build_engine("bk", model, unprobed=True)
     sums = engine.clipped_sum(per_example_loss("opt", model, token_batch()), torch.ones_like)
     engine.detach()
     assert not [rows for rows in formed if rows.num_embeddings == VOCAB]
@@ -187,7 +187,7 @@ def test_timm_layer_norm_gets_a_layer_norm_rule_not_functorch(mode, monkeypatch)
     monkeypatch.setattr(gsm, "ft_compute_per_sample_gradient", recording(gsm.ft_compute_per_sample_gradient))
     model = image_model("vit")
     assert any(type(m).__module__.startswith("timm") and isinstance(m, torch.nn.LayerNorm) for m in model.modules())
-    engine = build_engine(mode, model)
+    engine = build_engine(mode, model, unprobed=True)
     engine.clipped_sum(per_example_loss("vit", model, image_batch()), torch.ones_like)
     engine.detach()
     assert "LayerNorm" not in seen and "TokenEmbedding" in seen  # functorch still serves what has no rule
