@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,11 +24,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dpbench.runtime.checkpoint import EXIT_PREEMPTED, Preempted
+from dpbench import startup
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.results import RunResults
 from dpbench.paths import config_dir
-from dpbench.schema import run_app
+
+if TYPE_CHECKING:  # torch: imported once a command needs it (dpbench/startup.py answers --help without)
+    from dpbench.logging.results import RunResults
 
 EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 ERROR_FILE = "error.txt"
@@ -262,6 +264,7 @@ def _main(cfg: DictConfig) -> float:
 
     from dpbench.logging.console import console
     from dpbench.run import run_job
+    from dpbench.runtime.checkpoint import EXIT_PREEMPTED, Preempted
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     in_grid = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -364,29 +367,48 @@ def flag_error(argv: list[str]) -> str | None:
     return None
 
 
-def main() -> None:
-    from dpbench.runtime import distributed
-    from dpbench.logging.console import console
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
+
+def answered_without_torch() -> None:
+    """What the command line settles before anything imports torch (dpbench/startup.py): --version, a bad
+    flag, --help, Tab completion, a config-group option that does not exist; they exit here."""
     if "--version" in sys.argv[1:]:
         from dpbench import __version__
 
         print(f"dpbench {__version__}")
-        return
-    if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
-        console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(0)
+    completion = bool({"--shell-completion", "-sc"} & set(sys.argv))
+    if completion and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
+        _refuse("--shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
     if {"-m", "--multirun"} & set(sys.argv[2:]):  # `dpbench algo=grape -m seed=0,1`: Hydra's parser wants it first
         flag = next(a for a in sys.argv[1:] if a in ("-m", "--multirun"))
         sys.argv = [sys.argv[0], flag, *(a for a in sys.argv[1:] if a != flag)]
     if problem := flag_error(sys.argv[1:]):  # Hydra's parser would print its 8-line usage
-        console.print(f"error: {problem}", soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _refuse(problem)
     modes = [a for a in sys.argv[1:] if a in ("-m", "--multirun", "-c", "--cfg", "-i", "--info")]
     if len(modes) > 1:  # Hydra raises a ValueError (a traceback) on two of them
-        console.print(f"error: {' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
-                      "(e.g. `dpbench experiment=NAME --cfg job`)", soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _refuse(f"{' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
+                "(e.g. `dpbench experiment=NAME --cfg job`)")
+    if completion or {"-h", "--help"} & set(sys.argv[1:]):
+        if startup.answer_without_schemas(_main):
+            sys.exit(0)
+        return  # the stand-ins did not suffice: the real schemas answer
+    if not {"--hydra-help", "-c", "--cfg", "-i", "--info"} & set(sys.argv[1:]):
+        if problem := startup.missing_group_option(sys.argv[1:], __file__):
+            _refuse(problem)
+
+
+def main() -> None:
+    try:
+        answered_without_torch()
+        from dpbench.runtime import distributed  # torch
+        from dpbench.logging.console import console
+        from dpbench.schema import run_app
+    except KeyboardInterrupt:  # importing torch takes seconds: a Ctrl-C there is one line, not its traceback
+        startup.interrupted()
     try:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]
