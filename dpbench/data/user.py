@@ -13,6 +13,7 @@ the training split (docs/bring-your-own.md).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dpbench.data import ImageDataset
 from dpbench.errors import UserError
-from dpbench.models.user import SIGNATURES, builder_of
+from dpbench.models.user import SIGNATURES, builder_of, call_builder
 
 
 @dataclass
@@ -35,7 +36,7 @@ class UserData:
 
 def load_user_dataset(cfg, seed: int) -> ImageDataset:
     path = cfg.get("builder")
-    data = builder_of(cfg, "dataset")(cfg, seed)
+    data = call_builder(builder_of(cfg, "dataset"), cfg, "dataset", cfg, seed)
     num_classes = _field(data, "num_classes", path)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
         raise UserError(f"dataset.builder={path}: num_classes must be an integer >= 2, got {num_classes!r}")
@@ -67,6 +68,21 @@ def check_map_style(split, where: str) -> None:
         raise UserError(f"{where} empty")
 
 
+def _class_index(label, i: int, where: str) -> int:
+    """A label as a class index: an integer, or a float with no fractional part (2.0); one line
+    otherwise (int(0.3) would silently make it class 0). The line names the item, never its value."""
+    if hasattr(label, "item") and getattr(label, "ndim", 0) == 0:  # a 0-d tensor or numpy scalar
+        label = label.item()
+    if isinstance(label, numbers.Integral):
+        return int(label)
+    if isinstance(label, numbers.Real) and float(label).is_integer():
+        return int(label)
+    kind = ("a number with a fractional part" if isinstance(label, numbers.Real)
+            else f"a {type(label).__name__}" + (f" of shape {tuple(label.shape)}" if hasattr(label, "shape") else ""))
+    raise UserError(f"{where} labelled with {kind} at item {i}; labels must be class indices 0..num_classes-1 "
+                    "(integers, or floats such as 2.0): map each class to its index in the builder")
+
+
 def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split as (inputs [N, ...] float32, labels [N] int64), or one line saying what is wrong."""
     where = f"dataset.builder={path}: {which} is"
@@ -77,7 +93,7 @@ def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tens
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise UserError(f"{where} not a dataset of (x, y) pairs: item {i} is a {type(item).__name__}")
         inputs.append(torch.as_tensor(item[0], dtype=torch.float32))
-        labels.append(int(item[1]))
+        labels.append(_class_index(item[1], i, where))
     shapes = {tuple(x.shape) for x in inputs}
     if len(shapes) > 1:
         raise UserError(f"{where} inputs of several shapes {sorted(shapes)[:3]}; give every example one shape")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
@@ -62,6 +63,38 @@ def builder_of(node, group: str) -> Callable[..., Any]:
         raise UserError(f"{group}={node.get('name')} needs {group}.builder=package.module:function, "
                         f"called as {SIGNATURES[group]} (docs/bring-your-own.md)")
     return import_object(node[BUILDER_KEY], f"{group}.builder")
+
+
+def _where_raised(error: BaseException, package: str | None) -> str:
+    """file:line where `error` was raised: the innermost frame in `package`'s files (the user's own
+    code rather than torch's), else the innermost frame."""
+    import sys
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    module = sys.modules.get(package or "")
+    folder = str(Path(module.__file__).parent) if getattr(module, "__file__", None) else None
+    own = [f for f in frames if folder and f.filename.startswith(folder)]
+    frame = (own or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else "?"
+
+
+def user_failure(error: BaseException, what: str, package: str | None, fix: str) -> UserError:
+    """An exception raised in a user's code, as one line: `what` failed, the exception, where, and the fix."""
+    message = " ".join(str(error).split())
+    return UserError(f"{what} failed: {type(error).__name__}: {message[:300]} (at {_where_raised(error, package)}); {fix}")
+
+
+def call_builder(builder: Callable[..., Any], node, group: str, *args) -> Any:
+    """The user's builder called; an exception it raises is one line naming the builder and where it was raised."""
+    try:
+        return builder(*args)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's code: its message, on one line
+        path = str(node[BUILDER_KEY])
+        raise user_failure(error, f"{group}.builder={path}", path.partition(":")[0].split(".")[0],
+                           f"fix the builder there (it is called as {SIGNATURES[group]})") from None
 
 
 def check_builders(cfg) -> None:
@@ -115,7 +148,7 @@ def build_user_model(model_cfg, spec) -> nn.Module:
     if name in MODELS.names() and name not in _USER_MODELS:
         raise UserError(f"model.name={name} is one of dpbench's models; give your model another model.name")
     builder = builder_of(model_cfg, "model")
-    model = builder(model_cfg, spec)
+    model = call_builder(builder, model_cfg, "model", model_cfg, spec)
     if not isinstance(model, nn.Module):
         raise UserError(f"model.builder={model_cfg[BUILDER_KEY]} returned a {type(model).__name__}; "
                         f"it must return a torch.nn.Module, called as {SIGNATURES['model']}")
@@ -123,3 +156,71 @@ def build_user_model(model_cfg, spec) -> nn.Module:
     MODELS.register(name)(RegisteredModel(builder, user_family(model_cfg, model)))
     _USER_MODELS.add(name)
     return apply_opacus_fixes(model, name)
+
+
+def _described(batch) -> str:
+    """What the model is given, as a message says it: shape and dtype of the input tensor(s)."""
+    import torch
+
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    tensors = first.values() if isinstance(first, dict) else [first]
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors if torch.is_tensor(t))
+
+
+def check_first_forward(cfg, task, model: nn.Module) -> None:
+    """Before any work, where a user's model or data is involved: one forward of the model on the first
+    training example and its loss. An exception in the model or the loss, an output that is not a tensor,
+    or a classifier output that is not [1, num_classes] is one line naming the model and the fix (a wrong
+    output count would otherwise train silently while every label is below it). The model is left as it
+    was: eval mode (no dropout draw, no running statistic), no gradient, buffers restored."""
+    import torch
+
+    if not (names_builder(cfg.get("model")) or names_builder(cfg.get("dataset"))):
+        return
+    name = f"model={cfg.model.get('name')}"
+    given = cfg.model.get(BUILDER_KEY) if names_builder(cfg.model) else None
+    package = str(given).partition(":")[0].split(".")[0] if given else type(model).__module__.split(".")[0]
+    batch = task.batch([0])
+    shown = _described(batch)
+    outputs: list = []
+    hook = model.register_forward_hook(lambda module, args, output: outputs.append(output))
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            losses = task.per_sample_loss(model, batch)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's model or data: one line
+        if not outputs:  # raised inside the forward: mostly a first layer that does not fit the input
+            raise user_failure(error, f"{name}: its forward on one training example (input {shown})", package,
+                               "make the model's first layer take that input (the builder gets it as "
+                               "spec.input_shape) or fix the data") from None
+        output = outputs[0]
+        if not torch.is_tensor(output):  # the loss could not read it
+            raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
+                            f"a tensor [batch, num_classes]") from None
+        raise user_failure(error, f"{name}: the loss of its output {tuple(output.shape)} on one training example",
+                           package, "return logits of shape [batch, num_classes]") from None
+    finally:
+        hook.remove()
+        model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+    output = outputs[0] if outputs else None
+    if output is not None and not torch.is_tensor(output):
+        raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
+                        "a tensor [batch, num_classes]")
+    spec = task.model_spec() if hasattr(task, "model_spec") else None
+    classes = getattr(spec, "num_classes", None)
+    if (output is not None and classes and getattr(task, "user_loss", None) is None
+            and tuple(output.shape) != (1, int(classes))):
+        raise UserError(f"{name}: its forward on one training example (input {shown}) returned shape "
+                        f"{tuple(output.shape)}, not [1, {classes}] (batch, num_classes={classes}); give the last layer "
+                        "spec.num_classes outputs")
+    if torch.is_tensor(losses) and losses.shape != (1,):
+        raise UserError(f"{name}: the loss of one training example has shape {tuple(losses.shape)}, not [1]; "
+                        "return logits of shape [batch, num_classes]")

@@ -88,6 +88,21 @@ REFUSED = {  # overrides -> a piece of the one line
     "an IterableDataset": (["dataset.builder=my_dp.bad:iterable_data"],
                            "train is a Stream without __len__ and __getitem__"),
     "labels beyond num_classes": (["dataset.builder=my_dp.bad:too_few_classes"], "labels outside 0..num_classes-1"),
+    # the first forward, before any work
+    "a first layer that does not fit": (["model=custom", "model.builder=my_dp.bad:wrong_input_mlp"],
+                                        "model=custom: its forward on one training example (input (1, 6) float32) "
+                                        "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    "more outputs than classes": (["model=custom", "model.builder=my_dp.bad:wrong_output_mlp"],
+                                  "returned shape (1, 5), not [1, 3] (batch, num_classes=3); give the last layer"),
+    "a dict, not logits": (["model=custom", "model.builder=my_dp.bad:dict_output"],
+                           "model=custom: its forward returned a dict; it must return the logits"),
+    "an exception in the model builder": (["model=custom", "model.builder=my_dp.bad:raising_model"],
+                                          "model.builder=my_dp.bad:raising_model failed: ConfigAttributeError: "),
+    "an exception in the data builder": (["dataset.builder=my_dp.bad:raising_data"],
+                                         "dataset.builder=my_dp.bad:raising_data failed: FileNotFoundError: no such file: "
+                                         "data/trian.csv (at "),
+    "fractional labels": (["dataset.builder=my_dp.bad:fractional_labels"],
+                          "train is labelled with a number with a fractional part at item 1; labels must be class indices"),
 }
 
 
