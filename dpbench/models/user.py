@@ -67,7 +67,7 @@ def builder_of(node, group: str) -> Callable[..., Any]:
 
 def _where_raised(error: BaseException, package: str | None) -> str:
     """file:line where `error` was raised: the innermost frame in `package`'s files (the user's own
-    code rather than torch's), else the innermost frame."""
+    code rather than torch's), else the innermost frame (an error in the package's own code)."""
     import sys
     import traceback
 
@@ -79,10 +79,11 @@ def _where_raised(error: BaseException, package: str | None) -> str:
     return f"{frame.filename}:{frame.lineno}" if frame else "?"
 
 
-def user_failure(error: BaseException, what: str, package: str | None, fix: str) -> UserError:
+def user_failure(error: BaseException, what: str, package: str | None, fix: str, where: str | None = None) -> UserError:
     """An exception raised in a user's code, as one line: `what` failed, the exception, where, and the fix."""
     message = " ".join(str(error).split())
-    return UserError(f"{what} failed: {type(error).__name__}: {message[:300]} (at {_where_raised(error, package)}); {fix}")
+    where = where or f"at {_where_raised(error, package)}"
+    return UserError(f"{what} failed: {type(error).__name__}: {message[:300]} ({where}); {fix}")
 
 
 def call_builder(builder: Callable[..., Any], node, group: str, *args) -> Any:
@@ -167,6 +168,11 @@ def _described(batch) -> str:
     return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors if torch.is_tensor(t))
 
 
+def _pop(entered: list) -> None:  # a forward hook's return value would replace the layer's output
+    if entered:
+        entered.pop()
+
+
 def check_first_forward(cfg, task, model: nn.Module) -> None:
     """Before any work, where a user's model or data is involved: one forward of the model on the first
     training example and its loss. An exception in the model or the loss, an output that is not a tensor,
@@ -183,7 +189,11 @@ def check_first_forward(cfg, task, model: nn.Module) -> None:
     batch = task.batch([0])
     shown = _described(batch)
     outputs: list = []
-    hook = model.register_forward_hook(lambda module, args, output: outputs.append(output))
+    entered: list[str] = []  # the layers whose forward began and has not returned: the last one raised
+    hooks = [model.register_forward_hook(lambda module, args, output: outputs.append(output))]
+    for layer, module in model.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda module, args, layer=layer: entered.append(layer)))
+        hooks.append(module.register_forward_hook(lambda module, args, output: _pop(entered)))
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     was_training = model.training
     model.eval()
@@ -194,17 +204,22 @@ def check_first_forward(cfg, task, model: nn.Module) -> None:
         raise
     except Exception as error:  # noqa: BLE001 - the user's model or data: one line
         if not outputs:  # raised inside the forward: mostly a first layer that does not fit the input
+            inner = [n for n in entered if n]
+            layer = inner[-1] if inner else None
+            where = (f"in layer {layer} ({type(model.get_submodule(layer)).__name__})"
+                     if layer and type(model.get_submodule(layer)).__module__.startswith("torch.") else None)
             raise user_failure(error, f"{name}: its forward on one training example (input {shown})", package,
                                "make the model's first layer take that input (the builder gets it as "
-                               "spec.input_shape) or fix the data") from None
+                               "spec.input_shape) or fix the data", where) from None
         output = outputs[0]
         if not torch.is_tensor(output):  # the loss could not read it
             raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
-                            f"a tensor [batch, num_classes]") from None
+                            f"a tensor of shape (batch, num_classes)") from None
         raise user_failure(error, f"{name}: the loss of its output {tuple(output.shape)} on one training example",
-                           package, "return logits of shape [batch, num_classes]") from None
+                           package, "return logits of shape (batch, num_classes)") from None
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         model.train(was_training)
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -213,14 +228,14 @@ def check_first_forward(cfg, task, model: nn.Module) -> None:
     output = outputs[0] if outputs else None
     if output is not None and not torch.is_tensor(output):
         raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
-                        "a tensor [batch, num_classes]")
+                        "a tensor of shape (batch, num_classes)")
     spec = task.model_spec() if hasattr(task, "model_spec") else None
     classes = getattr(spec, "num_classes", None)
     if (output is not None and classes and getattr(task, "user_loss", None) is None
             and tuple(output.shape) != (1, int(classes))):
         raise UserError(f"{name}: its forward on one training example (input {shown}) returned shape "
-                        f"{tuple(output.shape)}, not [1, {classes}] (batch, num_classes={classes}); give the last layer "
+                        f"{tuple(output.shape)}, not (1, {classes}) (batch, num_classes={classes}); give the last layer "
                         "spec.num_classes outputs")
     if torch.is_tensor(losses) and losses.shape != (1,):
-        raise UserError(f"{name}: the loss of one training example has shape {tuple(losses.shape)}, not [1]; "
-                        "return logits of shape [batch, num_classes]")
+        raise UserError(f"{name}: the loss of one training example has shape {tuple(losses.shape)}, not (1,); "
+                        "return logits of shape (batch, num_classes)")

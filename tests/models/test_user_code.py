@@ -91,11 +91,12 @@ REFUSED = {  # overrides -> a piece of the one line
     # the first forward, before any work
     "a first layer that does not fit": (["model=custom", "model.builder=my_dp.bad:wrong_input_mlp"],
                                         "model=custom: its forward on one training example (input (1, 6) float32) "
-                                        "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+                                        "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x6 and 10x8) (in layer 0 (Linear)); "
+                                        "make the model's first layer take that input"),
     "more outputs than classes": (["model=custom", "model.builder=my_dp.bad:wrong_output_mlp"],
-                                  "returned shape (1, 5), not [1, 3] (batch, num_classes=3); give the last layer"),
+                                  "returned shape (1, 5), not (1, 3) (batch, num_classes=3); give the last layer"),
     "a dict, not logits": (["model=custom", "model.builder=my_dp.bad:dict_output"],
-                           "model=custom: its forward returned a dict; it must return the logits"),
+                           "model=custom: its forward returned a dict; it must return the logits, a tensor of shape (batch, num_classes)"),
     "an exception in the model builder": (["model=custom", "model.builder=my_dp.bad:raising_model"],
                                           "model.builder=my_dp.bad:raising_model failed: ConfigAttributeError: "),
     "an exception in the data builder": (["dataset.builder=my_dp.bad:raising_data"],
