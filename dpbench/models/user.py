@@ -159,6 +159,26 @@ def build_user_model(model_cfg, spec) -> nn.Module:
     return apply_opacus_fixes(model, name)
 
 
+def forward_of(model: nn.Module, inputs):
+    """`model(inputs)`, as a classification task calls a model. A Hugging Face BERT on token ids gets
+    position ids per example ([B, T], as model=bert passes them): BertEmbeddings' own are one shared
+    [1, T] row, which a per-example engine would read as one example's (the layout probe refuses it)."""
+    if (type(model).__module__.startswith("transformers.") and getattr(model.config, "model_type", None) == "bert"
+            and not inputs.is_floating_point()):
+        import torch
+
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        return model(inputs, position_ids=positions, token_type_ids=torch.zeros_like(inputs))
+    return model(inputs)
+
+
+def logits_of(output):
+    """A classifier's logits from what its forward returned: the tensor itself, or the `.logits` of
+    a Hugging Face ModelOutput (BertForSequenceClassification and its kind); anything else as it is."""
+    logits = getattr(output, "logits", None)
+    return output if logits is None or not hasattr(logits, "shape") else logits
+
+
 def _described(batch) -> str:
     """What the model is given, as a message says it: shape and dtype of the input tensor(s)."""
     import torch
@@ -208,10 +228,11 @@ def check_first_forward(cfg, task, model: nn.Module) -> None:
             layer = inner[-1] if inner else None
             where = (f"in layer {layer} ({type(model.get_submodule(layer)).__name__})"
                      if layer and type(model.get_submodule(layer)).__module__.startswith("torch.") else None)
+            tokens = "; integer inputs stay integers (token ids): give others as floats" if "int" in shown else ""
             raise user_failure(error, f"{name}: its forward on one training example (input {shown})", package,
                                "make the model's first layer take that input (the builder gets it as "
-                               "spec.input_shape) or fix the data", where) from None
-        output = outputs[0]
+                               f"spec.input_shape) or fix the data{tokens}", where) from None
+        output = logits_of(outputs[0])
         if not torch.is_tensor(output):  # the loss could not read it
             raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
                             f"a tensor of shape (batch, num_classes)") from None
@@ -225,7 +246,7 @@ def check_first_forward(cfg, task, model: nn.Module) -> None:
             for n, b in model.named_buffers():
                 if n in buffers:
                     b.copy_(buffers[n])
-    output = outputs[0] if outputs else None
+    output = logits_of(outputs[0]) if outputs else None
     if output is not None and not torch.is_tensor(output):
         raise UserError(f"{name}: its forward returned a {type(output).__name__}; it must return the logits, "
                         "a tensor of shape (batch, num_classes)")

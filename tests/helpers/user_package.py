@@ -179,7 +179,8 @@ def write_user_package(folder: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
     (conf / "__init__.py").write_text("")  # importable too: hydra.searchpath=[pkg://my_conf]
-    for path in ("my_dp/models.py", "my_dp/data.py", "my_conf/model/my_mlp.yaml", "my_conf/experiment/mine.yaml"):
+    for path in ("my_dp/models.py", "my_dp/data.py", "my_dp/hf.py", "my_conf/model/my_mlp.yaml",
+                 "my_conf/experiment/mine.yaml"):
         (folder / path).write_text(documented(path))
     # the data folder as an absolute path: tests run dpbench from folders of their own
     dataset = documented("my_conf/dataset/my_csv.yaml")

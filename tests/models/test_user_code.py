@@ -62,6 +62,37 @@ def test_a_users_model_trains_with_its_declared_family(user_folder, tmp_path):
     assert 0 < results.privacy.epsilon <= 8
 
 
+@pytest.mark.parametrize("algo", ["dpadam", "grape"])
+def test_a_hugging_face_classifier_on_token_ids_trains_as_a_users_model(algo, user_folder, tmp_path):
+    """docs/bring-your-own.md's tiny BERT from a config: int64 token ids reach it unchanged, its
+    ModelOutput's logits are read, and it passes the per-example checks (layout probe, norms)."""
+    from dpbench.api import run
+
+    results = run(["model=custom", "model.builder=my_dp.hf:tiny_bert", "dataset=custom",
+                   "dataset.builder=my_dp.hf:token_data", f"algo={algo}", *SMALL], run_dir=tmp_path / "run", quiet=True)
+    assert results.status == "completed" and 0 < results.privacy.epsilon <= 8
+
+
+def test_token_ids_stay_integers_and_pixels_become_floats():
+    from torch.utils.data import TensorDataset
+
+    from dpbench.data.user import load_user_dataset
+
+    def data(x):
+        return lambda cfg, seed: {"train": TensorDataset(x, torch.zeros(len(x))), "test": TensorDataset(x, torch.zeros(len(x))),
+                                  "num_classes": 2}
+
+    for given, kept in ((torch.arange(12).reshape(3, 4), torch.int64), (torch.ones(3, 4, dtype=torch.int32), torch.int64),
+                        (torch.ones(3, 4, dtype=torch.uint8), torch.float32), (torch.ones(3, 4, dtype=torch.float64), torch.float32)):
+        sys.modules["_tokens_test"] = type(sys)("_tokens_test")
+        sys.modules["_tokens_test"].build = data(given)
+        try:
+            loaded = load_user_dataset({"builder": "_tokens_test:build"}, 0)
+        finally:
+            del sys.modules["_tokens_test"]
+        assert loaded.train_images.dtype == kept and torch.equal(loaded.train_images, given.to(kept))
+
+
 REFUSED = {  # overrides -> a piece of the one line
     "batch norm": (["model=custom", "model.builder=my_dp.bad:batch_norm_mlp"],
                    "layer 2 (BatchNorm1d) makes each example's output depend on the other examples"),
