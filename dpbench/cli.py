@@ -261,6 +261,7 @@ def check_sweeper(cfg: DictConfig, sweeper_target: str) -> None:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float:
     from omegaconf import open_dict
+    from rich.markup import escape
 
     from dpbench.logging.console import console
     from dpbench.run import run_job
@@ -272,7 +273,7 @@ def _main(cfg: DictConfig) -> float:
         try:
             check_sweeper(cfg, str(HydraConfig.get().sweeper.get("_target_", "")))
         except UserError as error:  # every trial would be refused alike: stop the sweep
-            console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
             _exit(EXIT_BAD_INPUT)
     # [resume] a single run's folder is named by its start time: continue an interrupted attempt of this config instead
     if not in_grid and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in HydraConfig.get().overrides.hydra):
@@ -306,20 +307,20 @@ def _main(cfg: DictConfig) -> float:
         console.print(f"[bold yellow]stopped:[/] {error}", soft_wrap=True)
         _exit(EXIT_PREEMPTED)
     except UserError as error:
-        console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)  # text, not markup: "(batch, [T])"
         if not in_grid:
             remove_refused_run_dir(run_dir)  # a refused command leaves no run folder behind
             _exit(EXIT_BAD_INPUT)
         _record_failure(run_dir, f"error: {error}")
     except DivergedError as error:
-        console.print(f"[bold red]diverged:[/] {error}", soft_wrap=True)
+        console.print(f"[bold red]diverged:[/] {escape(str(error))}", soft_wrap=True)
         if not in_grid:
             _exit(EXIT_RUN_FAILED)
         _record_failure(run_dir, f"diverged: {error}")
     except Exception as error:  # noqa: BLE001 - a grid goes on past a crashed job, with its traceback kept
         if not in_grid:
             raise
-        console.print(f"[bold red]failed:[/] {type(error).__name__}: {error} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
+        console.print(f"[bold red]failed:[/] {type(error).__name__}: {escape(str(error))} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
         _record_failure(run_dir, f"failed: {type(error).__name__}: {error}", traceback.format_exc())
     finally:
         console.quiet = was_quiet

@@ -152,6 +152,10 @@ def raising_model(model_cfg, spec):
     return nn.Linear(model_cfg.widht, spec.num_classes)  # a typo of the user's: an exception in their builder
 
 
+def bracketed_error(model_cfg, spec):
+    raise ValueError("expected inputs of shape [batch, features]")  # printed as text, not console markup
+
+
 def raising_data(dataset_cfg, seed):
     raise FileNotFoundError("no such file: data/trian.csv")
 

@@ -130,6 +130,8 @@ REFUSED = {  # overrides -> a piece of the one line
                            "model=custom: its forward returned a dict; it must return the logits, a tensor of shape (batch, num_classes)"),
     "an exception in the model builder": (["model=custom", "model.builder=my_dp.bad:raising_model"],
                                           "model.builder=my_dp.bad:raising_model failed: ConfigAttributeError: "),
+    "brackets in the message": (["model=custom", "model.builder=my_dp.bad:bracketed_error"],
+                                "ValueError: expected inputs of shape [batch, features] (at "),
     "an exception in the data builder": (["dataset.builder=my_dp.bad:raising_data"],
                                          "dataset.builder=my_dp.bad:raising_data failed: FileNotFoundError: no such file: "
                                          "data/trian.csv (at "),
