@@ -103,10 +103,35 @@ def answer_without_schemas(app: Callable[[], Any]) -> bool:
     return True
 
 
+def _points(parsed: list) -> list[list[str]] | None:
+    """Command lines without sweeps that together select every option a grid's swept groups take:
+    each sweep at its first value, then each further value of a swept group (a key without a dot)
+    once. A value key's continuous sweep is left out (it selects no config); None where a group's
+    options are not listed (a glob), which the real composition expands."""
+    first, further = [], []
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            first.append(override.input_line)
+            continue
+        try:
+            values = list(override.sweep_string_iterator()) if override.is_discrete_sweep() else None
+        except Exception:  # noqa: BLE001 - glob(...): the options are the repository's
+            values = None
+        if not values:
+            if "." not in key:
+                return None
+            continue
+        first.append(f"{key}={values[0]}")
+        if "." not in key:
+            further += [(len(first) - 1, f"{key}={value}") for value in values[1:]]
+    return [first] + [first[:i] + [line] + first[i + 1:] for i, line in further]
+
+
 def missing_group_option(argv: list[str], calling_file: str) -> str | None:
-    """The one line for a config-group option of the command line (or of a preset it selects) that
-    does not exist, found by composing with the stand-ins; None when none is missing or the
-    stand-ins cannot tell (the real composition then decides)."""
+    """The one line for a config-group option of the command line, of a grid's values or of a preset
+    they select that does not exist, found by composing with the stand-ins; None when none is missing
+    or the stand-ins cannot tell (the real composition then decides)."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
     from hydra.core.global_hydra import GlobalHydra
@@ -115,25 +140,28 @@ def missing_group_option(argv: list[str], calling_file: str) -> str | None:
 
     try:
         args = get_args_parser().parse_args(argv)
-        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        points = _points(OverridesParser.create().parse_overrides(args.overrides))
     except (Exception, SystemExit):  # noqa: BLE001 - bad flags or grammar: the real composition's message
         return None
-    if args.multirun and any(o.is_sweep_override() for o in parsed):
-        return None  # a grid's values are composed job by job
+    if points is None:
+        return None
     search_path = create_automatic_config_search_path(calling_file, None, args.config_path or config_dir())
     if args.config_dir is not None:
         if not os.path.isdir(args.config_dir):
             return None
         search_path.prepend("command-line", f"file://{os.path.abspath(args.config_dir)}")
-    try:
-        with stand_ins():
-            hydra = Hydra.create_main_hydra2(task_name=Path(calling_file).stem, config_search_path=search_path)
-            hydra.compose_config(args.config_name or "config", args.overrides, run_mode=RunMode.RUN,
-                                 from_shell=True, with_log_configuration=False)
-    except Exception as error:  # noqa: BLE001 - only a missing option is settled here
-        return missing_option_message(error) or missing_option_message(error.__cause__ or error)
-    finally:
-        GlobalHydra.instance().clear()
+    with stand_ins():
+        for overrides in points:
+            try:
+                hydra = Hydra.create_main_hydra2(task_name=Path(calling_file).stem, config_search_path=search_path)
+                hydra.compose_config(args.config_name or "config", overrides, run_mode=RunMode.RUN,
+                                     from_shell=True, with_log_configuration=False)
+            except Exception as error:  # noqa: BLE001 - only a missing option is settled here
+                message = missing_option_message(error) or missing_option_message(error.__cause__ or error)
+                if message is not None:
+                    return message
+            finally:
+                GlobalHydra.instance().clear()
     return None
 
 

@@ -22,7 +22,14 @@ def test_a_missing_group_option_is_found_without_the_schemas():
 def test_what_the_stand_ins_cannot_settle_is_left_to_the_real_composition():
     assert startup.missing_group_option(["algo=grape", "train.lr=0.1"], cli.__file__) is None
     assert startup.missing_group_option(["train.lr=abc"], cli.__file__) is None  # a typed value: the schema's
-    assert startup.missing_group_option(["-m", "algo=grape,grpae"], cli.__file__) is None  # a grid: job by job
+    assert startup.missing_group_option(["-m", "model=glob(*)"], cli.__file__) is None  # the options: Hydra's
+
+
+def test_a_grid_is_checked_at_every_option_of_its_swept_groups():
+    grid = ["-m", "algo=grape,dpadam,grpae", "seed=0,1", "train.lr=interval(0.01,0.1)"]
+    assert "algo=grpae is not an option of algo" in startup.missing_group_option(grid, cli.__file__)
+    assert startup.missing_group_option(["-m", "algo=grape,dpadam", "seed=range(0,3)", "train.lr=0.1,0.2"],
+                                        cli.__file__) is None
 
 
 def test_the_stand_ins_leave_the_config_store_and_resolvers_as_they_were():
