@@ -174,6 +174,23 @@ def test_a_user_package_outside_the_repository_trains_with_grape_and_passes_the_
     assert "every check holds" in audit.stdout + audit.stderr
 
 
+@pytest.mark.slow  # the console script in a fresh process (about 15 s)
+@pytest.mark.parametrize("overrides, message", [
+    (["model=custom", "model.builder=my_dp.bad:wrong_output_mlp"], "returned shape (1, 5), not (1, 3)"),
+    (["dataset.builder=my_dp.bad:fractional_labels"], "labelled with a number with a fractional part at item 1"),
+], ids=["output count", "fractional labels"])
+def test_the_console_script_refuses_a_mismatched_model_or_labels_with_no_folder(overrides, message, tmp_path):
+    folder = write_user_package(tmp_path / "user")
+    work = tmp_path / "work"
+    work.mkdir()
+    refused = dpbench(searchpath(folder), "model=my_mlp", "dataset=my_csv", *overrides, "algo=dpadam", *SMALL, cwd=work,
+                      PYTHONPATH=os.pathsep.join([str(REPO), str(folder)]))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (work / "outputs").exists()
+
+
 class SharedWeight(nn.Module):
     """The head also reads the first layer's weight outside that layer's forward."""
 
