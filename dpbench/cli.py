@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,11 +24,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from dpbench.runtime.checkpoint import EXIT_PREEMPTED, Preempted
+from dpbench import startup
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.results import RunResults
 from dpbench.paths import config_dir
-from dpbench.schema import run_app
+
+if TYPE_CHECKING:  # torch: imported once a command needs it (dpbench/startup.py answers --help without)
+    from dpbench.logging.results import RunResults
 
 EXIT_RUN_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 ERROR_FILE = "error.txt"
@@ -259,9 +261,11 @@ def check_sweeper(cfg: DictConfig, sweeper_target: str) -> None:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def _main(cfg: DictConfig) -> float:
     from omegaconf import open_dict
+    from rich.markup import escape
 
     from dpbench.logging.console import console
     from dpbench.run import run_job
+    from dpbench.runtime.checkpoint import EXIT_PREEMPTED, Preempted
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     in_grid = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -269,7 +273,7 @@ def _main(cfg: DictConfig) -> float:
         try:
             check_sweeper(cfg, str(HydraConfig.get().sweeper.get("_target_", "")))
         except UserError as error:  # every trial would be refused alike: stop the sweep
-            console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
             _exit(EXIT_BAD_INPUT)
     # [resume] a single run's folder is named by its start time: continue an interrupted attempt of this config instead
     if not in_grid and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in HydraConfig.get().overrides.hydra):
@@ -303,20 +307,20 @@ def _main(cfg: DictConfig) -> float:
         console.print(f"[bold yellow]stopped:[/] {error}", soft_wrap=True)
         _exit(EXIT_PREEMPTED)
     except UserError as error:
-        console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)  # text, not markup: "(batch, [T])"
         if not in_grid:
             remove_refused_run_dir(run_dir)  # a refused command leaves no run folder behind
             _exit(EXIT_BAD_INPUT)
         _record_failure(run_dir, f"error: {error}")
     except DivergedError as error:
-        console.print(f"[bold red]diverged:[/] {error}", soft_wrap=True)
+        console.print(f"[bold red]diverged:[/] {escape(str(error))}", soft_wrap=True)
         if not in_grid:
             _exit(EXIT_RUN_FAILED)
         _record_failure(run_dir, f"diverged: {error}")
     except Exception as error:  # noqa: BLE001 - a grid goes on past a crashed job, with its traceback kept
         if not in_grid:
             raise
-        console.print(f"[bold red]failed:[/] {type(error).__name__}: {error} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
+        console.print(f"[bold red]failed:[/] {type(error).__name__}: {escape(str(error))} (traceback in {run_dir / ERROR_FILE})", soft_wrap=True)
         _record_failure(run_dir, f"failed: {type(error).__name__}: {error}", traceback.format_exc())
     finally:
         console.quiet = was_quiet
@@ -364,29 +368,48 @@ def flag_error(argv: list[str]) -> str | None:
     return None
 
 
-def main() -> None:
-    from dpbench.runtime import distributed
-    from dpbench.logging.console import console
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
+
+def answered_without_torch() -> None:
+    """What the command line settles before anything imports torch (dpbench/startup.py): --version, a bad
+    flag, --help, Tab completion, a config-group option that does not exist; they exit here."""
     if "--version" in sys.argv[1:]:
         from dpbench import __version__
 
         print(f"dpbench {__version__}")
-        return
-    if {"--shell-completion", "-sc"} & set(sys.argv) and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
-        console.print("error: --shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(0)
+    completion = bool({"--shell-completion", "-sc"} & set(sys.argv))
+    if completion and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in sys.argv):
+        _refuse("--shell-completion needs a subcommand, e.g. `eval \"$(dpbench -sc install=bash)\"`")
     if {"-m", "--multirun"} & set(sys.argv[2:]):  # `dpbench algo=grape -m seed=0,1`: Hydra's parser wants it first
         flag = next(a for a in sys.argv[1:] if a in ("-m", "--multirun"))
         sys.argv = [sys.argv[0], flag, *(a for a in sys.argv[1:] if a != flag)]
     if problem := flag_error(sys.argv[1:]):  # Hydra's parser would print its 8-line usage
-        console.print(f"error: {problem}", soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _refuse(problem)
     modes = [a for a in sys.argv[1:] if a in ("-m", "--multirun", "-c", "--cfg", "-i", "--info")]
     if len(modes) > 1:  # Hydra raises a ValueError (a traceback) on two of them
-        console.print(f"error: {' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
-                      "(e.g. `dpbench experiment=NAME --cfg job`)", soft_wrap=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _refuse(f"{' and '.join(modes)} cannot be combined; to see a grid's config, give one point without -m "
+                "(e.g. `dpbench experiment=NAME --cfg job`)")
+    if completion or {"-h", "--help"} & set(sys.argv[1:]):
+        if startup.answer_without_schemas(_main):
+            sys.exit(0)
+        return  # the stand-ins did not suffice: the real schemas answer
+    if not {"--hydra-help", "-c", "--cfg", "-i", "--info"} & set(sys.argv[1:]):
+        if problem := startup.missing_group_option(sys.argv[1:], __file__):
+            _refuse(problem)
+
+
+def main() -> None:
+    try:
+        answered_without_torch()
+        from dpbench.runtime import distributed  # torch
+        from dpbench.logging.console import console
+        from dpbench.schema import run_app
+    except KeyboardInterrupt:  # importing torch takes seconds: a Ctrl-C there is one line, not its traceback
+        startup.interrupted()
     try:
         if distributed.launched():  # torchrun --nproc_per_node=K: one folder, written by rank 0
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]

@@ -32,6 +32,7 @@ from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.runtime.metering import PeakMemory
 from dpbench.runtime.warmup import warm_up
 from dpbench.models import ModelFamily, family_of
+from dpbench.models.user import check_first_forward
 from dpbench.models.user_checks import check_user_model
 from dpbench.precision import TF32, Precision, require_fp32_trainable, require_native_bf16
 from dpbench.privacy.plan import PRIVATE_STATISTIC_FIGURES, PrivacyPlan, plan_privacy
@@ -97,6 +98,7 @@ def setup(cfg: DictConfig, prepare_model: Callable[[torch.nn.Module], None] | No
         task = prepare_task(task)
     model = task.build_model(cfg.model).to(device)
     model.train()
+    check_first_forward(cfg, task, model)  # a user's model or data: one forward, before any other work
     check_user_model(cfg, task, model)  # a user's model (model.builder): the per-example checks, before training
     if prepare_model is not None:
         prepare_model(model)

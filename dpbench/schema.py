@@ -38,6 +38,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
+from dpbench.startup import missing_option_message  # torch-free: the console script answers `algo=grpae` first
 
 # The option vocabulary lives in dpbench/options.py (a leaf the algorithms import); re-exported
 # here for one release for code that imported it from dpbench.schema.
@@ -276,29 +277,6 @@ def composition_error_message(error: BaseException) -> str | None:
         return None
     where = cause.full_key.rpartition(".")[0] or "the top level"
     return f"{cause.full_key} is not a known key; {where} takes: {', '.join(_declared(schema))}"
-
-
-OPTIONS_SHOWN = 20  # a group with more options (experiment) points to --help instead of listing them
-
-
-def missing_option_message(error: BaseException) -> str | None:
-    """One line for a config-group option that does not exist (`algo=grpae`,
-    `hydra/sweeper=private_serch`): the closest option ("did you mean") and the group's options;
-    None for other errors."""
-    import difflib
-
-    from hydra.errors import MissingConfigException
-
-    if not isinstance(error, MissingConfigException) or not error.missing_cfg_file or error.options is None:
-        return None
-    group, _, name = str(error.missing_cfg_file).rpartition("/")
-    if not group:
-        return None
-    close = difflib.get_close_matches(name, error.options, n=1, cutoff=0.6)
-    hint = f"; did you mean {group}={close[0]}?" if close else ""
-    listed = (", ".join(error.options) if len(error.options) <= OPTIONS_SHOWN
-              else f"{len(error.options)} options, listed by `dpbench --help`")
-    return f"{group}={name} is not an option of {group}{hint} ({group}: {listed})"
 
 
 def _user_error_within(error: BaseException) -> str | None:

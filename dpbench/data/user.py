@@ -13,6 +13,7 @@ the training split (docs/bring-your-own.md).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dpbench.data import ImageDataset
 from dpbench.errors import UserError
-from dpbench.models.user import SIGNATURES, builder_of
+from dpbench.models.user import SIGNATURES, builder_of, call_builder
+
+
+# Inputs of these dtypes are token ids (a Hugging Face model's input_ids) and stay integers (int64);
+# every other input becomes float32: uint8 and bool are pixels and masks, as torchvision gives them.
+TOKEN_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 @dataclass
@@ -35,12 +41,15 @@ class UserData:
 
 def load_user_dataset(cfg, seed: int) -> ImageDataset:
     path = cfg.get("builder")
-    data = builder_of(cfg, "dataset")(cfg, seed)
+    data = call_builder(builder_of(cfg, "dataset"), cfg, "dataset", cfg, seed)
     num_classes = _field(data, "num_classes", path)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
         raise UserError(f"dataset.builder={path}: num_classes must be an integer >= 2, got {num_classes!r}")
     train_x, train_y = _tensors(_field(data, "train", path), "train", path, num_classes)
     test_x, test_y = _tensors(_field(data, "test", path), "test", path, num_classes)
+    if train_x.dtype != test_x.dtype:
+        raise UserError(f"dataset.builder={path}: train inputs are {train_x.dtype} but test inputs {test_x.dtype}; "
+                        "give both splits integer token ids or both numbers")
     if train_x.shape[1:] != test_x.shape[1:]:
         raise UserError(f"dataset.builder={path}: train inputs have shape {tuple(train_x.shape[1:])} but test inputs "
                         f"{tuple(test_x.shape[1:])}; give both splits one input shape")
@@ -67,8 +76,24 @@ def check_map_style(split, where: str) -> None:
         raise UserError(f"{where} empty")
 
 
+def _class_index(label, i: int, where: str) -> int:
+    """A label as a class index: an integer, or a float with no fractional part (2.0); one line
+    otherwise (int(0.3) would silently make it class 0). The line names the item, never its value."""
+    if hasattr(label, "item") and getattr(label, "ndim", 0) == 0:  # a 0-d tensor or numpy scalar
+        label = label.item()
+    if isinstance(label, numbers.Integral):
+        return int(label)
+    if isinstance(label, numbers.Real) and float(label).is_integer():
+        return int(label)
+    kind = ("a number with a fractional part" if isinstance(label, numbers.Real)
+            else f"a {type(label).__name__}" + (f" of shape {tuple(label.shape)}" if hasattr(label, "shape") else ""))
+    raise UserError(f"{where} labelled with {kind} at item {i}; labels must be class indices 0..num_classes-1 "
+                    "(integers, or floats such as 2.0): map each class to its index in the builder")
+
+
 def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split as (inputs [N, ...] float32, labels [N] int64), or one line saying what is wrong."""
+    """The split as (inputs [N, ...] float32, or int64 where every input is a signed integer tensor,
+    labels [N] int64), or one line saying what is wrong."""
     where = f"dataset.builder={path}: {which} is"
     check_map_style(split, where)
     inputs, labels = [], []
@@ -76,11 +101,13 @@ def _tensors(split, which: str, path: str, num_classes: int) -> tuple[torch.Tens
         item = split[i]
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise UserError(f"{where} not a dataset of (x, y) pairs: item {i} is a {type(item).__name__}")
-        inputs.append(torch.as_tensor(item[0], dtype=torch.float32))
-        labels.append(int(item[1]))
+        inputs.append(torch.as_tensor(item[0]))
+        labels.append(_class_index(item[1], i, where))
     shapes = {tuple(x.shape) for x in inputs}
     if len(shapes) > 1:
         raise UserError(f"{where} inputs of several shapes {sorted(shapes)[:3]}; give every example one shape")
+    tokens = all(x.dtype in TOKEN_DTYPES for x in inputs)  # token ids for an embedding: kept as integers
+    inputs = [x.long() if tokens else x.float() for x in inputs]
     y = torch.tensor(labels, dtype=torch.long)
     if int(y.min()) < 0 or int(y.max()) >= num_classes:  # a malformed split: refused before training
         raise UserError(f"{where} labels outside 0..num_classes-1 = 0..{num_classes - 1}; fix num_classes or the labels")

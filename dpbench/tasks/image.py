@@ -12,7 +12,7 @@ from dpbench.data.user import load_user_dataset
 from dpbench.data.validation import split_training_set, tensor_rows
 from dpbench.errors import UserError
 from dpbench.models import DataSpec
-from dpbench.models.user import import_object, names_builder
+from dpbench.models.user import forward_of, import_object, logits_of, names_builder
 from dpbench.tasks.base import TASKS, Task
 
 
@@ -80,7 +80,7 @@ class ImageClassificationTask(Task):
 
     def per_sample_loss(self, model: nn.Module, batch) -> torch.Tensor:
         images, labels = batch
-        logits = model(images)
+        logits = logits_of(forward_of(model, images))  # a Hugging Face model's ModelOutput: its .logits
         if self.user_loss is not None:
             return self._user_losses(logits, labels)
         if self.margins is None:
@@ -118,7 +118,7 @@ class ImageClassificationTask(Task):
         for start in range(0, len(self.validation_labels), self.eval_batch_size):
             images = self.validation_images[start : start + self.eval_batch_size].to(self.device)
             labels = self.validation_labels[start : start + self.eval_batch_size].to(self.device)
-            correct.append((model(images).argmax(dim=1) == labels).float())
+            correct.append((logits_of(forward_of(model, images)).argmax(dim=1) == labels).float())
         model.train(was_training)
         return torch.cat(correct) if correct else torch.zeros(0, device=self.device)
 
@@ -135,7 +135,7 @@ class ImageClassificationTask(Task):
         for start in range(0, n, self.eval_batch_size):
             images = all_images[start : start + self.eval_batch_size].to(self.device)
             labels = all_labels[start : start + self.eval_batch_size].to(self.device)
-            logits = model(images)
+            logits = logits_of(forward_of(model, images))
             if self.user_loss is not None:  # the test loss in the user's own terms
                 loss += self._user_losses(logits, labels).sum().item()
             else:

@@ -54,8 +54,8 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from dpbench.study.publish import STUDY_FILE  # noqa: F401 (the study's published file, named here too)
-from dpbench.study.sweep import StudySweep
+# dpbench.study (torch) is imported when a sweeper is made: Hydra imports every plugin module at start-up,
+# for `dpbench --help` too
 
 
 @dataclass
@@ -83,6 +83,8 @@ class PrivateSearchSweeper(Sweeper):
                  max_batch_size: Optional[int] = None, params: Optional[Dict[str, str]] = None,
                  grid: Optional[Dict[str, str]] = None, studies: int = 1, keep_private: bool = False,
                  print_private: bool = False) -> None:
+        from dpbench.study.sweep import StudySweep
+
         super().__init__()
         self.study = StudySweep(mean_trials, shape, score_share, max_batch_size, params, grid, studies,
                                 keep_private, print_private)

@@ -157,6 +157,45 @@ def iterable_data(dataset_cfg, seed):
 
 def too_few_classes(dataset_cfg, seed):
     return {**csv_data(dataset_cfg, seed), "num_classes": 2}
+
+
+def wrong_input_mlp(model_cfg, spec):  # a first layer built for another data set's width
+    return nn.Sequential(nn.Linear(math.prod(spec.input_shape) + 4, 8), nn.Tanh(), nn.Linear(8, spec.num_classes))
+
+
+def wrong_output_mlp(model_cfg, spec):  # more outputs than classes: cross-entropy would train it silently
+    return nn.Sequential(nn.Linear(math.prod(spec.input_shape), 8), nn.Tanh(), nn.Linear(8, spec.num_classes + 2))
+
+
+class DictOutput(nn.Module):
+    def __init__(self, features, classes):
+        super().__init__()
+        self.linear = nn.Linear(features, classes)
+
+    def forward(self, x):
+        return {"scores": self.linear(x)}
+
+
+def dict_output(model_cfg, spec):
+    return DictOutput(math.prod(spec.input_shape), spec.num_classes)
+
+
+def raising_model(model_cfg, spec):
+    return nn.Linear(model_cfg.widht, spec.num_classes)  # a typo of the user's: an exception in their builder
+
+
+def bracketed_error(model_cfg, spec):
+    raise ValueError("expected inputs of shape [batch, features]")  # printed as text, not console markup
+
+
+def raising_data(dataset_cfg, seed):
+    raise FileNotFoundError("no such file: data/trian.csv")
+
+
+def fractional_labels(dataset_cfg, seed):  # regression targets in [0, 1) given as labels
+    data = csv_data(dataset_cfg, seed)
+    features, labels = data["train"].tensors
+    return {**data, "train": torch.utils.data.TensorDataset(features, labels.float() * 0.3)}
 '''
 
 CLASSES, FEATURES = 3, 6
@@ -176,7 +215,8 @@ def write_user_package(folder: Path) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
     (conf / "__init__.py").write_text("")  # importable too: hydra.searchpath=[pkg://my_conf]
-    for path in ("my_dp/models.py", "my_dp/data.py", "my_conf/model/my_mlp.yaml", "my_conf/experiment/mine.yaml"):
+    for path in ("my_dp/models.py", "my_dp/data.py", "my_dp/hf.py", "my_conf/model/my_mlp.yaml",
+                 "my_conf/experiment/mine.yaml"):
         (folder / path).write_text(documented(path))
     # the data folder as an absolute path: tests run dpbench from folders of their own
     dataset = documented("my_conf/dataset/my_csv.yaml")

@@ -62,6 +62,37 @@ def test_a_users_model_trains_with_its_declared_family(user_folder, tmp_path):
     assert 0 < results.privacy.epsilon <= 8
 
 
+@pytest.mark.parametrize("algo", ["dpadam", "grape"])
+def test_a_hugging_face_classifier_on_token_ids_trains_as_a_users_model(algo, user_folder, tmp_path):
+    """docs/bring-your-own.md's tiny BERT from a config: int64 token ids reach it unchanged, its
+    ModelOutput's logits are read, and it passes the per-example checks (layout probe, norms)."""
+    from dpbench.api import run
+
+    results = run(["model=custom", "model.builder=my_dp.hf:tiny_bert", "dataset=custom",
+                   "dataset.builder=my_dp.hf:token_data", f"algo={algo}", *SMALL], run_dir=tmp_path / "run", quiet=True)
+    assert results.status == "completed" and 0 < results.privacy.epsilon <= 8
+
+
+def test_token_ids_stay_integers_and_pixels_become_floats():
+    from torch.utils.data import TensorDataset
+
+    from dpbench.data.user import load_user_dataset
+
+    def data(x):
+        return lambda cfg, seed: {"train": TensorDataset(x, torch.zeros(len(x))), "test": TensorDataset(x, torch.zeros(len(x))),
+                                  "num_classes": 2}
+
+    for given, kept in ((torch.arange(12).reshape(3, 4), torch.int64), (torch.ones(3, 4, dtype=torch.int32), torch.int64),
+                        (torch.ones(3, 4, dtype=torch.uint8), torch.float32), (torch.ones(3, 4, dtype=torch.float64), torch.float32)):
+        sys.modules["_tokens_test"] = type(sys)("_tokens_test")
+        sys.modules["_tokens_test"].build = data(given)
+        try:
+            loaded = load_user_dataset({"builder": "_tokens_test:build"}, 0)
+        finally:
+            del sys.modules["_tokens_test"]
+        assert loaded.train_images.dtype == kept and torch.equal(loaded.train_images, given.to(kept))
+
+
 REFUSED = {  # overrides -> a piece of the one line
     "batch norm": (["model=custom", "model.builder=my_dp.bad:batch_norm_mlp"],
                    "layer 2 (BatchNorm1d) makes each example's output depend on the other examples"),
@@ -91,6 +122,24 @@ REFUSED = {  # overrides -> a piece of the one line
     "an IterableDataset": (["dataset.builder=my_dp.bad:iterable_data"],
                            "train is a Stream without __len__ and __getitem__"),
     "labels beyond num_classes": (["dataset.builder=my_dp.bad:too_few_classes"], "labels outside 0..num_classes-1"),
+    # the first forward, before any work
+    "a first layer that does not fit": (["model=custom", "model.builder=my_dp.bad:wrong_input_mlp"],
+                                        "model=custom: its forward on one training example (input (1, 6) float32) "
+                                        "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x6 and 10x8) (in layer 0 (Linear)); "
+                                        "make the model's first layer take that input"),
+    "more outputs than classes": (["model=custom", "model.builder=my_dp.bad:wrong_output_mlp"],
+                                  "returned shape (1, 5), not (1, 3) (batch, num_classes=3); give the last layer"),
+    "a dict, not logits": (["model=custom", "model.builder=my_dp.bad:dict_output"],
+                           "model=custom: its forward returned a dict; it must return the logits, a tensor of shape (batch, num_classes)"),
+    "an exception in the model builder": (["model=custom", "model.builder=my_dp.bad:raising_model"],
+                                          "model.builder=my_dp.bad:raising_model failed: ConfigAttributeError: "),
+    "brackets in the message": (["model=custom", "model.builder=my_dp.bad:bracketed_error"],
+                                "ValueError: expected inputs of shape [batch, features] (at "),
+    "an exception in the data builder": (["dataset.builder=my_dp.bad:raising_data"],
+                                         "dataset.builder=my_dp.bad:raising_data failed: FileNotFoundError: no such file: "
+                                         "data/trian.csv (at "),
+    "fractional labels": (["dataset.builder=my_dp.bad:fractional_labels"],
+                          "train is labelled with a number with a fractional part at item 1; labels must be class indices"),
 }
 
 
@@ -126,6 +175,23 @@ def test_a_user_package_outside_the_repository_trains_with_grape_and_passes_the_
                                                         "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     assert "every check holds" in audit.stdout + audit.stderr
+
+
+@pytest.mark.slow  # the console script in a fresh process (about 15 s)
+@pytest.mark.parametrize("overrides, message", [
+    (["model=custom", "model.builder=my_dp.bad:wrong_output_mlp"], "returned shape (1, 5), not (1, 3)"),
+    (["dataset.builder=my_dp.bad:fractional_labels"], "labelled with a number with a fractional part at item 1"),
+], ids=["output count", "fractional labels"])
+def test_the_console_script_refuses_a_mismatched_model_or_labels_with_no_folder(overrides, message, tmp_path):
+    folder = write_user_package(tmp_path / "user")
+    work = tmp_path / "work"
+    work.mkdir()
+    refused = dpbench(searchpath(folder), "model=my_mlp", "dataset=my_csv", *overrides, "algo=dpadam", *SMALL, cwd=work,
+                      PYTHONPATH=os.pathsep.join([str(REPO), str(folder)]))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (work / "outputs").exists()
 
 
 class SharedWeight(nn.Module):
