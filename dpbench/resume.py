@@ -95,17 +95,28 @@ def stored_config(run_dir: Path) -> dict | None:
 
 def unfinished_attempt(cfg: DictConfig, run_dir: Path) -> Path | None:
     """The newest folder beside `run_dir` (a single run's timestamped folder) holding a checkpoint of
-    this config and no results.json: an interrupted attempt of this run, to continue (resume=true)."""
+    this config and no results.json: an interrupted attempt of this run, to continue (resume=true).
+    When the newest interrupted attempt is of another config, a note names what differs and where it is."""
     run_dir = Path(run_dir)
     if not cfg.resume or not run_dir.parent.is_dir():
         return None
     current = resolved_config(cfg)
     attempts = [path.parent for path in run_dir.parent.glob(f"*/{CHECKPOINT_FILE}")
                 if path.parent != run_dir and not (path.parent / RESULTS_FILE).exists()]
+    newest_other = None
     for folder in sorted(attempts, key=lambda folder: checkpoint_path(folder).stat().st_mtime, reverse=True):
         stored = stored_config(folder)
-        if stored is not None and not config_differences(stored, current):
+        if stored is None:
+            continue
+        differences = config_differences(stored, current)
+        if not differences:
             return folder
+        newest_other = newest_other or (folder, differences)
+    if newest_other is not None:
+        folder, differences = newest_other
+        console.print(f"[yellow]note:[/] the interrupted run in {folder} is of another config "
+                      f"({'; '.join(differences[:4])}{'; ...' if len(differences) > 4 else ''}): starting a new run; "
+                      "rerun that run's own command to continue it", soft_wrap=True)
     return None
 
 

@@ -6,6 +6,7 @@ in provenance.py, the fp32 rules (TF32, master weights) in precision.py."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 import warnings
@@ -24,7 +25,7 @@ from dpbench.algorithms.learning_rates import mark_head
 from dpbench.runtime.algorithm_state import CheckpointMismatch
 from dpbench.runtime.checkpoint import Checkpointer, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
-from dpbench.logging.console import ProgressCallback, console, summary_table
+from dpbench.logging.console import ProgressCallback, console, start_console_log, summary_table, write_console_log
 from dpbench.logging.results import (
     EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers, write_results,
 )
@@ -290,7 +291,7 @@ def resume_point(cfg: DictConfig, run_dir: Path, ranks: Ranks) -> tuple[dict | N
     return checkpoint, earlier_attempt_note(run_dir) if checkpoint is None and ranks.main else None
 
 
-def job_logger(job: Job, run_dir: Path, ranks: Ranks):
+def job_logger(job: Job, run_dir: Path, ranks: Ranks, resuming: bool = False):
     """The run's logger (rank 0's; the others log nothing), named and tagged by the run."""
     cfg = job.cfg
     for message in job.privacy.notes if job.privacy else []:
@@ -300,7 +301,7 @@ def job_logger(job: Job, run_dir: Path, ranks: Ranks):
     tags = [f"algo={cfg.algo.name}", f"model={cfg.model.name}", f"dataset={cfg.dataset.name}",
             epsilon if job.privacy else "non-private"]
     logger_cfg = cfg.logger if ranks.main else OmegaConf.create({"name": "none"})
-    return build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags,
+    return build_logger(logger_cfg, run_dir, run_name, resolved_config(cfg), tags, resuming=resuming,
                         system_metrics=job.privacy is None or job.privacy.log_private_stats)
 
 
@@ -319,7 +320,16 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     """Run one job: setup -> fit -> score -> record. Returns its results (also in run_dir/results.json).
 
     With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
-    when the job actually runs. Under torchrun every rank runs it; a failure on one stops all."""
+    when the job actually runs. Under torchrun every rank runs it; a failure on one stops all.
+    What the console printed is appended to the run folder's cli.log (rank 0's)."""
+    start_console_log()
+    try:
+        return _run_job(cfg, run_dir, show_progress, on_start)
+    finally:
+        write_console_log(run_dir if int(os.environ.get("RANK", "0")) == 0 else None)
+
+
+def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> RunResults:
     run_dir, ranks = Path(run_dir), Ranks.join()
     if (existing := ranks.decided(lambda: reusable_results(cfg, run_dir))) is not None:
         return existing
@@ -333,7 +343,7 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     with ranks.together("in setup"):
         job = setup(cfg)
     ranks.agree_on(job)
-    logger = job_logger(job, run_dir, ranks)
+    logger = job_logger(job, run_dir, ranks, resuming=checkpoint is not None)
     try:
         trainer, status, failure = fit(job, logger, show_progress and ranks.main, run_dir, checkpoint)
     except BaseException as error:  # Ctrl-C or a crash: the W&B run ends as failed, not as finished

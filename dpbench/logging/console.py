@@ -17,6 +17,27 @@ OWN_PEAK_RULE = "GPU: max allocated; CPU: peak resident size minus the size at t
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
+LOG_FILE = "cli.log"  # Hydra's job log in the run folder: the console's text is appended to it
+
+
+def start_console_log() -> None:
+    """Record what the console prints from here on (a quiet console, a private trial's, prints nothing)."""
+    console.record = True
+    console.export_text(clear=True)  # what an earlier job of the process printed is not this one's
+
+
+def write_console_log(run_dir) -> None:
+    """Append what the console printed since `start_console_log` to the run folder's cli.log, as
+    plain text (the progress bar's final state, notes, the summary table)."""
+    from pathlib import Path
+
+    text = console.export_text(clear=True)
+    console.record = False
+    if text and run_dir is not None and Path(run_dir).is_dir():
+        with open(Path(run_dir) / LOG_FILE, "a", encoding="utf-8") as handle:
+            handle.write(text)
+
+
 def training_progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),

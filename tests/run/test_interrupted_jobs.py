@@ -64,6 +64,38 @@ def test_an_interrupted_offline_run_is_marked_failed_and_its_rerun_replaces_it(t
     assert "Would sync 2 run(s)" in listed and f"run-{run_id}.wandb" in listed and first.name not in listed
 
 
+@pytest.mark.slow  # W&B's service process, and `wandb sync` in another
+def test_a_run_resumed_from_its_checkpoint_continues_its_w_and_b_run(tmp_path, monkeypatch):
+    from dpbench.algorithms import Algorithm
+    from dpbench.logging.wandb_logger import RUN_ID_FILE
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose([o for o in TINY if not o.startswith(("logger", "train.steps", "train.eval_every"))]
+                  + ["logger=wandb", *FIXED_SIGMA, "train.steps=4", "train.eval_every=2"])
+    original = Algorithm.train_step
+
+    def ctrl_c_at_step_3(self, batches, step_index):
+        if step_index == 3:
+            raise KeyboardInterrupt
+        return original(self, batches, step_index)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Algorithm, "train_step", ctrl_c_at_step_3)
+        with pytest.raises(KeyboardInterrupt):
+            run_job(cfg, tmp_path, show_progress=False)
+    (first,) = (tmp_path / "wandb").glob("offline-run-*")
+    run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    assert first.name.endswith(run_id)
+    results = run_job(cfg, tmp_path, show_progress=False)  # resumes from step 2: the same W&B run
+    assert results.resumed_from_step == 2
+    attempts = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(folder.name.endswith(run_id) for folder in attempts)  # one run id, both kept
+    assert exit_code(next(attempts[-1].glob("run-*.wandb"))) == 0
+    assert f"model-{run_id}".encode() in next(attempts[-1].glob("run-*.wandb")).read_bytes()  # the model artifact
+    listed = wandb_sync_dry_run(tmp_path / "wandb")
+    assert "Would sync 2 run(s)" in listed and listed.count(f"run-{run_id}.wandb") == 2, listed  # both attempts, one id
+
+
 def test_failed_jobs_are_the_error_files_written_since_the_grid_started(tmp_path):
     stale, fresh, good = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for folder in (stale, fresh, good):
@@ -119,6 +151,10 @@ def test_ctrl_c_after_an_evaluation_then_the_same_command_continues_from_it_with
     assert "holds step 2; rerun the same command to continue from it" in stopped.stderr
     runs = tmp_path / "outputs" / "runs"
     (attempt,) = [folder for folder in runs.iterdir() if (folder / "checkpoint.pt").is_file()]
+    time.sleep(1.1)
+    other = dpbench_in_process(*command, "train.lr=0.123", cwd=tmp_path)  # another config: a new run, with a note
+    assert other.returncode == 0, other.stderr
+    assert f"the interrupted run in {attempt} is of another config (train.lr" in " ".join(other.stderr.split())
     before = set(runs.iterdir())
 
     time.sleep(1.1)  # a new second: the rerun's own folder would have another name
@@ -132,3 +168,12 @@ def test_ctrl_c_after_an_evaluation_then_the_same_command_continues_from_it_with
     assert sum(m["count"] for m in results["privacy"]["ledger"]) == 4  # its ledger went on from the checkpoint's
     assert [h["step"] for h in results["history"]] == [2, 4]
     assert (attempt / "model.safetensors").is_file() and not (attempt / "checkpoint.pt").exists()
+
+
+def test_the_console_of_a_run_goes_to_its_cli_log(tmp_path):
+    from dpbench.logging.console import LOG_FILE
+
+    run_job(compose([*TINY, "algo=adam", "train.steps=2"]), tmp_path, show_progress=True)
+    log = (tmp_path / LOG_FILE).read_text()
+    assert "own peak" in log and "test acc" in log and "results:" in log  # the summary table, as plain text
+    assert "\x1b[" not in log  # no terminal codes
