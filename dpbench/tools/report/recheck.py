@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dpbench.errors import UserError
 from dpbench.logging.console import console
-from dpbench.logging.results import RESULTS_FILE, read_results
+from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 
 INTERVALS = (1e-3, 1e-4, 1e-5)
 SETTLED = 0.05
@@ -102,7 +102,7 @@ def _rdp(event, relation, delta: float) -> float | None:
 
 
 def recheck_run(path: Path) -> Recheck:
-    results = read_results(path)
+    results = RunResults.from_json(read_results(path.parent))
     privacy = results.privacy
     if not privacy.is_private or privacy.delta is None:
         raise UserError(f"{path} is not a private run: nothing to recheck")
