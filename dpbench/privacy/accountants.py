@@ -182,34 +182,44 @@ class PRVAccountant(Accountant):
     name = "prv"
 
     def _epsilon(self, ledger: Ledger, delta: float) -> float:
-        return self._bounds(ledger, delta)[1]
-
-    def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
-        """PRV's own (lower, upper) error bounds; pld's where PRV falls back to it."""
-        epsilon = self.epsilon(ledger, delta)
-        if not ledger or math.isinf(epsilon):
-            return epsilon, epsilon
-        return self._bounds(ledger, delta)
-
-    def _bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float]:
         from opacus.accountants import PRVAccountant as OpacusPRV
 
         accountant = OpacusPRV()
         accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
-        self.computed_by = self.name
         with warnings.catch_warnings():  # q = 1 (shuffled epochs): PRV's log(1 - q) is -inf, harmlessly
             warnings.simplefilter("ignore", RuntimeWarning)
-            try:
-                if prv_grid_points(accountant, delta, eps_error=0.01) > MAX_PRV_GRID_POINTS:
-                    raise MemoryError  # PRV's mesh would not fit (57 GiB at q = 0.3, sigma = 0.5, 1e5 steps)
-                # eps_error scales with the answer, so a fixed one is too coarse for small epsilons
-                first = prv_bounds(accountant, delta, eps_error=0.01)
-                if first[1] < 1.0:
-                    return prv_bounds(accountant, delta, eps_error=0.01 * max(first[1], 0.05))
-                return first
-            except (RuntimeError, ValueError, MemoryError):
-                self.computed_by = "pld"  # the run records it: privacy.accountant names pld, and a note
-                return PLDAccountant().bounds(ledger, delta)
+            return self._prv_epsilon(accountant, ledger, delta)
+
+    def _prv_epsilon(self, accountant, ledger: Ledger, delta: float) -> float:
+        try:
+            if prv_grid_points(accountant, delta, eps_error=0.01) > MAX_PRV_GRID_POINTS:
+                raise MemoryError  # PRV's mesh would not fit (57 GiB at q = 0.3, sigma = 0.5, 1e5 steps)
+            # Upper bound of PRV's estimate; eps_error scales with the answer, so a fixed one is too coarse for small epsilons.
+            first = accountant.get_epsilon(delta, eps_error=0.01)
+            self._eps_error = 0.01
+            if first < 1.0:
+                self._eps_error = 0.01 * max(first, 0.05)
+                return float(accountant.get_epsilon(delta, eps_error=self._eps_error))
+            return float(first)
+        except (RuntimeError, ValueError, MemoryError):
+            self.computed_by = "pld"  # the run records it: privacy.accountant names pld, and a note
+            return PLDAccountant().epsilon(ledger, delta)
+
+    def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
+        """PRV's own (lower, upper) error bounds at the eps_error its epsilon used; pld's where PRV fell back to it."""
+        from opacus.accountants import PRVAccountant as OpacusPRV
+
+        epsilon = self.epsilon(ledger, delta)
+        if not ledger or math.isinf(epsilon):
+            return epsilon, epsilon
+        if self.computed_by == "pld":
+            return PLDAccountant().bounds(ledger, delta)
+        accountant = OpacusPRV()
+        accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lower, _ = prv_bounds(accountant, delta, eps_error=getattr(self, "_eps_error", 0.01))
+        return lower, epsilon
 
 
 def prv_bounds(accountant, delta: float, eps_error: float) -> tuple[float, float]:
