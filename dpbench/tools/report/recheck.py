@@ -57,7 +57,8 @@ def _events(privacy) -> tuple[list, object, bool, str]:
     return [event_from_json(e) for e in record["events"]], relation, record["composition"] == "parallel", source
 
 
-def _pld_upper(event, relation, delta: float) -> float:
+def pld_upper_bound(event, relation, delta: float) -> float:
+    """dp-accounting's PLD accountant on the event, its interval refined as dpbench's pld refines its own."""
     import dp_accounting as dpa
 
     best = math.inf
@@ -113,7 +114,7 @@ def recheck_run(path: Path) -> Recheck:
         import dp_accounting as dpa
 
         events = [dpa.ComposedDpEvent(events)]
-    upper = pick([_pld_upper(e, relation, delta) for e in events])
+    upper = pick([pld_upper_bound(e, relation, delta) for e in events])
     lowers = []
     for e in events:
         optimistic = _optimistic_pld(e, relation, INTERVALS[1])
