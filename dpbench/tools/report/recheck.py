@@ -94,7 +94,11 @@ def _optimistic_pld(event, relation, interval: float):
 
 
 def _rdp(event, relation, delta: float) -> float | None:
+    import logging
+
     import dp_accounting as dpa
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
 
     try:
         return float(dpa.rdp.RdpAccountant(neighboring_relation=relation).compose(event).get_epsilon(delta))
