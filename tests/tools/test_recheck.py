@@ -3,7 +3,6 @@ from the file alone for a run of each accountant."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from dpbench.logging.results import PrivacyResults, RunResults, write_results
