@@ -24,6 +24,10 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
   7  epsilon_covers: {"covered": [...], "outside_epsilon": [...]}, which of the file's figures that
      depend on the data epsilon covers (`epsilon_covers`): the releases (noisy, or post-processing of
      the trained model), and the un-noised statistics, listed (outside) only when they are written.
+  8  privacy.dp_events (the ledger as dp-accounting events a third party re-accounts:
+     dpbench/privacy/events.py), privacy.epsilon_lower / epsilon_upper (the bounds the accountant
+     gives: pld optimistic / pessimistic, prv's error bounds) and privacy.pld_interval (the pld loss
+     grid's interval); private runs only.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _OMIT_IF_NONE = "omit_if_none"
 _FIGURE = "figure"  # what a data-dependent key is: RELEASE (epsilon covers it) or UNNOISED (it does not)
@@ -123,6 +127,10 @@ class PrivacyResults(Section):
     batches_per_epoch: int | None = _only_when_known()  # shuffled batches: one epoch's (its ledger's unit)
     validation_noise_multiplier: float | None = _only_when_known()  # sigma_v: noise std on the validation count
     validation_composition: str | None = _only_when_known()  # sequential | parallel (privacy.validation_composition)
+    epsilon_lower: float | None = _only_when_known()  # a lower bound where the accountant gives one (pld, prv)
+    epsilon_upper: float | None = _only_when_known()  # its upper bound (epsilon, for the bounds rdp, prv, pld)
+    pld_interval: float | None = _only_when_known()  # the pld loss grid's interval epsilon was computed at
+    dp_events: dict | None = _only_when_known()  # the ledger as dp-accounting events (dpbench.privacy.events)
 
     @property
     def is_private(self) -> bool:

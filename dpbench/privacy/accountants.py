@@ -7,7 +7,8 @@ They wrap the field's libraries instead of re-deriving formulas:
   gdp  Opacus's Gaussian-DP (CLT) accountant: homogeneous ledgers only; an APPROXIMATION that can
        under-report epsilon (1.21 against a tight 1.79 at sigma=1.1, q=0.0445, 40 steps), so it is
        not an upper bound and calibrating sigma with it needs an explicit opt-in
-  pld  Google's dp-accounting privacy-loss-distribution accountant (pessimistic discretisation)
+  pld  Google's dp-accounting privacy-loss-distribution accountant (pessimistic discretisation,
+       its interval refined until epsilon settles): the default, the tightest of them
 
 rdp, prv and pld give upper bounds on epsilon (`upper_bound = True`); gdp does not.
 
@@ -51,18 +52,39 @@ class Accountant(ABC):
 
     def __init__(self) -> None:
         self.computed_by = self.name  # the accountant that computed the last epsilon (fallbacks)
+        self._last: tuple | None = None  # (ledger items, delta, epsilon, computed_by): bounds() asks again
 
     def epsilon(self, ledger: Ledger, delta: float) -> float:
         """Epsilon spent by every mechanism in the ledger, at the given delta."""
         self.computed_by = self.name
         if not ledger:
             return 0.0
-        if any(m.noise_multiplier == 0 for m, _ in ledger.items()):
+        items = tuple(ledger.items())
+        if any(m.noise_multiplier == 0 for m, _ in items):
             return math.inf  # a noiseless release
-        return self._epsilon(ledger, delta)
+        if self._last is not None and self._last[:2] == (items, delta):
+            self.computed_by = self._last[3]
+            return self._last[2]
+        epsilon = self._epsilon(ledger, delta)
+        self._last = (items, delta, epsilon, self.computed_by)
+        return epsilon
 
     @abstractmethod
     def _epsilon(self, ledger: Ledger, delta: float) -> float: ...
+
+    def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
+        """(lower, upper) epsilon of the ledger where the accountant gives them (pld: optimistic and
+        pessimistic discretisations; prv: its error bounds); None where it does not."""
+        epsilon = self.epsilon(ledger, delta)
+        return None, (epsilon if self.upper_bound else None)
+
+    def quick(self) -> "Accountant":
+        """An accountant as sound and fast enough to bracket sigma (pld: its coarsest interval)."""
+        return self
+
+    def settle_for(self, ledger: Ledger, delta: float) -> None:
+        """Fix what this accountant chooses per ledger (pld's interval) to what suits `ledger`, the
+        planned run near calibration's answer: the bisection and the reported epsilon then agree."""
 
 
 @ACCOUNTANTS.register("rdp")
@@ -82,30 +104,77 @@ class RDPAccountant(Accountant):
 
 @ACCOUNTANTS.register("pld")
 class PLDAccountant(Accountant):
-    name = "pld"
+    """dp-accounting's privacy loss distributions, pessimistic (an upper bound at every interval).
 
-    def __init__(self, value_discretization_interval: float = 1e-3):
+    The loss grid's interval sets how far above the true epsilon the bound lies, and what suffices
+    depends on q and T more than on epsilon (1e-3 is 2x too high at q = 1e-4, T = 1e5; 1e-4 is
+    within 0.01% at q = 0.01): with `value_discretization_interval=None` (the default) each epsilon
+    refines the interval tenfold from COARSEST while that lowers epsilon by more than SETTLED, down
+    to FINEST, and reports the smallest bound met. Calibration settles one interval near its answer
+    (`settle_for`), which the run's reported epsilon then keeps.
+    """
+
+    name = "pld"
+    COARSEST, FINEST, SETTLED = 1e-3, 1e-5, 0.05  # error left is about a thirtieth of the last step's gain
+
+    def __init__(self, value_discretization_interval: float | None = None):
         super().__init__()
-        self.value_discretization_interval = value_discretization_interval
+        self.value_discretization_interval = value_discretization_interval  # None: chosen per ledger
+        self.interval_used: float | None = value_discretization_interval  # that of the last epsilon
 
     def _epsilon(self, ledger: Ledger, delta: float) -> float:
-        import dp_accounting as dpa
+        if self.value_discretization_interval is not None:
+            return pld_epsilon(ledger, delta, self.value_discretization_interval)
+        interval, epsilon = self.COARSEST, pld_epsilon(ledger, delta, self.COARSEST)
+        while interval > self.FINEST * 1.01:
+            finer = interval / 10
+            finer_epsilon = pld_epsilon(ledger, delta, finer)
+            settled = epsilon - finer_epsilon <= self.SETTLED * finer_epsilon
+            interval, epsilon = finer, min(epsilon, finer_epsilon)
+            if settled:
+                break
+        self.interval_used = interval
+        return epsilon
 
-        items = ledger.items()
-        if all(m.neighboring == "replace_one" for m, _ in items):  # exact replace-one accounting
-            relation, multipliers = dpa.NeighboringRelation.REPLACE_ONE, [m.noise_multiplier for m, _ in items]
-        else:  # add/remove, or a mixed ledger: replace-one mechanisms through the sigma/2 reduction
-            relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-            multipliers = [m.add_remove_noise_multiplier for m, _ in items]
-        events = [
-            dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(sigma)), n)
-            for (m, n), sigma in zip(items, multipliers)
-        ]
-        accountant = dpa.pld.PLDAccountant(
-            neighboring_relation=relation, value_discretization_interval=self.value_discretization_interval
-        )
-        accountant.compose(dpa.ComposedDpEvent(events))
-        return float(accountant.get_epsilon(delta))
+    def quick(self) -> "Accountant":
+        return self if self.value_discretization_interval is not None else PLDAccountant(self.COARSEST)
+
+    def settle_for(self, ledger: Ledger, delta: float) -> None:
+        if self.value_discretization_interval is None:
+            self.epsilon(ledger, delta)
+            self.value_discretization_interval, self._last = self.interval_used, None
+
+    def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
+        """(optimistic, pessimistic) epsilon at the interval of the last epsilon: the optimistic
+        estimate (privacy buckets rounding losses down) is a lower bound, 0 where the grid is coarser
+        than small-q losses."""
+        upper = self.epsilon(ledger, delta)
+        if not ledger or math.isinf(upper):
+            return upper, upper
+        return pld_epsilon(ledger, delta, self.interval_used or self.COARSEST, pessimistic=False), upper
+
+
+def pld_epsilon(ledger: Ledger, delta: float, interval: float, pessimistic: bool = True) -> float:
+    """dp-accounting's PLD epsilon of the ledger's events (`dpbench.privacy.events.ledger_events`)
+    at one discretisation interval; pessimistic: an upper bound, else an optimistic lower one."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    from dpbench.privacy.events import accounted_ledger
+
+    record = accounted_ledger(ledger)
+    composed = None
+    for mechanism, count in record.mechanisms:  # (sample rate, sigma) under record.relation
+        sigma, rate = mechanism
+        if rate == 1.0:  # T full-batch Gaussians are one Gaussian of sigma / sqrt(T): exact and fast
+            one = pld.from_gaussian_mechanism(sigma / math.sqrt(count), value_discretization_interval=interval,
+                                              pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
+                                              neighboring_relation=record.relation)
+        else:
+            one = pld.from_gaussian_mechanism(sigma, sampling_prob=rate, value_discretization_interval=interval,
+                                              pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
+                                              neighboring_relation=record.relation).self_compose(count)
+        composed = one if composed is None else composed.compose(one)
+    return float(composed.get_epsilon_for_delta(delta))
 
 
 @ACCOUNTANTS.register("prv")
@@ -127,12 +196,38 @@ class PRVAccountant(Accountant):
                 raise MemoryError  # PRV's mesh would not fit (57 GiB at q = 0.3, sigma = 0.5, 1e5 steps)
             # Upper bound of PRV's estimate; eps_error scales with the answer, so a fixed one is too coarse for small epsilons.
             first = accountant.get_epsilon(delta, eps_error=0.01)
+            self._eps_error = 0.01
             if first < 1.0:
-                return float(accountant.get_epsilon(delta, eps_error=0.01 * max(first, 0.05)))
+                self._eps_error = 0.01 * max(first, 0.05)
+                return float(accountant.get_epsilon(delta, eps_error=self._eps_error))
             return float(first)
         except (RuntimeError, ValueError, MemoryError):
             self.computed_by = "pld"  # the run records it: privacy.accountant names pld, and a note
             return PLDAccountant().epsilon(ledger, delta)
+
+    def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
+        """PRV's own (lower, upper) error bounds at the eps_error its epsilon used; pld's where PRV fell back to it."""
+        from opacus.accountants import PRVAccountant as OpacusPRV
+
+        epsilon = self.epsilon(ledger, delta)
+        if not ledger or math.isinf(epsilon):
+            return epsilon, epsilon
+        if self.computed_by == "pld":
+            return PLDAccountant().bounds(ledger, delta)
+        accountant = OpacusPRV()
+        accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lower, _ = prv_bounds(accountant, delta, eps_error=getattr(self, "_eps_error", 0.01))
+        return lower, epsilon
+
+
+def prv_bounds(accountant, delta: float, eps_error: float) -> tuple[float, float]:
+    """(lower, upper) epsilon of Opacus's PRV accountant's history: its get_epsilon returns the upper."""
+    delta_error = delta / 1000  # Opacus's default
+    dprv = accountant._get_dprv(eps_error=eps_error, delta_error=delta_error)
+    lower, _, upper = dprv.compute_epsilon(delta, delta_error, eps_error)
+    return float(lower), float(upper)
 
 
 # PRV discretises the composed loss on one grid of float64 points, several copies at once (FFT):
@@ -197,19 +292,23 @@ def calibrate_noise_multiplier(
     upper end of the bisection bracket, so the achieved epsilon is at most the target (Opacus's
     get_noise_multiplier does the same, for one mechanism only).
     """
-    return smallest_noise_multiplier(
-        lambda sigma: accountant.epsilon(ledger_for(sigma), delta), target_epsilon, tolerance,
-        f"no noise multiplier reaches epsilon={target_epsilon} at delta={delta} for "
-        "this run: raise privacy.epsilon or privacy.delta, or plan fewer steps",
-    )
+    unreachable = (f"no noise multiplier reaches epsilon={target_epsilon} at delta={delta} for "
+                   "this run: raise privacy.epsilon or privacy.delta, or plan fewer steps")
+    quick = accountant.quick()  # bracket with a fast bound, then bisect near it with the accountant's own rule
+    sigma = smallest_noise_multiplier(lambda s: quick.epsilon(ledger_for(s), delta), target_epsilon, tolerance, unreachable)
+    if quick is accountant:
+        return sigma
+    accountant.settle_for(ledger_for(sigma), delta)
+    return smallest_noise_multiplier(lambda s: accountant.epsilon(ledger_for(s), delta), target_epsilon, tolerance,
+                                     unreachable, start=sigma, shrink=0.98)
 
 
 def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,
-                              unreachable: str) -> float:
+                              unreachable: str, start: float = 1.0, shrink: float = 0.5) -> float:
     """Smallest sigma (up to `tolerance` in epsilon) with epsilon_of(sigma) <= target, epsilon_of
     decreasing in sigma (a run's calibration, a study's per-trial sigma). Returns the bracket's
     upper end, so the result meets the target; `unreachable` is the error when no sigma up to
-    MAX_NOISE_MULTIPLIER does."""
+    MAX_NOISE_MULTIPLIER does. `start`: where the bracket search begins, stepping down by `shrink` (a sigma known to be close)."""
     cache: dict[float, float] = {}
 
     def eps(sigma: float) -> float:
@@ -217,11 +316,11 @@ def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsil
             cache[sigma] = epsilon_of(sigma)
         return cache[sigma]
 
-    high = 1.0
+    high = start
     if eps(high) <= target_epsilon:  # search downwards for a bracket
-        low = high / 2
+        low = high * shrink
         while eps(low) <= target_epsilon:
-            high, low = low, low / 2
+            high, low = low, low * shrink
             if low < 1e-4:
                 return high
     else:  # search upwards

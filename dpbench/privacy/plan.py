@@ -224,10 +224,22 @@ class PrivacyPlan:
         training, final = split_off(ledger, self.final_releases)
         return max(self.accountant.epsilon(training, self.delta), self.accountant.epsilon(final, self.delta))
 
+    def bounds(self, ledger: Ledger) -> tuple[float | None, float | None]:
+        """(lower, upper) epsilon where the accountant gives them; parallel parts: the larger of each."""
+        if not self.parallel_final:
+            return self.accountant.bounds(ledger, self.delta)
+        parts = [self.accountant.bounds(part, self.delta) for part in split_off(ledger, self.final_releases)]
+        lower, upper = zip(*parts)
+        return (None if None in lower else max(lower)), (None if None in upper else max(upper))
+
     def results(self, ledger: Ledger, steps: int, planned_steps: int) -> PrivacyResults:
         """The privacy section of results.json for the mechanisms that ran."""
+        from dpbench.privacy.events import events_record
+
         setup = self.setup
+        lower, upper = self.bounds(ledger)
         epsilon = self.epsilon(ledger)
+        parts = list(split_off(ledger, self.final_releases)) if self.parallel_final else [ledger]
         if self.accountant.computed_by != self.accountant.name:
             self.note(
                 f"accountant={self.accountant.name} failed on this ledger; epsilon was computed by "
@@ -256,6 +268,10 @@ class PrivacyPlan:
             validation_noise_multiplier=self.validation_noise_multiplier,
             validation_composition=("parallel" if self.parallel_final else "sequential")
             if self.validation_noise_multiplier is not None else None,
+            epsilon_lower=lower,
+            epsilon_upper=upper,
+            pld_interval=getattr(self.accountant, "interval_used", None) if self.accountant.computed_by == "pld" else None,
+            dp_events=events_record(parts, parallel=self.parallel_final),
         )
 
     def recorded_notes(self) -> list[str]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import MAX_NOISE_MULTIPLIER, smallest_noise_multiplier
+from dpbench.privacy.events import ledger_dp_event  # noqa: F401  (the one ledger -> dp-accounting conversion)
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.study.trials import _check_distribution, parse_shape
 
@@ -51,28 +52,6 @@ def as_ledger(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism]) -> 
         out.extend(items)
         return out
     return Ledger.from_records(items)
-
-
-def ledger_dp_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], exact_replace_one: bool = False):
-    """The ledger as one dp-accounting event: each (mechanism, count) a self-composed
-    Poisson-subsampled Gaussian.
-
-    Under add/remove (default) a replace-one mechanism enters at sigma/2, the conservative reduction
-    dpbench's rdp/prv/gdp accountants use (`GaussianMechanism.add_remove_noise_multiplier` says why).
-    `exact_replace_one`: a ledger stated under replace-one only, with each mechanism's own sigma, for
-    an accountant built with dp-accounting's REPLACE_ONE relation (PLD; its RDP has no
-    replace-one analysis of Poisson sampling). A noiseless mechanism is a NonPrivateDpEvent."""
-    import dp_accounting as dpa
-
-    items = as_ledger(ledger).items()
-    if exact_replace_one and any(m.neighboring != "replace_one" for m, _ in items):
-        raise ValueError("exact_replace_one needs a ledger stated under replace_one only")
-    events = []
-    for m, count in items:
-        sigma = m.noise_multiplier if exact_replace_one else m.add_remove_noise_multiplier
-        step = dpa.PoissonSampledDpEvent(m.sample_rate, dpa.GaussianDpEvent(sigma)) if sigma > 0 else dpa.NonPrivateDpEvent()
-        events.append(dpa.SelfComposedDpEvent(step, count))
-    return dpa.ComposedDpEvent(events)
 
 
 def trial_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], score_noise_multiplier: float | None = None):

@@ -31,10 +31,11 @@ def _epsilon_split_cfg(fraction: float):
     return cfg
 
 
-def _dp_accounting_epsilon(sigma: float, delta: float) -> float:
-    """epsilon of STEPS Poisson-subsampled Gaussians at rate Q, by dp-accounting's PLD directly."""
+def _dp_accounting_epsilon(sigma: float, delta: float, interval: float) -> float:
+    """epsilon of STEPS Poisson-subsampled Gaussians at rate Q, by dp-accounting's PLD directly, on
+    the grid the calibration settled on (`PLDAccountant.settle_for`)."""
     event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(sigma)), STEPS)
-    return float(dpa.pld.PLDAccountant(value_discretization_interval=1e-3).compose(event).get_epsilon(delta))
+    return float(dpa.pld.PLDAccountant(value_discretization_interval=interval).compose(event).get_epsilon(delta))
 
 
 @pytest.mark.slow  # four PLD calibrations (the slow tier)
@@ -50,7 +51,7 @@ def test_epsilon_split_keeps_the_papers_ratio_and_meets_the_target_jointly(fract
     # dp-accounting's PLD directly), then both scaled by one factor
     shares = fraction * EPSILON, (1 - fraction) * EPSILON
     alone_tr = calibration.noise_multiplier(lambda s, step: [dcdpsgd_score(s)], shares[0], DELTA / 2)
-    assert _dp_accounting_epsilon(alone_tr, DELTA / 2) <= shares[0] + 1e-6
+    assert _dp_accounting_epsilon(alone_tr, DELTA / 2, calibration.accountant.interval_used) <= shares[0] + 1e-6
     alone_dp = calibration.noise_multiplier(lambda s, step: [gradient_mechanism(cfg, s, Q, 1.0)], shares[1], DELTA / 2)
     assert sigma_tr / sigma_dp == pytest.approx(alone_tr / alone_dp, rel=1e-9)
     assert sigma_dp > alone_dp  # one batch: the joint mechanism needs more noise than the paper's split
@@ -61,7 +62,7 @@ def test_epsilon_split_keeps_the_papers_ratio_and_meets_the_target_jointly(fract
     grad_sigma = gradient_mechanism(cfg, sigma_dp, Q, 1.0).noise_multiplier
     assert joint.noise_multiplier == pytest.approx((sigma_tr**-2 + grad_sigma**-2) ** -0.5, rel=1e-12)
     assert EPSILON - 0.02 <= calibration.epsilon(lambda step: [joint], DELTA) <= EPSILON
-    assert _dp_accounting_epsilon(joint.noise_multiplier, DELTA) <= EPSILON + 0.01
+    assert _dp_accounting_epsilon(joint.noise_multiplier, DELTA, calibration.accountant.interval_used) <= EPSILON + 0.01
 
 
 def dcdpsgd_score(sigma):

@@ -54,7 +54,7 @@ def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path)
     sigma_tr = sigma_dp = math.sqrt(2)
     joint = (sigma_tr**-2 + (sigma_dp * 10 / 19) ** -2) ** -0.5  # scores and gradient: one batch, one mechanism
     event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(joint)), 5)
-    accountant = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+    accountant = dpa.pld.PLDAccountant(value_discretization_interval=results.privacy.pld_interval)  # the run's grid
     expected = accountant.compose(event).get_epsilon(1e-5)
     assert results.privacy.epsilon == pytest.approx(expected, rel=1e-3)
     assert results.algorithm["tail_clip_c1"] == pytest.approx(1.0)

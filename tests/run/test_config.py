@@ -89,6 +89,15 @@ def test_every_accountant_calibrates_a_run(accountant, tiny_cfg, tmp_path: Path)
     assert results.privacy.accountant == accountant
     assert 7.5 <= results.privacy.epsilon <= 8.0 + 1e-9
     assert results.privacy.epsilon_is_upper_bound is (accountant != "gdp")
+    # the run's ledger, as dp-accounting events, re-accounted from results.json alone
+    from dpbench.tools.report.recheck import recheck_run
+
+    rechecked = recheck_run(tmp_path / "results.json")
+    assert rechecked.source == "dp_events" and rechecked.pld_lower <= rechecked.pld_upper
+    if accountant != "gdp":
+        assert rechecked.consistent and rechecked.recorded_bounds[1] == results.privacy.epsilon
+    if accountant == "pld":  # the same events, the same grid rule: dp-accounting's own accountant agrees
+        assert results.privacy.epsilon == pytest.approx(rechecked.pld_upper, rel=1e-6)
 
 
 def test_pyproject_lists_every_subpackage():

@@ -22,14 +22,17 @@ TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy"
        "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config", "epsilon_covers"]
 PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "delta", "noise_multiplier",
            "clip_norm", "sample_rate", "expected_batch_size", "steps", "planned_steps", "accountant",
-           "requested_accountant", "neighboring", "log_private_stats", "ledger", "sampling", "bound"]
-NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats", "bound")]
+           "requested_accountant", "neighboring", "log_private_stats", "ledger", "sampling", "bound",
+           "epsilon_lower", "epsilon_upper", "pld_interval", "dp_events"]
+NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats", "bound",
+                                               "epsilon_lower", "epsilon_upper", "pld_interval", "dp_events")]
 METRICS = ["metric", "test_accuracy", "best_test_accuracy", "train_loss", "test_loss", "train_accuracy"]
 CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
 THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s", "world_size"]
 ADDED_IN_2 = ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")
 ADDED_IN_3 = ("world_size",)
 ADDED_IN_4 = ("bound",)
+ADDED_IN_8 = ("epsilon_lower", "epsilon_upper", "pld_interval", "dp_events")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 7
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 8
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT
@@ -56,7 +59,7 @@ def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_
 def older_version(results: dict, version: int) -> dict:
     """The same run as a file of an earlier schema version held it."""
     old = copy.deepcopy(results)
-    for key in ADDED_IN_4:
+    for key in ADDED_IN_4 + ADDED_IN_8:
         del old["privacy"][key]
     for key in ADDED_IN_3:
         del old["throughput"][key]

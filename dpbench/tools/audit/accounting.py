@@ -23,8 +23,9 @@ def _dp_accounting_epsilons(ledger, delta: float) -> dict[str, float]:
     relation = dpa.NeighboringRelation.REPLACE_ONE if replace_one else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
     event = ledger_dp_event(ledger, exact_replace_one=replace_one)
     out = {}
-    pld = dpa.pld.PLDAccountant(neighboring_relation=relation, value_discretization_interval=1e-3)
-    out["pld"] = float(pld.compose(event).get_epsilon(delta))
+    from dpbench.tools.report.recheck import pld_upper_bound  # its grid refined until epsilon settles, as pld's
+
+    out["pld"] = pld_upper_bound(event, relation, delta)
     try:
         rdp = dpa.rdp.RdpAccountant(neighboring_relation=relation)
         out["rdp"] = float(rdp.compose(event).get_epsilon(delta))

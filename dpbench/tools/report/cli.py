@@ -6,6 +6,7 @@ number beside ours), the ordering check of a mini table, and plots.
     dpbench-report outputs/multirun/dpgrape_t6_mini --check               # exit 1 if report.expect fails
     dpbench-report outputs/multirun/bench_mini --leaderboard --format html   # dpbench's own benchmark
     dpbench-report outputs/multirun/bench_mini_tuned --leaderboard          # methods tuned by private studies
+    dpbench-report outputs/runs/RUN --recheck          # epsilon recomputed from results.json by dp-accounting
 
 Runs are averaged only when their resolved configs differ in nothing but the seed (`seed`,
 `dataset.data_seed`) and ran the same number of steps; otherwise they stay separate rows and a
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="per task and ε, methods ranked by accuracy with memory and speed beside DP-Adam's and Adam's, "
                              "the Pareto frontier, the fairness statement; figures as PNG and SVG")
     parser.add_argument("--wandb", action="store_true", help="with --leaderboard: log it as a W&B Table plus its figures (offline unless WANDB_MODE says otherwise)")
+    parser.add_argument("--recheck", action="store_true",
+                        help="recompute each run's epsilon from its results.json (privacy.dp_events) with dp-accounting "
+                             "and print its lower and upper bounds beside the recorded one; exit 1 if one is below")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every ordering in report.expect holds")
     parser.add_argument("--compare-with", type=Path, default=None,
                         help="with --leaderboard over private studies: the paper-hyperparameter benchmark's folder whose "
@@ -89,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args) -> int:
     if not args.folder.is_dir():
         raise UserError(f"{args.folder} is not a folder; pass the multirun folder, e.g. outputs/multirun/<name>")
+    if args.recheck:
+        from dpbench.tools.report.recheck import recheck
+
+        return recheck(args.folder)
     if args.leaderboard and (studies := load_studies(args.folder)):  # a tuned benchmark: private studies
         return _study_leaderboard(args, studies)
     rows, audits = load_report(args.folder)

@@ -1,0 +1,150 @@
+"""`dpbench-report --recheck RUN`: the epsilon of each results.json under RUN, recomputed from the
+file alone with dp-accounting, beside the epsilon the run recorded.
+
+The file's `privacy.dp_events` (dpbench/privacy/events.py; older files: `privacy.ledger`) are
+rebuilt as dp-accounting events and composed by dp-accounting's PLD accountant (its interval
+refined tenfold from 1e-3 to 1e-5 while epsilon moves by more than 5%: the upper bound) and its
+privacy-buckets optimistic estimate (the lower bound), and by its RDP accountant. A recorded
+epsilon more than 1% below dp-accounting's PLD upper bound is flagged (exit status 1): it is not
+a bound on what ran (gdp's approximation can be).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpbench.errors import UserError
+from dpbench.logging.console import console
+from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
+
+INTERVALS = (1e-3, 1e-4, 1e-5)
+SETTLED = 0.05
+BELOW = 0.01  # a recorded epsilon this far below the tight one is flagged
+
+
+@dataclass
+class Recheck:
+    run: Path
+    recorded: float | None
+    accountant: str | None
+    recorded_bounds: tuple[float | None, float | None]
+    pld_lower: float
+    pld_upper: float
+    rdp: float | None
+    delta: float
+    source: str  # dp_events | ledger
+
+    @property
+    def consistent(self) -> bool:
+        return self.recorded is not None and self.recorded >= self.pld_upper * (1 - BELOW)
+
+
+def _events(privacy) -> tuple[list, object, bool, str]:
+    """(events, relation, parallel, source) of a results.json privacy section."""
+    import dp_accounting as dpa
+
+    from dpbench.privacy.events import event_from_json, events_record
+    from dpbench.privacy.mechanisms import Ledger
+
+    record, source = privacy.dp_events, "dp_events"
+    if not record:
+        if privacy.ledger is None:
+            raise UserError("its results.json holds neither privacy.dp_events nor privacy.ledger")
+        record, source = events_record([Ledger.from_records(privacy.ledger)]), "ledger"
+    relation = getattr(dpa.NeighboringRelation, record["neighboring_relation"])
+    return [event_from_json(e) for e in record["events"]], relation, record["composition"] == "parallel", source
+
+
+def pld_upper_bound(event, relation, delta: float) -> float:
+    """dp-accounting's PLD accountant on the event, its interval refined as dpbench's pld refines its own."""
+    import dp_accounting as dpa
+
+    best = math.inf
+    for interval in INTERVALS:
+        epsilon = dpa.pld.PLDAccountant(relation, value_discretization_interval=interval).compose(event).get_epsilon(delta)
+        settled = best - epsilon <= SETTLED * epsilon
+        best = min(best, float(epsilon))
+        if settled:
+            break
+    return best
+
+
+def _optimistic_pld(event, relation, interval: float):
+    """dp-accounting's optimistic (privacy buckets) PLD of a composition of subsampled Gaussians."""
+    import dp_accounting as dpa
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    if isinstance(event, dpa.ComposedDpEvent):
+        parts = [_optimistic_pld(e, relation, interval) for e in event.events]
+        parts = [p for p in parts if p is not None]
+        out = parts[0] if parts else None
+        for p in parts[1:]:
+            out = out.compose(p)
+        return out
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        one = _optimistic_pld(event.event, relation, interval)
+        return one.self_compose(event.count) if one is not None and event.count > 0 else None
+    q, gaussian = (event.sampling_probability, event.event) if isinstance(event, dpa.PoissonSampledDpEvent) else (1.0, event)
+    if not isinstance(gaussian, dpa.GaussianDpEvent):
+        raise UserError(f"--recheck reads Gaussian events only, got {type(gaussian).__name__}")
+    return pld.from_gaussian_mechanism(gaussian.noise_multiplier, sampling_prob=q, value_discretization_interval=interval,
+                                       pessimistic_estimate=False, use_connect_dots=False, neighboring_relation=relation)
+
+
+def _rdp(event, relation, delta: float) -> float | None:
+    import logging
+
+    import dp_accounting as dpa
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's per-order convergence chatter
+
+    try:
+        return float(dpa.rdp.RdpAccountant(neighboring_relation=relation).compose(event).get_epsilon(delta))
+    except Exception:  # dp-accounting's RDP has no replace-one analysis of Poisson sampling
+        return None
+
+
+def recheck_run(path: Path) -> Recheck:
+    results = RunResults.from_json(read_results(path.parent))
+    privacy = results.privacy
+    if not privacy.is_private or privacy.delta is None:
+        raise UserError(f"{path} is not a private run: nothing to recheck")
+    events, relation, parallel, source = _events(privacy)
+    delta = float(privacy.delta)
+    pick = max if parallel else (lambda values: values[0])
+    if not parallel:
+        import dp_accounting as dpa
+
+        events = [dpa.ComposedDpEvent(events)]
+    upper = pick([pld_upper_bound(e, relation, delta) for e in events])
+    lowers = []
+    for e in events:
+        optimistic = _optimistic_pld(e, relation, INTERVALS[1])
+        lowers.append(0.0 if optimistic is None else float(optimistic.get_epsilon_for_delta(delta)))
+    rdps = [_rdp(e, relation, delta) for e in events]
+    return Recheck(path.parent, privacy.epsilon, privacy.accountant, (privacy.epsilon_lower, privacy.epsilon_upper),
+                   pick(lowers), upper, None if None in rdps else pick(rdps), delta, source)
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def recheck(folder: Path) -> int:
+    """Print each run's recorded epsilon beside dp-accounting's; 1 if one is below the tight bound."""
+    files = [folder / RESULTS_FILE] if (folder / RESULTS_FILE).is_file() else sorted(folder.rglob(RESULTS_FILE))
+    if not files:
+        raise UserError(f"no {RESULTS_FILE} under {folder}: pass a run folder")
+    status = 0
+    for path in files:
+        r = recheck_run(path)
+        lower, upper = r.recorded_bounds
+        verdict = "consistent" if r.consistent else f"BELOW dp-accounting's PLD by more than {BELOW:.0%}: not a bound"
+        console.print(
+            f"{r.run}: recorded epsilon {_fmt(r.recorded)} by {r.accountant} (lower {_fmt(lower)}, upper {_fmt(upper)}); "
+            f"dp-accounting from {r.source}: PLD lower {_fmt(r.pld_lower)}, upper {_fmt(r.pld_upper)}, RDP {_fmt(r.rdp)} "
+            f"at delta {r.delta:g}: {verdict}", soft_wrap=True, highlight=False)
+        status = status or (0 if r.consistent else 1)
+    return status
