@@ -197,8 +197,13 @@ def train_module(model, train, test, *, num_classes: int, overrides: list[str] |
                  trained_modules: list[str] | None = None, projected_modules: list[str] | None = None,
                  lora_targets: list[str] | None = None, name: str = "module", run_dir: str | Path | None = None,
                  show_progress: bool = True, quiet: bool = False) -> RunResults:
-    """Train a user's `torch.nn.Module` in place with any dpbench algorithm and accountant (the habit
-    of Opacus's `make_private`; docs/bring-your-own.md, "From Python") and return its `RunResults`.
+    """Train a user's `torch.nn.Module` with any dpbench algorithm and accountant (the habit of
+    Opacus's `make_private`; docs/bring-your-own.md, "From Python") and return its `RunResults`.
+
+    The run trains a copy of `model`; when it completes, the trained weights and buffers are loaded
+    into `model` (LoRA adapters merged into their layers), which is otherwise as it was handed
+    over: no engine hooks, no per-example attributes, its own layers, `requires_grad` flags,
+    train/eval mode, devices and dtypes (another engine, or another train_module, can be built on it).
 
     `train`, `test`: map-style datasets (`__len__`, `__getitem__`) of `(x, y)` pairs, sampled by
     dpbench's own sampler; `overrides`: `dpbench` command-line overrides (algorithm, privacy, train);
@@ -212,7 +217,7 @@ def train_module(model, train, test, *, num_classes: int, overrides: list[str] |
 
     from dpbench.data.user import check_map_style
     from dpbench.errors import UserError
-    from dpbench.handover import handed, handed_overrides
+    from dpbench.handover import handed, handed_overrides, load_trained_weights, trainable_copy
 
     if not isinstance(model, nn.Module):
         raise UserError(f"train_module: model must be a torch.nn.Module, got a {type(model).__name__}")
@@ -222,5 +227,8 @@ def train_module(model, train, test, *, num_classes: int, overrides: list[str] |
     if taken:
         raise UserError(f"train_module trains the model and data it is given; leave {', '.join(taken)} out of overrides")
     handover = handed_overrides(name, loss is not None, trained_modules, projected_modules, lora_targets)
-    with handed(model, train, test, num_classes, loss):
-        return run([*handover, *(overrides or [])], run_dir=run_dir, show_progress=show_progress, quiet=quiet)
+    trained = trainable_copy(model)  # the run hooks, wraps and freezes the copy, never the caller's module
+    with handed(trained, train, test, num_classes, loss):
+        results = run([*handover, *(overrides or [])], run_dir=run_dir, show_progress=show_progress, quiet=quiet)
+    load_trained_weights(model, trained)
+    return results

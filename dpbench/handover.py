@@ -62,6 +62,45 @@ def handed_overrides(name: str, loss: bool, trained_modules=None, projected_modu
     ]
 
 
+def trainable_copy(model: nn.Module) -> nn.Module:
+    """The copy of a caller's module that a train_module run trains (its hooks, per-example
+    attributes, LoRA layers and frozen flags stay on the copy)."""
+    import copy
+
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:  # noqa: BLE001 - whatever the module holds that cannot be copied
+        raise UserError(f"train_module trains a copy of the module and loads its weights back, and "
+                        f"copy.deepcopy({type(model).__name__}) failed: {type(error).__name__}: {error}") from error
+
+
+def load_trained_weights(model: nn.Module, trained: nn.Module) -> None:
+    """The trained copy's parameters and buffers into the caller's module, in its own devices and
+    dtypes; LoRA adapters (peft layers injected by algo=lora/dplora) are merged into their base layers
+    first, so the module keeps its own layers."""
+    import sys
+
+    import torch
+
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None)
+    wrapped = []  # the names of the layers peft wrapped: "<name>.base_layer.*" is the layer's own "<name>.*"
+    for name, module in trained.named_modules() if tuner is not None else ():
+        if isinstance(module, tuner):
+            module.merge()
+            wrapped.append(f"{name}." if name else "")
+    state = {}
+    for key, value in trained.state_dict().items():
+        prefix = next((p for p in sorted(wrapped, key=len, reverse=True) if key.startswith(p)), None)
+        if prefix is not None:
+            rest = key[len(prefix):]
+            if not rest.startswith("base_layer."):
+                continue  # an adapter's own weights (lora_A, lora_B, ...): merged into the layer above
+            key = prefix + rest[len("base_layer."):]
+        state[key] = value
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
+
+
 @contextlib.contextmanager
 def handed(model: nn.Module, train, test, num_classes: int, loss: Callable | None) -> Iterator[None]:
     """The objects the builders above return while the block runs."""

@@ -117,6 +117,10 @@ class ProjectedLinear:
             grads[module.bias] = torch.einsum("b...o->bo", backprops)
         return grads
 
+    def sum_shape(self, param: nn.Parameter) -> torch.Size:
+        """The shape of what the hook forms for `param` (the engines' zeros where no hook reached it)."""
+        return self.projection.projected_shape if param.dim() == 2 else param.shape
+
     def map_gradient(self, param: nn.Parameter, gradient: torch.Tensor) -> torch.Tensor:
         if param.dim() != 2:
             return gradient  # the bias stays full
@@ -182,10 +186,7 @@ class DPGrape(DPFirstOrderAlgorithm):
                 continue
             projection = self.projections[p]
             projector = self.projector(projection, p.device)  # the hook's P, regenerated from its seed
-            if gradients[i].shape != projection.projected_shape:
-                # Layer unused in this forward pass: Opacus's fallback gave full-shape zeros, noised
-                # in full space; projecting that noisy sum is post-processing.
-                gradients[i] = project(gradients[i], projector, projection.side)
+            # (a layer no hook reached has zeros of its projected shape: ProjectedLinear.sum_shape)
             projectors[p] = (projector, projection.side)
         self.optimizer.step(gradients, projectors)
 

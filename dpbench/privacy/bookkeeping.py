@@ -47,6 +47,8 @@ from dpbench.privacy.layers import (
     opacus_corrections,
     is_layer_norm,  # noqa: F401
     layer_pieces,
+    summed_shapes,
+    zero_sum,
 )
 from dpbench.privacy.pieces import (
     EmbeddingRows,  # noqa: F401
@@ -98,6 +100,7 @@ class BookKeeping:
         self.passes = passes
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.modules = hooked_modules(model, self.overrides)
+        self._sum_shapes = summed_shapes(self.overrides)  # a parameter no hook reached: zeros of its sum's shape
         # Layers without a rule or an Opacus sampler go whole through functorch (all their
         # parameters, children included), as in Opacus.
         self._functorch = {m for m in self.modules if m not in self.overrides and by_functorch(m)}
@@ -315,10 +318,10 @@ class BookKeeping:
             return summed
 
         if reduce is not None:
-            return [reduce(formed(p) if p in self._state.kept else torch.zeros(p.shape, device=p.device), i)
+            return [reduce(formed(p) if p in self._state.kept else zero_sum(p, self._sum_shapes), i)
                     for i, p in enumerate(self.params)]
         sums = {p: formed(p) for p in list(self._state.kept)}  # in the backward's order
-        return [sums[p] if p in sums else torch.zeros(p.shape, device=p.device) for p in self.params]
+        return [sums[p] if p in sums else zero_sum(p, self._sum_shapes) for p in self.params]
 
     def _reweighted_sums(self, losses: torch.Tensor, factors: torch.Tensor,
                          reduce: Reduce | None = None) -> list[torch.Tensor]:
@@ -346,8 +349,8 @@ class BookKeeping:
         if reduce is not None:  # the parameters no hook reached: zeros, reduced alike on every rank
             for i, p in enumerate(self.params):
                 if p not in state.summed:
-                    state.summed[p] = reduce(torch.zeros(p.shape, device=p.device), i)
-        return [state.summed.get(p, torch.zeros(p.shape, device=p.device)) for p in self.params]
+                    state.summed[p] = reduce(zero_sum(p, self._sum_shapes), i)
+        return [state.summed.get(p, zero_sum(p, self._sum_shapes)) for p in self.params]
 
     def _drop_grads(self) -> None:
         for p in self.params:

@@ -48,11 +48,28 @@ class LinearGradientMap(Protocol):
     """A linear map applied to a Linear layer's per-example weight gradients (DP-GRAPE's projection).
 
     `pair(a, g)` -> (a', g') with mapped G_i = Σ_t g'_tᵀ a'_t; `map_gradient(param, grad)` maps a
-    summed gradient of the layer's parameter (identity for the bias)."""
+    summed gradient of the layer's parameter (identity for the bias); `sum_shape(param)` is the
+    shape of the mapped gradient (`summed_shapes`)."""
 
     def pair(self, activations: torch.Tensor, backprops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def map_gradient(self, param: nn.Parameter, gradient: torch.Tensor) -> torch.Tensor: ...
+
+    def sum_shape(self, param: nn.Parameter) -> torch.Size: ...
+
+
+def summed_shapes(overrides: dict) -> dict[nn.Parameter, torch.Size]:
+    """The shape of each clipped sum that an override changes (its `sum_shape`: DP-GRAPE's projected
+    one); every other parameter's sum has the parameter's shape. Every engine gives a parameter no
+    hook reached in a chunk zeros of this shape, so that chunks add up whichever layers each reached."""
+    return {p: torch.Size(override.sum_shape(p)) for module, override in overrides.items()
+            if hasattr(override, "sum_shape") for p in module.parameters(recurse=False) if p.requires_grad}
+
+
+def zero_sum(param: nn.Parameter, shapes: dict[nn.Parameter, torch.Size], rows: tuple[int, ...] = (),
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros in the shape of `param`'s clipped sum (`summed_shapes`), after `rows` (e.g. (B,): per example)."""
+    return torch.zeros((*rows, *shapes.get(param, param.shape)), device=param.device, dtype=dtype)
 
 
 # (module, its inputs, its output gradient, examples B) -> {parameter: piece}

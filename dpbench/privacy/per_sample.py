@@ -19,7 +19,9 @@ from torch import nn
 
 from dpbench.precision import unscaled_per_example
 from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
-from dpbench.privacy.layers import check_rows, embedding_grad_sample, is_layer_norm, opacus_corrections
+from dpbench.privacy.layers import (
+    check_rows, embedding_grad_sample, is_layer_norm, opacus_corrections, summed_shapes, zero_sum,
+)
 
 GradSampler = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
 
@@ -117,6 +119,7 @@ class PerSampleGradients:
         self.params = [p for p in model.parameters() if p.requires_grad]
         overrides = {**opacus_corrections(model, embeddings=True), **(sampler_overrides or {})}
         self._module = _GradSampleModuleWithOverrides(model, overrides)
+        self._sum_shapes = summed_shapes(overrides)  # a transform's shapes (DP-GRAPE projects), else the parameter's
         self.peak_bytes = 0  # largest set of per-sample gradients formed at once
         self.loss_scale = 1.0  # train.precision=fp16: divided out of every per-sample gradient (fp32)
         # The bottom layers' parameters: the backward asks autograd for their gradients only, so
@@ -150,8 +153,8 @@ class PerSampleGradients:
             grad_sample = p.grad_sample
             if isinstance(grad_sample, list):  # several backward passes without a reset
                 raise RuntimeError("per-sample gradients were accumulated twice without a reset")
-            if grad_sample is None:  # parameter unused in this forward pass
-                grad_sample = torch.zeros((losses.shape[0], *p.shape), device=p.device, dtype=p.dtype)
+            if grad_sample is None:  # parameter unused in this forward pass: zeros of what its hook would form
+                grad_sample = zero_sum(p, self._sum_shapes, rows=(losses.shape[0],), dtype=p.dtype)
             grad_sample = unscaled_per_example(sum_rows_per_example(grad_sample, losses.shape[0]), self.loss_scale)
             per_sample.append(grad_sample)
             p.grad_sample = None

@@ -183,6 +183,49 @@ def test_noise_std_in_the_released_space_is_sigma_C_over_B(name):
         assert k == sum(torch.Size(s).numel() for s in algo.noise_shapes()) < sum(p.numel() for p in algo.params)
 
 
+class SomeChunksSkipTheBlocks(TensorTask):
+    """Examples from index `skip_from` on reach the patch embedding alone, no projected layer (as the
+    one-run audit's canary chunk reaches its own layer alone)."""
+
+    def __init__(self, inputs, labels, skip_from: int):
+        super().__init__(inputs, labels)
+        self.skip_from = skip_from
+
+    def batch(self, indices):
+        indices = list(indices)
+        return (*super().batch(indices), bool(indices) and min(indices) >= self.skip_from)
+
+    def per_sample_loss(self, model, batch):
+        x, y, w, skip = batch
+        if skip:
+            return w * model.patch_embed(x).pow(2).flatten(1).sum(1)
+        return super().per_sample_loss(model, (x, y, w))
+
+
+@pytest.mark.parametrize("engine", ["materialize", "bk", "ghost"])
+def test_a_chunk_that_reaches_no_projected_layer_sums_zeros_of_the_projected_shape(engine):
+    """Every engine gives a projected layer no hook reached zeros of its projected shape
+    (ProjectedLinear.sum_shape), so chunks add up in either order (full-shape zeros crashed the
+    one-run audit of DP-GRAPE: "size of tensor a (16) must match ... (64)")."""
+    plain = image_task(n=12)
+    task = SomeChunksSkipTheBlocks(plain.inputs, plain.labels, skip_from=8)
+    algo = build("grape", tiny_vit(), task, per_sample=engine)
+    reached, skipped = task.batch(range(4)), task.batch(range(8, 12))
+    projected = [i for i, p in enumerate(algo.params) if p in algo.projections]
+    assert projected and all(algo.noise_shapes()[i] != algo.params[i].shape for i in projected)
+    alone, _ = algo.clip_and_accumulate([skipped])
+    assert [s.shape for s in alone] == list(algo.noise_shapes())
+    assert all(alone[i].abs().sum() == 0 for i in projected)
+    first, _ = algo.clip_and_accumulate([reached])
+    for order in ([reached, skipped], [skipped, reached]):
+        sums, _ = algo.clip_and_accumulate(order)
+        assert [s.shape for s in sums] == list(algo.noise_shapes())
+        for i in projected:
+            assert torch.allclose(sums[i], first[i], atol=1e-6)
+    noisy = algo.privatize(sums)  # sigma 0: the update takes them as they are
+    algo.apply_update(noisy)
+
+
 # --- equivalence with DP-Adam -------------------------------------------------------------------------
 
 

@@ -43,6 +43,46 @@ def test_a_users_module_is_trained_in_place_with_its_own_loss(tmp_path):
     assert not torch.equal(model[0].weight.detach(), before)  # the caller's module itself was trained
 
 
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+         "_load_state_dict_pre_hooks")
+
+
+def as_handed(model: nn.Module) -> list:
+    """What a run could leave on a module besides its weights: layers, hooks, attributes, flags, mode."""
+    modules = [(name, type(m), sorted(vars(m)), [len(getattr(m, h, {})) for h in HOOKS], m.training)
+               for name, m in model.named_modules()]
+    params = [(name, sorted(vars(p)), p.requires_grad, p.dtype, p.device) for name, p in model.named_parameters()]
+    return [modules, params]
+
+
+@pytest.mark.parametrize("algo, families", [
+    ("grape", {"trained_modules": ["2"]}),  # an engine's hooks and per-example attributes on the module
+    ("dplora", {"lora_targets": ["0"], "trained_modules": ["2"]}),  # peft layers injected, the base frozen
+])
+def test_train_module_hands_the_module_back_as_it_was_with_its_trained_weights(algo, families, tmp_path):
+    """No hooks, no Opacus attributes, no adapters or frozen flags are left on the caller's module:
+    another engine is built on it and forms the same clipped sum as on a fresh copy."""
+    from dpbench.privacy.engines import build_engine
+
+    model, (train, test) = mlp(), data()
+    handed = as_handed(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train_module(model, train, test, num_classes=3, overrides=[f"algo={algo}", *SMALL], loss=per_example,
+                 run_dir=tmp_path / "run", quiet=True, **families)
+    assert as_handed(model) == handed
+    assert not torch.equal(model[0].weight, before["0.weight"])  # trained (LoRA: the adapters merged into it)
+    x, y = train.tensors[0][:5], train.tensors[1][:5]
+    fresh = mlp()
+    fresh.load_state_dict(model.state_dict())
+    for mode in ("materialize", "bk"):
+        sums = []
+        for module in (model, fresh):
+            engine = build_engine(mode, module)
+            sums.append(engine.clipped_sum(per_example(module(x), y), lambda norms: torch.ones_like(norms)))
+            engine.detach()
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*sums)), mode
+
+
 def batch_mean(outputs, labels):
     return F.cross_entropy(outputs, labels)
 

@@ -96,8 +96,32 @@ def _unclipped_factors(self, norms, clip=None, keep=None):
     return kept.to(norms.dtype)  # every finite example with factor 1: no clipping
 
 
+def _unclipped_differences(self, differences, finite_losses, clip):
+    kept = finite_losses & torch.isfinite(differences)
+    return torch.where(kept, differences, torch.zeros_like(differences))  # every finite s_i whole: no clipping
+
+
+def _zeroth_order():
+    from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
+
+    return ZerothOrderAlgorithm
+
+
+def clips_with_the_shared_rule(algo_cls) -> bool:
+    """The classes `clipping_off` unclips: a first-order algorithm's per-example clip factors
+    (DPFirstOrderAlgorithm.example_factors, at C or at its own bound) or a zeroth-order one's clip
+    of each two-point difference (ZerothOrderAlgorithm.clip_differences), where not overridden."""
+    for base, rule in ((_base(), "example_factors"), (_zeroth_order(), "clip_differences")):
+        if algo_cls.private and issubclass(algo_cls, base):
+            return next(c for c in algo_cls.__mro__ if rule in vars(c)) is base
+    return False
+
+
 def _clipping_off(cfg):
-    return mock.patch.object(_base(), "example_factors", _unclipped_factors)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(_base(), "example_factors", _unclipped_factors))
+    stack.enter_context(mock.patch.object(_zeroth_order(), "clip_differences", _unclipped_differences))
+    return stack
 
 
 def _clip_after_sum(cfg):

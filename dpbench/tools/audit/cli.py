@@ -2,11 +2,15 @@
 self-audit (dpbench/tools/audit/runner.py), the one-run canary audit (audit.one_run=true,
 dpbench/tools/audit/one_run.py) or the catalogue of seeded bugs (audit.seeded_bug=NAME|all,
 dpbench/tools/audit/seeded_bugs.py); apart from them so that the catalogue, which runs the audit, is
-not imported back by it."""
+not imported back by it.
+
+Exit status: 0 every check holds, 1 a check failed, 2 refused (bad input, one line), 3 crashed (an
+unexpected exception: no verdict, one line naming it; its traceback in the run folder's error.txt)."""
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 from dpbench.runtime import distributed
@@ -14,6 +18,26 @@ from dpbench.errors import DivergedError, UserError
 from dpbench.tools.audit import seeded_bugs
 from dpbench.tools.audit.runner import audit_table, run_audit
 from dpbench.tools.audit.seeded_bugs import compose_within_app as _compose_within_app
+
+EXIT_PASSED, EXIT_CHECK_FAILED, EXIT_REFUSED, EXIT_CRASHED = 0, 1, 2, 3
+
+
+def _crashed(error: BaseException, run_dir: Path | None) -> int:
+    """An unexpected exception: no verdict (a crash must never read as "caught", exit 1). One line
+    naming it; the traceback kept in the run folder's error.txt (rank 0's under torchrun)."""
+    from dpbench.cli import ERROR_FILE, _record_failure
+    from dpbench.logging.console import console
+
+    where = ""
+    if run_dir is not None:
+        try:
+            _record_failure(run_dir, f"crashed: {type(error).__name__}: {error}",
+                            "".join(traceback.format_exception(error)))
+            where = f" (traceback in {run_dir / ERROR_FILE})"
+        except OSError:  # an unwritable folder: the line alone
+            pass
+    console.print(f"[bold red]crashed, no verdict:[/] {type(error).__name__}: {error}{where}", soft_wrap=True)
+    return EXIT_CRASHED
 
 
 def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
@@ -48,15 +72,17 @@ def _seeded_bugs_main(overrides: list[str], run_dir: Path) -> int:
     except (UserError, DivergedError) as error:
         console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
         _remove_refused_run_dir(run_dir)
-        return 2
+        return EXIT_REFUSED
+    except Exception as error:  # noqa: BLE001 - a crash is no verdict, never "caught"
+        return _crashed(error, run_dir)
     console.print(seeded_bugs.catalogue_table(results))
     passed = all(r.ok for r in results)
     verdict = ("every seeded bug is caught by its check and every sound variant passes" if passed
                else "some seeded bugs were MISSED (or a sound variant failed)")
     console.print(f"{verdict} ({time.perf_counter() - start:.0f} s); {run_dir}", soft_wrap=True)
     if report is not None:  # one bug: the audit's own verdict (1: it failed, as it must under an unsound bug)
-        return 0 if report.passed else 1
-    return 0 if passed else 1
+        return EXIT_PASSED if report.passed else EXIT_CHECK_FAILED
+    return EXIT_PASSED if passed else EXIT_CHECK_FAILED
 
 
 def _remove_refused_run_dir(run_dir: Path) -> None:
@@ -117,11 +143,13 @@ def _main_factory():
         except (UserError, DivergedError) as error:
             console.print(f"[bold red]error:[/] {error}", soft_wrap=True)
             _remove_refused_run_dir(run_dir)
-            sys.exit(2)
+            sys.exit(EXIT_REFUSED)
+        except Exception as error:  # noqa: BLE001 - every rank raised it together: every rank exits 3
+            sys.exit(_crashed(error, run_dir))
         console.print(audit_table(report))  # rank 0's (the console is quiet on the others)
         verdict = "every check holds" if report.passed else "some checks FAILED"
         console.print(f"{verdict}; audit.json: {run_dir / 'audit.json'}", soft_wrap=True)
-        sys.exit(_agreed(0 if report.passed else 1))
+        sys.exit(_agreed(EXIT_PASSED if report.passed else EXIT_CHECK_FAILED))
 
     return _main
 
@@ -138,6 +166,8 @@ def main() -> None:
 
             sys.argv = [sys.argv[0], *shared_run_dir(sys.argv[1:])]  # joins the ranks first
         run_app(_main_factory())
+    except Exception as error:  # noqa: BLE001 - outside the run (no folder yet): the line alone, still no verdict
+        sys.exit(_crashed(error, None))
     finally:
         distributed.shutdown()  # torchrun: leave the process group however the audit ended
 

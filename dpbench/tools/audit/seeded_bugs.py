@@ -45,6 +45,7 @@ from dpbench.tools.audit.bug_patches import (
     _unnoised_update,
     _validation_on_training,
 )
+from dpbench.tools.audit.bug_patches import clips_with_the_shared_rule
 
 # dpbench-audit audit.seeded_bug=... composes these first, then the command line's overrides
 CATALOGUE_DEFAULTS = ["algo=dpsgd", "dataset=synthetic", "logger=none", "train.batch_size=32", "train.steps=3",
@@ -96,7 +97,7 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
               "the noise generator seeded from `seed`: anyone with the config subtracts the noise", _noise_seeded),
     SeededBug("clipping_off", "sensitivity",
               "no per-example clipping: one example moves the sum without bound, the stated sensitivity C is false",
-              _clipping_off),
+              _clipping_off, applies=clips_with_the_shared_rule),
     SeededBug("clip_after_sum", "sensitivity",
               "the sum clipped instead of each example: one example can turn the clipped sum around, a change of "
               "up to 2C under add/remove", _clip_after_sum),

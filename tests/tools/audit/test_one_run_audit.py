@@ -148,6 +148,13 @@ def test_the_registry_has_private_algorithms():
     assert len(PRIVATE) >= 10  # the contract tests below are parametrised over these
 
 
+def test_clipping_off_unclips_every_private_algorithm():
+    """The seeded bug the one-run audit is checked against for each algorithm (slow tier, below)."""
+    from dpbench.tools.audit.seeded_bugs import CATALOGUE
+
+    assert sorted(CATALOGUE["clipping_off"].algorithms()) == sorted(PRIVATE)
+
+
 @pytest.mark.parametrize("algo", PRIVATE)
 def test_every_private_algorithm_declares_its_canary_site(algo):
     from dpbench.algorithms.dpzero import ZerothOrderAlgorithm
@@ -304,7 +311,11 @@ def test_clipping_off_is_caught_by_the_one_run_audit(tmp_path):
 
 # per algorithm: the overrides that make its one-run audit small (M canaries, r guesses)
 ALGORITHM_RUNS = {name: [] for name in PRIVATE}
-ALGORITHM_RUNS["dplora"] = ["model=vit", "model.embed_dim=16", "model.depth=1", "model.num_heads=2"]  # LoRA needs Linear layers
+TINY_VIT = ["model=vit", "model.embed_dim=16", "model.depth=1", "model.num_heads=2"]
+ALGORITHM_RUNS["dplora"] = TINY_VIT  # LoRA needs Linear layers
+# DP-GRAPE and naive DP-GaLore project transformer-block Linears (on the CNN they run as DP-Adam), at a
+# rank below the layers' sides: the canaries' chunk reaches none of them (zeros of the projected shape)
+ALGORITHM_RUNS["grape"] = ALGORITHM_RUNS["galore_naive"] = [*TINY_VIT, "algo.rank=4"]
 # DIFF2 privatises gradient differences, and a canary's loss is linear (its difference is 0): its
 # canaries show at restarts only; 100 restarts miss an included canary with probability 0.875^100
 ALGORITHM_RUNS["diff2"] = ["algo.restart_interval=2"]
@@ -316,10 +327,10 @@ ALGORITHM_RUNS["diff"] = ["train.lr=0.02"]
 ALGORITHM_RUNS["dpzero"] = ALGORITHM_RUNS["dpgd0th"] = ["audit.canaries=20", "audit.guesses=10", "train.steps=1000"]
 
 
-def _run_of(algo: str) -> list[str]:
+def _run_of(algo: str, steps: int = 200) -> list[str]:
     own = ALGORITHM_RUNS[algo]
     base = [r for r in RUN if not (r.startswith("model") and any(o.startswith("model=") for o in own))]
-    return base + [f"algo={algo}", "train.steps=200"] + own
+    return base + [f"algo={algo}", f"train.steps={steps}"] + own
 
 
 @pytest.mark.slow
@@ -369,3 +380,20 @@ def test_input_canaries_audit_an_image_run_and_refuse_other_tasks(tmp_path):
     with pytest.raises(UserError, match="audit.canary=input needs an image dataset"):
         run_audit(compose(["dataset=quadratic", "model=quadratic", "algo=dpsgd", "logger=none", "train.steps=2",
                            "audit.one_run=true", "audit.canary=input", "audit.canaries=10", "audit.guesses=4"]), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(PRIVATE))
+def test_every_private_algorithm_is_caught_without_clipping(algo, tmp_path):
+    """Seeded bug `clipping_off` (dpbench-audit audit.one_run=true audit.seeded_bug=clipping_off): the
+    algorithm's own clipping is skipped, so a canary example adds s e_i (s = 1e4 C, first order) or its
+    whole two-point difference (zeroth order) and the bound passes the claimed 0.5 (ceilings: 3.49 at
+    m = 200, G = 100; 1.05 at m = 20, G = 10). First order in 50 steps, in which an included canary
+    misses every batch with probability 0.875^50 = 0.13 % (and then reads as excluded)."""
+    from dpbench.tools.audit.seeded_bugs import run_bug
+
+    cfg = compose(_run_of(algo, steps=50) + ["privacy.epsilon=0.5"])  # zeroth order: its own 1000 steps win
+    report, row = run_bug(cfg, "clipping_off", tmp_path)
+    result = report.result
+    assert row.caught and not report.passed and row.check == "one_run"
+    assert result.epsilon_lower_bound > 0.5 >= result.claimed_epsilon - 0.01, result
