@@ -104,6 +104,7 @@ class ZerothOrderAlgorithm(Algorithm):
     # One-run canaries are examples with their own two-point difference: they join the estimate
     # after the batch's chunks and are clipped as every example is (`estimate`)
     canary_site = DIRECTION
+    trained_modules_option = "train_modules"  # lora mode: trained in full beside the adapters
     last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
     checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
 

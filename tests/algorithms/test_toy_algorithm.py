@@ -121,7 +121,7 @@ def test_the_features_that_ask_the_registry_run_the_toy_with_no_other_file_chang
     from dpbench.tools.audit.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, run_bug
 
     toy_cls = ALGORITHMS.get("toy")
-    assert toy_cls.canary_site == EXAMPLES and toy_cls.runs_stock_phases() and not toy_cls.shardable
+    assert toy_cls.canary_site == EXAMPLES and toy_cls.runs_stock_phases() and not toy_cls.stated("shardable")
 
     report = run_audit(compose(ONE_RUN + toy), tmp_path / "one_run")
     assert [c.name for c in report.checks] == ["one_run"] and report.passed, report.checks

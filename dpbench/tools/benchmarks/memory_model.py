@@ -330,7 +330,7 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
         from dpbench.algorithms import algorithm_class
         from dpbench.privacy.engines import SHARDED_SUMS, engine_spec
 
-        if not algorithm_class(algo).shardable or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
+        if not algorithm_class(algo).stated("shardable") or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
             est.notes.append(f"train.sharding=fsdp refuses algo={algo} algo.per_sample={engine} today: "
                              "the figures are what K-way sharding would take")
         if str(cfg.train.get("precision", "fp32")) != "fp32":
