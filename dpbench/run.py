@@ -356,7 +356,8 @@ def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> R
             score = validation_score(job.task, job.model, job.privacy, trainer.state.ledger.add_release,
                                      job.algorithm.release_observer, job.device)  # once, on the final model (charged)
     results = record(job, trainer, status, memory, started,
-                     notes=[*preset_fallbacks(cfg), *trainer.resume_notes] + ([earlier] if earlier and job.privacy is not None else []),
+                     notes=[*preset_fallbacks(cfg), *trainer.resume_notes]
+                     + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)
     results_file = None
     with ranks.together("writing results.json"):  # the others return once it is written

@@ -188,8 +188,9 @@ def add_canary_layer(model: nn.Module, count: int, algo_cfg) -> CanaryLayer:
     if option is not None:
         declared = getattr(ALGORITHMS.options(str(algo_cfg.name)), "__dataclass_fields__", {})
         if option not in declared:
-            raise UserError(f"algo={algo_cfg.name} declares trained_modules_option={option!r}, which is not one of its "
-                            f"options ({', '.join(declared) or 'none'}): the one-run audit cannot keep its canary layer trained")
+            raise UserError(f"algo={algo_cfg.name} declares trained_modules_option={option!r}, which is not one of "
+                            f"its options ({', '.join(declared) or 'none'}): the one-run audit cannot keep its canary "
+                            "layer trained")
         trained = algo_cfg.get(option)  # null: the model family's trained modules, as LoRA reads it
         trained = list(trained) if trained is not None else list((family_of(model) or ModelFamily()).trained_modules)
         with open_dict(algo_cfg):

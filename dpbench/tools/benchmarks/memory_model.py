@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             print()
     except NotModelled as error:  # any registered algorithm: its own step, traced
         if not args.traced:
-            print(f"memory_model: error: {error}; drop --no-traced for the traced prediction of its step", file=sys.stderr)
+            print(f"memory_model: error: {error}; drop --no-traced for the traced prediction of its step",
+                  file=sys.stderr)
             return EXIT_BAD_INPUT
         print(f"note: {error}: the traced prediction below runs its own step\n")
     try:

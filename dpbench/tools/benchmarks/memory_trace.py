@@ -69,8 +69,8 @@ def tracing_mode() -> TracingMode:
     """One mode per process: a fake tensor left in a cache by one trace (Opacus copies modules)
     must not meet another mode's in the next."""
     global _MODE
-    if _MODE is None:
-        _MODE = TracingMode()
+    if _MODE is None:  # a module's constant tensor made before the trace (DC-DPSGD's bin edges) joins it as fake
+        _MODE = TracingMode(allow_non_fake_inputs=True)
     return _MODE
 
 
