@@ -124,3 +124,17 @@ def test_a_preset_runs_an_algorithm_its_tables_do_not_list_at_its_own_defaults_w
     assert cfg.privacy.clip_norm == cfg.algo.default_clip_norm and cfg.train.steps is None
     assert any("paper_setting.clip_norm.partial." in note for note in preset_fallbacks(cfg))
     assert compose(["experiment=bench_mini", "algo=grape"]).algo.rank == 8  # the table's entry
+
+
+@pytest.mark.slow  # trains two steps
+def test_a_run_keeps_the_preset_fallback_note_in_its_results(tmp_path):
+    """DIFF has no entry in bench_mini's tables: its run says, in results.json's notes, which settings
+    are its own defaults."""
+    from dpbench.run import run_job
+
+    cfg = compose(["experiment=bench_mini", "algo=diff", "train.steps=2", "logger=none", "device=cpu",
+                   "train.checkpoint=false"])
+    results = run_job(cfg, tmp_path, show_progress=False)
+    assert results.status == "completed"
+    assert f"train.lr={cfg.train.lr}: the preset has no paper_setting.lr.diff, so algo=diff runs at its own default" \
+        in results.notes
