@@ -42,6 +42,7 @@ from dpbench.privacy.sampling import batches_per_epoch, build_sampler
 from dpbench.provenance import versions
 from dpbench.resume import earlier_attempt_note, resumable_checkpoint, reusable_results
 from dpbench.run_config import resolved_config, validate
+from dpbench.schema import preset_fallbacks
 from dpbench.tasks import Task, build_task
 from dpbench.runtime.trainer import Trainer, TrainerConfig
 
@@ -355,7 +356,8 @@ def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> R
             score = validation_score(job.task, job.model, job.privacy, trainer.state.ledger.add_release,
                                      job.algorithm.release_observer, job.device)  # once, on the final model (charged)
     results = record(job, trainer, status, memory, started,
-                     notes=list(trainer.resume_notes) + ([earlier] if earlier and job.privacy is not None else []),
+                     notes=[*preset_fallbacks(cfg), *trainer.resume_notes]
+                     + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)
     results_file = None
     with ranks.together("writing results.json"):  # the others return once it is written

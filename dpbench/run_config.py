@@ -14,14 +14,14 @@ from dpbench.options import DEFAULT_EPSILON, target_epsilon  # noqa: F401  (the 
 from dpbench.logging.console import console
 from dpbench.models.user import check_builders
 from dpbench.preflight import check_device, check_threads
-from dpbench.schema import check_keys
+from dpbench.schema import check_keys, preset_fallbacks
 
 
 def validate(cfg: DictConfig, grid: bool | None = None) -> None:
     """Reject bad input before anything expensive happens, with the fix in the message. Types and
     choices were checked by Hydra against dpbench/schema.py while it composed; here: values.
     `grid`: whether the job is a point of a grid (None: whether Hydra runs a multirun)."""
-    for note in check_keys(cfg):
+    for note in [*check_keys(cfg), *preset_fallbacks(cfg)]:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     p, t = cfg.privacy, cfg.train
     check_privacy_choice(cfg, in_grid() if grid is None else grid)

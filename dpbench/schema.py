@@ -28,13 +28,14 @@ that algorithm's options dataclass.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import sys
 import typing
 from typing import Any, Callable, Iterator
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
@@ -151,6 +152,64 @@ def default_steps(epochs, algo_steps) -> int | None:
     return None if epochs is not None or algo_steps is None else int(algo_steps)
 
 
+_ABSENT = object()
+# the table entries `preset_setting` found absent while `preset_fallbacks` resolves (None: not collecting)
+_FALLBACKS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("dpbench_setting_fallbacks", default=None)
+
+
+def preset_setting(entry: str, fallback: Any, *, _root_: DictConfig) -> Any:
+    """`${dpbench_setting:paper_setting.lr.${algo.name},<fallback>}`: a preset's setting looked up in
+    its table by the algorithm (or data set, or size): the table's value, else `fallback`, the
+    algorithm's own default, so that a preset runs an algorithm its table does not list (a run note
+    says so: `preset_fallbacks`). An entry with brackets (`[${model.size}]`) is quoted."""
+    value = OmegaConf.select(_root_, entry, default=_ABSENT)
+    if value is not _ABSENT:
+        return value
+    collected = _FALLBACKS.get()
+    if collected is not None:
+        collected.append(entry)
+    return fallback
+
+
+def preset_fallbacks(cfg: DictConfig) -> list[str]:
+    """A note for each setting a preset's table did not hold for this run (`preset_setting`)."""
+    notes = []
+    for key in _keys_holding(OmegaConf.to_container(cfg, resolve=False), "${dpbench_setting:"):
+        collected: list[str] = []
+        token = _FALLBACKS.set(collected)
+        try:
+            value = OmegaConf.select(cfg, key)
+        finally:
+            _FALLBACKS.reset(token)
+        shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        shown = "null" if shown is None else shown
+        notes += [f"{key}={shown}: the preset has no {entry}, so algo={cfg.algo.name} runs at its own default"
+                  for entry in dict.fromkeys(collected)]
+    return notes
+
+
+def _keys_holding(node: Any, text: str, prefix: str = "") -> Iterator[str]:
+    """The dotted keys of the unresolved container `node` whose value contains `text`."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _keys_holding(value, text, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _keys_holding(value, text, f"{prefix.removesuffix('.')}[{index}].")
+    elif isinstance(node, str) and text in node:
+        yield prefix.removesuffix(".")
+
+
+def option_default(algo_name: str, option: str) -> Any:
+    """`${dpbench_option_default:${algo.name},rank}`: the default of the algorithm's option (its
+    options dataclass), None where it has no such option: a preset's fallback for a key it sets."""
+    options = ALGORITHMS.options(str(algo_name))
+    field = next((f for f in dataclasses.fields(options) if f.name == option), None) if options else None
+    if field is None:
+        return None
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore; every entry point calls it before composing."""
     from hydra.core.config_store import ConfigStore
@@ -161,6 +220,8 @@ def register() -> None:
     OmegaConf.register_new_resolver("dpbench_default_batch_size", default_batch_size, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_epochs", default_epochs, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_steps", default_steps, replace=True)
+    OmegaConf.register_new_resolver("dpbench_setting", preset_setting, replace=True)  # presets' tables by algo.name
+    OmegaConf.register_new_resolver("dpbench_option_default", option_default, replace=True)
     store = ConfigStore.instance()
     for name, schema in schemas().items():
         node = OmegaConf.structured(schema)

@@ -47,7 +47,8 @@ class Algorithm(ABC):
     precision: Precision = FP32  # the forward's autocast (train.precision); set with use_precision
     autocast_forward: ClassVar[bool] = True  # whether its forwards go through `chunks` (train.precision)
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
-    shardable: ClassVar[bool] = False  # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks)
+    # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks `stated`: a subclass states it again)
+    shardable: ClassVar[bool] = False
     per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
     # Where dpbench-audit's one-run canaries enter a step (algorithms/steps.py); None: nowhere
     canary_site: ClassVar[str | None] = None
@@ -55,6 +56,13 @@ class Algorithm(ABC):
     # whether a step's release sets state (beyond the parameters) that the next step's release reads:
     # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
     release_carries_state: ClassVar[bool] = False
+    # The option naming the modules it trains in full beside what it adapts (LoRA's `train_modules`;
+    # null there: the model family's `trained_modules`): the one-run audit adds its canary layer to
+    # it. None: it trains every parameter the model leaves trainable.
+    trained_modules_option: ClassVar[str | None] = None
+    # Whether `dpbench algo=X logger=none` learns the default job (tests/algorithms/test_defaults.py
+    # holds it to twice chance); False only with the reason beside it (DP-GD0th's d-dimensional noise)
+    learns_default_job: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, task: Task, cfg, lr: float, privacy: PrivacySetup | None):
         if self.private and privacy is None:
@@ -99,6 +107,17 @@ class Algorithm(ABC):
     # `privacy.plan.CalibratedNoises`, e.g. DC-DPSGD's EpsilonSplit) or None, which the algorithm
     # reads from `PrivacySetup.derived`. None: the plan calibrates one sigma through planned_mechanisms.
     calibrate_noise: ClassVar[Callable | None] = None
+
+    # Capabilities a subclass does not inherit unstated: a feature reads them with `stated`
+    OWN_CAPABILITIES: ClassVar[tuple[str, ...]] = ("shardable",)
+
+    @classmethod
+    def stated(cls, capability: str) -> bool:
+        """`capability` (one of OWN_CAPABILITIES) as this class states it in its own body; a subclass
+        that does not state it has the base's default (a DP-Adam variant is not shardable until it says so)."""
+        if capability not in Algorithm.OWN_CAPABILITIES:
+            raise ValueError(f"{capability!r} is not one of {Algorithm.OWN_CAPABILITIES}")
+        return bool(vars(cls).get(capability, getattr(Algorithm, capability)))
 
     @classmethod
     def privacy_notes(cls, cfg) -> list[str]:

@@ -24,6 +24,7 @@ class DPLoRAOptions(LoRAOptions):
 class DPLoRA(DPAdam):
     shardable = False  # train.sharding=fsdp: LoRA's injected adapters are not sharded (untested there)
     libraries = ("peft",)  # the adapters
+    trained_modules_option = "train_modules"  # trained in full beside the adapters (the one-run audit's canary layer)
 
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

@@ -104,6 +104,7 @@ class ZerothOrderAlgorithm(Algorithm):
     # One-run canaries are examples with their own two-point difference: they join the estimate
     # after the batch's chunks and are clipped as every example is (`estimate`)
     canary_site = DIRECTION
+    trained_modules_option = "train_modules"  # lora mode: trained in full beside the adapters
     last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
     checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
 
@@ -169,7 +170,8 @@ class ZerothOrderAlgorithm(Algorithm):
             return 1.0
         # one host sync per step, not one per parameter
         squared = float(torch.stack([self.direction_part(p, seed).double().pow(2).sum() for p in self.params]).sum())
-        return math.sqrt(self.dimension / squared)
+        # 0: a draw of probability 0, or a traced step's read (dpbench/tools/benchmarks/memory_trace.py)
+        return math.sqrt(self.dimension / squared) if squared > 0 else 1.0
 
     def shard_direction(self, p: nn.Parameter, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's shard of p, its rows of p's direction block): the block generated whole

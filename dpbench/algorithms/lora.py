@@ -27,5 +27,7 @@ class LoRAOptions(AlgoOptions):
 @ALGORITHMS.register("lora", options=LoRAOptions)
 class LoRA(Adam):
     libraries = ("peft",)  # the adapters
+    trained_modules_option = "train_modules"  # trained in full beside the adapters (the one-run audit's canary layer)
+
     def __init__(self, model, task, cfg, lr, privacy=None):
         super().__init__(inject_lora(model, cfg), task, cfg, lr, privacy)

@@ -36,7 +36,7 @@ SUPPORTED_PRECISION = "fp32"
 def supported(algorithms) -> str:
     """What train.sharding=fsdp runs, read from the registry `algorithms`: the algorithms that declare
     `shardable`, with the per-example engines that hand each clipped sum to a reduce as it is formed."""
-    shardable = [name for name in algorithms.names() if algorithms.get(name).shardable]
+    shardable = [name for name in algorithms.names() if algorithms.get(name).stated("shardable")]
     with_engine = [name for name in shardable if algorithms.get(name).per_example_engine]
     forwards_only = [name for name in shardable if not algorithms.get(name).per_example_engine]
     return (f"train.sharding=fsdp supports algo={'|'.join(with_engine)} with "
@@ -62,8 +62,10 @@ def check_supported(cfg, algorithms) -> None:
     problem = None
     if not distributed.launched():
         problem = "it needs several processes (torchrun --nproc_per_node=K, K >= 2), this is one"
-    elif not algo_cls.shardable:
-        problem = f"algo={algo} is not supported"
+    elif not algo_cls.stated("shardable"):  # its own statement: a subclass does not inherit it
+        unstated = f" (its class {algo_cls.__name__} does not state shardable = True; its base's does not pass on)" \
+            if algo_cls.shardable else ""
+        problem = f"algo={algo} is not supported{unstated}"
     elif algo_cls.per_example_engine and not engine_spec(engine).has(SHARDED_SUMS):
         problem = f"algo.per_sample={engine} is not supported"
     elif str(cfg.train.get("precision", "fp32")) != SUPPORTED_PRECISION:

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import pytest
 from helpers.config import OFFLINE, compose
+from helpers.toy_algorithms import partial_toy  # noqa: F401 (a fixture)
 from omegaconf import OmegaConf
 
 from dpbench.algorithms import ALGORITHMS, algorithm_class
 from dpbench.schema import default_learning_rate
 
-PRIVATE = sorted(name for name in ALGORITHMS.names() if algorithm_class(name).private)
-# DP-GD0th, the DPZero paper's baseline, adds d-dimensional noise to a zeroth-order estimate: its
-# error grows with d / (n eps), and on the default job d (4,746 in lora mode) exceeds n (1,437), so no
-# setting tried learns it (docs/running.md: Defaults). Every other private algorithm must.
-LEARNS_AT_DEFAULTS = [name for name in PRIVATE if name != "dpgd0th"]
+
+
+def learns_at_defaults() -> list[str]:
+    """The private algorithms of the registry whose class declares that they learn the default job
+    (`learns_default_job`; DP-GD0th declares not, with its reason)."""
+    return [name for name in ALGORITHMS.names()
+            if algorithm_class(name).private and algorithm_class(name).learns_default_job]
+
+
 CHANCE = 0.1  # digits: ten classes, stratified split
 
 
@@ -27,11 +32,15 @@ def test_a_data_sets_rate_for_the_family_wins_over_the_algorithms_own():
     assert default_learning_rate(None, "adam", 2e-2) == 2e-2
 
 
+def composes_with_its_own_defaults(selection: list[str]) -> None:
+    cfg = compose([*OFFLINE, *selection])
+    assert cfg.train.lr == cfg.algo.default_lr > 0 and cfg.privacy.clip_norm == cfg.algo.default_clip_norm > 0
+    assert compose([*OFFLINE, *selection, "train.lr=0.123", "privacy.clip_norm=4"]).train.lr == 0.123
+
+
 def test_every_algorithm_composes_with_its_own_defaults_and_the_command_line_wins():
     for name in ALGORITHMS.names():
-        cfg = compose([*OFFLINE, f"algo={name}"])
-        assert cfg.train.lr == cfg.algo.default_lr > 0 and cfg.privacy.clip_norm == cfg.algo.default_clip_norm > 0
-        assert compose([*OFFLINE, f"algo={name}", "train.lr=0.123", "privacy.clip_norm=4"]).train.lr == 0.123
+        composes_with_its_own_defaults([f"algo={name}"])
     sgd_like = compose([*OFFLINE, "algo=dpsgd"])
     assert sgd_like.algo.lr_family == "sgd" and compose([*OFFLINE, "algo=dpzero"]).algo.lr_family == "zeroth_order"
 
@@ -49,8 +58,14 @@ def test_an_algorithms_budget_applies_where_neither_the_command_line_nor_the_dat
     assert budget("algo=dpzero", "model=minilm", "dataset=rt_snippets") == (256, 1, None)
 
 
+def test_a_newly_registered_algorithm_is_held_to_its_defaults_with_no_list_to_edit(partial_toy):
+    assert "partial" in learns_at_defaults() and "dpgd0th" not in learns_at_defaults()
+    composes_with_its_own_defaults(partial_toy)
+    assert compose([*OFFLINE, *partial_toy]).train.lr == 0.5  # its YAML's default_lr
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", LEARNS_AT_DEFAULTS)
+@pytest.mark.parametrize("algo", learns_at_defaults())
 def test_every_private_algorithm_beats_chance_twice_at_its_defaults(algo, tmp_path):
     """`dpbench algo=X logger=none` on the default task (digits, eps = 8). The noise is drawn fresh
     each run, so the accuracy varies: at the committed defaults every algorithm's lowest of five

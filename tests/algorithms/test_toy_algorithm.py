@@ -6,12 +6,11 @@ seeded bugs that apply to it, is refused sharding, and runs a private study."""
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import pytest
 from helpers.config import FIXED_SIGMA, TINY, compose
+from helpers.toy_algorithms import install, uninstall
 
-import dpbench.algorithms
 from dpbench.algorithms import ALGORITHMS
 from dpbench.errors import UserError
 
@@ -61,19 +60,9 @@ per_sample: materialize
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
-    """toy.py in a directory appended to the algorithms package's path, toy.yaml in a config
-    directory on Hydra's search path: the overrides that select it."""
-    code, conf = tmp_path / "algorithms", tmp_path / "conf"
-    (conf / "algo").mkdir(parents=True)
-    code.mkdir()
-    (code / "toy.py").write_text(textwrap.dedent(TOY_PY))
-    (conf / "algo" / "toy.yaml").write_text(TOY_YAML)
-    ALGORITHMS.names()  # the package already discovered, as in a process that ran other things first
-    monkeypatch.setattr(dpbench.algorithms, "__path__", [*dpbench.algorithms.__path__, str(code)])
-    yield [f"hydra.searchpath=[file://{conf}]", "algo=toy"]
-    ALGORITHMS.unregister("toy")  # leave the registry as the package has it
-    sys.modules.pop("dpbench.algorithms.toy", None)
-    monkeypatch.delattr(dpbench.algorithms, "toy", raising=False)
+    """toy.py on the algorithms package's path, toy.yaml on Hydra's search path: the overrides that select it."""
+    yield install(tmp_path, monkeypatch, "toy", TOY_PY, TOY_YAML)
+    uninstall(monkeypatch, "toy")
 
 
 @pytest.mark.slow  # the fast tier's five minutes; CI's slow tier runs it
@@ -121,7 +110,7 @@ def test_the_features_that_ask_the_registry_run_the_toy_with_no_other_file_chang
     from dpbench.tools.audit.seeded_bugs import CATALOGUE, CATALOGUE_DEFAULTS, run_bug
 
     toy_cls = ALGORITHMS.get("toy")
-    assert toy_cls.canary_site == EXAMPLES and toy_cls.runs_stock_phases() and not toy_cls.shardable
+    assert toy_cls.canary_site == EXAMPLES and toy_cls.runs_stock_phases() and not toy_cls.stated("shardable")
 
     report = run_audit(compose(ONE_RUN + toy), tmp_path / "one_run")
     assert [c.name for c in report.checks] == ["one_run"] and report.passed, report.checks

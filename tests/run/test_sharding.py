@@ -258,7 +258,7 @@ def test_every_algorithm_is_refused_or_run_as_its_class_declares(monkeypatch, na
     monkeypatch.setenv("WORLD_SIZE", "2")
     algo_cls = ALGORITHMS.get(name)
     cfg = _cfg(name, "bk" if algo_cls.per_example_engine else None)
-    if algo_cls.shardable:
+    if algo_cls.stated("shardable"):
         sharding.check_supported(cfg, ALGORITHMS)
         assert name in sharding.supported(ALGORITHMS)
     else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.toy_algorithms import partial_toy  # noqa: F401 (a fixture)
 
+from dpbench.algorithms import ALGORITHMS
 from dpbench.tools.benchmarks.memory_trace import MEMTRACKER_TORCH, RESERVED_SLACK, predict_step_peak, trace
 
 VIT = ["model=vit", "model.size=micro", "dataset=synthetic", "dataset.image_size=16", "dataset.patch_size=4"]
@@ -40,6 +42,29 @@ def test_the_trace_equals_dpbench_s_own_cpu_step_within_5_percent(overrides, bat
     fake = trace(overrides, batch=batch, seq_len=tokens, fake=True)
     real = trace(overrides, batch=batch, seq_len=tokens, fake=False)
     assert within(fake, real), (overrides, fake["allocated_bytes"], real["allocated_bytes"])
+
+
+@pytest.mark.slow  # every registered algorithm traced once (about 2 minutes)
+@pytest.mark.parametrize("algo", ALGORITHMS.names())
+def test_the_traced_prediction_runs_every_registered_algorithm(algo):
+    """Its own step on fake tensors: DC-DPSGD's value-dependent shapes (a draw's kept directions, the
+    score histogram) and DP-GD0th's sphere direction (a norm read as 0) included."""
+    traced = predict_step_peak([*VIT, f"algo={algo}"], batch=4)
+    assert traced["allocated_bytes"] > 0 and any(f"algo={algo}" in a for a in traced["assumptions"])
+
+
+def test_the_memory_predictor_traces_an_algorithm_its_analytic_table_does_not_model(partial_toy, capsys):
+    """`python -m dpbench.tools.benchmarks.memory_model -- algo=<new>`: a note, then the traced step;
+    with --no-traced, one line and exit status 2 (no traceback)."""
+    from dpbench.tools.benchmarks.memory_model import EXIT_BAD_INPUT, main
+
+    assert main(["--batch", "4", "--", *VIT, *partial_toy]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: the analytic table models algo=dpsgd|dpadam|grape, not algo=partial: the traced "
+                          "prediction below runs its own step") and "traced step (one process" in out
+    assert main(["--no-traced", "--", *VIT, *partial_toy]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "algo=partial" in captured.err
 
 
 def test_the_prediction_grows_with_the_batch_and_states_its_assumptions():

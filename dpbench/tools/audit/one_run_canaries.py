@@ -173,8 +173,8 @@ class CanaryExamples:
 
 def add_canary_layer(model: nn.Module, count: int, algo_cfg) -> CanaryLayer:
     """The canary layer, added to the model before the algorithm is built (its engine hooks it, its
-    optimizer trains it); an algorithm that freezes all but named modules (LoRA's
-    algo.train_modules) is told to keep it trained."""
+    optimizer trains it); an algorithm that freezes all but named modules is told to keep it trained
+    through the option its class declares (`trained_modules_option`: LoRA's algo.train_modules)."""
     from omegaconf import open_dict
 
     from dpbench.algorithms.base import ALGORITHMS
@@ -184,12 +184,17 @@ def add_canary_layer(model: nn.Module, count: int, algo_cfg) -> CanaryLayer:
     layer = CanaryLayer(count).to(next(model.parameters()).device)
     holder.add_module(CANARY_MODULE, layer)
     name = f"{path}.{CANARY_MODULE}" if path else CANARY_MODULE
-    options = ALGORITHMS.options(str(algo_cfg.name))
-    if options is not None and "train_modules" in options.__dataclass_fields__:
-        trained = algo_cfg.get("train_modules")
+    option = ALGORITHMS.get(str(algo_cfg.name)).trained_modules_option
+    if option is not None:
+        declared = getattr(ALGORITHMS.options(str(algo_cfg.name)), "__dataclass_fields__", {})
+        if option not in declared:
+            raise UserError(f"algo={algo_cfg.name} declares trained_modules_option={option!r}, which is not one of "
+                            f"its options ({', '.join(declared) or 'none'}): the one-run audit cannot keep its canary "
+                            "layer trained")
+        trained = algo_cfg.get(option)  # null: the model family's trained modules, as LoRA reads it
         trained = list(trained) if trained is not None else list((family_of(model) or ModelFamily()).trained_modules)
         with open_dict(algo_cfg):
-            algo_cfg.train_modules = [*trained, name]
+            algo_cfg[option] = [*trained, name]
     return layer
 
 
@@ -230,7 +235,8 @@ class CanaryHook:
         self._index = next((k for k, p in enumerate(algorithm.params) if layer is not None and p is layer.weight), None)
         if self.site == EXAMPLES and self._index is None:
             raise UserError(f"algo={algorithm.cfg.name} does not train the canary layer it was given: the one-run "
-                            "audit cannot place its canary examples")
+                            "audit cannot place its canary examples (an algorithm that trains named modules only "
+                            "declares the option that names them: trained_modules_option on its class)")
 
     @classmethod
     def attach(cls, canaries: Canaries, algorithm, layer: CanaryLayer | None) -> "CanaryHook":

@@ -55,17 +55,24 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from dpbench.errors import UserError
 from dpbench.tools.benchmarks.model_shapes import image_spec, language_config
 
 GIB = 2**30
 FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ENGINES = ("bk", "ghost", "materialize")
-ALGORITHMS = ("dpsgd", "dpadam", "grape")
+ALGORITHMS = ("dpsgd", "dpadam", "grape")  # the analytic table's; the traced prediction runs every registered algorithm
+EXIT_BAD_INPUT = 2
+
+
+class NotModelled(UserError):
+    """The analytic table does not model this algorithm (the traced prediction still runs its step)."""
 
 
 
@@ -254,7 +261,7 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
     from dpbench.runtime.sharding import block_modules
 
     if algo not in ALGORITHMS:
-        raise ValueError(f"the memory model covers algo={'|'.join(ALGORITHMS)}, not {algo}")
+        raise NotModelled(f"the analytic table models algo={'|'.join(ALGORITHMS)}, not algo={algo}")
     K, act = max(int(world_size), 1), FLOAT_BYTES[precision]
     params = trained_parameters(model)
     numel = sum(p.numel() for _, p in params)
@@ -330,7 +337,7 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
         from dpbench.algorithms import algorithm_class
         from dpbench.privacy.engines import SHARDED_SUMS, engine_spec
 
-        if not algorithm_class(algo).shardable or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
+        if not algorithm_class(algo).stated("shardable") or not engine_spec(engine).has(SHARDED_SUMS):  # (first-order ones)
             est.notes.append(f"train.sharding=fsdp refuses algo={algo} algo.per_sample={engine} today: "
                              "the figures are what K-way sharding would take")
         if str(cfg.train.get("precision", "fp32")) != "fp32":
@@ -359,7 +366,7 @@ def table(est: Estimate, budget_gib: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, nargs="+", default=[1], help="K: ranks sharing the model (several: one table each)")
     parser.add_argument("--batch", type=int, default=None, help="physical batch B (default: train.physical_batch_size)")
@@ -369,11 +376,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="also trace dpbench's own step on fake tensors (memory_trace.py; one process, K=1)")
     parser.add_argument("overrides", nargs="*", help="dpbench overrides (after --)")
     args = parser.parse_args(argv)
-    for k in args.world_size:
-        print(table(estimate(args.overrides, k, args.batch, args.seq_len), args.budget_gib))
-        print()
-    if args.traced:
-        print(traced_section(args.overrides, args.batch, args.seq_len, args.budget_gib))
+    try:
+        for k in args.world_size:
+            print(table(estimate(args.overrides, k, args.batch, args.seq_len), args.budget_gib))
+            print()
+    except NotModelled as error:  # any registered algorithm: its own step, traced
+        if not args.traced:
+            print(f"memory_model: error: {error}; drop --no-traced for the traced prediction of its step",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"note: {error}: the traced prediction below runs its own step\n")
+    try:
+        if args.traced:
+            print(traced_section(args.overrides, args.batch, args.seq_len, args.budget_gib))
+    except UserError as error:
+        print(f"memory_model: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
 
 
 def traced_section(overrides: list[str], batch: int | None, seq_len: int | None, budget_gib: float | None) -> str:
@@ -393,4 +412,4 @@ def traced_section(overrides: list[str], batch: int | None, seq_len: int | None,
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

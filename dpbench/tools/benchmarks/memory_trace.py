@@ -36,12 +36,26 @@ TRACED_STEPS = 2
 
 class TracingMode(FakeTensorMode):
     """FakeTensorMode whose host reads return a fixed value instead of raising: a truth test reads
-    True (every example finite, every check passes), a number 0."""
+    True (every example finite, every check passes), a number 0. A shape that depends on values
+    (`nonzero`, under boolean indexing: DC-DPSGD drops a draw's negligible directions) is the
+    largest, as if every element were true, as every truth test reads; a `bincount` with a
+    minlength (DC-DPSGD's score histogram) has that length."""
 
     def dispatch(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             return True if tensor.dtype is torch.bool else (0.0 if tensor.is_floating_point() else 0)
+        if func is torch.ops.aten.nonzero.default:
+            mask = args[0]
+            return super().dispatch(torch.ops.aten.empty.memory_format, types, ((mask.numel(), mask.dim()),),
+                                    {"dtype": torch.long, "device": mask.device})
+        if func is torch.ops.aten.bincount.default:
+            named = dict(zip(("self", "weights", "minlength"), args), **(kwargs or {}))
+            values, weights, minlength = named["self"], named.get("weights"), named.get("minlength", 0)
+            if minlength:
+                dtype = torch.long if weights is None else weights.dtype
+                return super().dispatch(torch.ops.aten.zeros.default, types, ((int(minlength),),),
+                                        {"dtype": dtype, "device": values.device})
         return super().dispatch(func, types, args, kwargs)
 
     def __deepcopy__(self, memo):  # a module copied during the trace (Opacus's functorch layers) keeps this mode
@@ -55,8 +69,8 @@ def tracing_mode() -> TracingMode:
     """One mode per process: a fake tensor left in a cache by one trace (Opacus copies modules)
     must not meet another mode's in the next."""
     global _MODE
-    if _MODE is None:
-        _MODE = TracingMode()
+    if _MODE is None:  # a module's constant tensor made before the trace (DC-DPSGD's bin edges) joins it as fake
+        _MODE = TracingMode(allow_non_fake_inputs=True)
     return _MODE
 
 
