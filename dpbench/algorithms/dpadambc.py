@@ -33,7 +33,7 @@ from dpbench.options import AlgoOptions
 @dataclass
 class DPAdamBCOptions(AlgoOptions):
     name: str = "dpadambc"
-    default_lr: float = 3.0e-4  # conf/algo/dpadambc.yaml says where it comes from
+    default_lr: float = 3.0e-4  # below DP-Adam's: a floored coordinate steps by m / sqrt(gamma) (conf/algo/dpadambc.yaml)
     betas: List[float] = field(default_factory=adam_betas)
     gamma: float = 1.0e-8  # γ′, the floor of the corrected second moment (the reference code's default)
     weight_decay: float = 0.0
