@@ -129,3 +129,23 @@ def assert_bounded(name, engine, precision, task, bound, counting_bound=None):
             moved = (a - b).norm().item()
             limit = counting_bound if counting_bound is not None and (release, k) in COUNTING_PARTS else bound
             assert moved <= limit * sensitivity, f"{release}: moved {moved / sensitivity:.4f}× its sensitivity"
+
+
+@pytest.mark.parametrize("engine", ["materialize", "ghost", "bk"])
+def test_automatic_clipping_moves_the_release_by_c_in_every_engine(engine):
+    """privacy.clipping=automatic (Auto-S: factor C / (|g| + gamma)) at C = 0.5: the adversary's
+    contribution has norm C |g| / (|g| + gamma), just under C, so one added example moves the sum
+    by at most C and, its gradient being large, by nearly C: the bound is C, not 1 or C / gamma."""
+    clip = 0.5
+    task = neighbouring_tasks()
+
+    def automatic(examples):
+        setup = PrivacySetup(noise_multiplier=1.0, clip_norm=clip, expected_batch_size=float(BATCH), sample_rate=0.5,
+                             noise=ZeroNoise(), clipping="automatic", clipping_gamma=0.01)
+        algorithm = algorithm_class("dpadam")(tiny_vit(), task, algo_config("dpadam", engine).algo, 1e-3, setup)
+        return step_releases(algorithm, "fp32", task, examples)["gradient"]
+
+    (without, sensitivity), = automatic(task.train_size - 1)
+    (with_adversary, _), = automatic(task.train_size)
+    assert sensitivity == clip
+    assert 0.99 * clip <= (with_adversary - without).norm().item() <= 1.0001 * clip
