@@ -53,3 +53,20 @@ def test_the_two_step_row_is_asked_of_the_class():
     carries = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).release_carries_state)
     assert {"dcdpsgd", "dpdr"} <= set(carries)
     assert not ALGORITHMS.get("dpsgd").release_carries_state
+
+
+def test_gaussian_noise_refuses_a_standard_normal_narrower_than_fp32(monkeypatch):
+    """The standard normal itself is drawn in fp32 or wider: a narrow draw (torch's, or the CSPRNG's)
+    is refused at the draw, before any scaling hides it."""
+    from dpbench.privacy import noise as module
+    from dpbench.privacy.noise import GaussianNoise
+
+    assert GaussianNoise().sample((4,), 1.0).dtype == torch.float32 and GaussianNoise(secure=True).sample((4,), 1.0).dtype == torch.float32
+    narrow = GaussianNoise()
+    narrow.draw_dtype = torch.bfloat16
+    with pytest.raises(RuntimeError, match="fp32 or wider"):
+        narrow.sample((4,), 3.4218)
+    real = module.secure_standard_normal
+    monkeypatch.setattr(module, "secure_standard_normal", lambda count: real(count).astype("float16"))
+    with pytest.raises(RuntimeError, match="fp32 or wider"):
+        GaussianNoise(secure=True).sample((4,), 3.4218)
