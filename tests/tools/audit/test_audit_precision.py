@@ -53,8 +53,49 @@ def test_the_release_refuses_noise_narrower_than_fp32():
 def test_the_two_step_row_is_asked_of_the_class():
     import_all()
     carries = sorted(name for name in ALGORITHMS.names() if ALGORITHMS.get(name).release_carries_state)
-    assert {"dcdpsgd", "dpdr"} <= set(carries)
+    assert {"dcdpsgd", "dpdr", "diff", "diff2"} <= set(carries)
     assert not ALGORITHMS.get("dpsgd").release_carries_state
+
+
+def _tensors_in(value) -> bool:
+    if torch.is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(_tensors_in(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_tensors_in(v) for v in value)
+    return False
+
+
+def _attribute(obj, dotted: str):
+    for name in dotted.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
+import_all()
+
+
+@pytest.mark.slow  # builds and steps every private algorithm (5-20 s each on two shared cores)
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).private])
+def test_an_algorithm_that_keeps_tensors_across_steps_declares_release_carries_state(name):
+    """After two steps, the state a class keeps across steps (its checkpointed attributes, which the
+    checkpoint tests prove complete: a resumed run continues exactly) that holds tensors, beyond the
+    optimizer's state, the engine's meters and un-noised statistics kept for reporting, makes it
+    declare `release_carries_state`, so that dpbench-audit's two-step row runs for it."""
+    from helpers.config import FIXED_SIGMA, TINY, compose
+
+    from dpbench.run import setup
+
+    job = setup(compose(TINY + FIXED_SIGMA + [f"algo={name}", "device=cpu"]))
+    batch = lambda i: [job.task.batch(list(range(8 * i, 8 * i + 16)))]  # noqa: E731
+    for i in range(2):
+        job.algorithm.train_step(batch(i), i)
+    algorithm = job.algorithm
+    kept = [a for a in algorithm.checkpointed_attributes()
+            if not a.startswith(("optimizer.", "engine.")) and a not in algorithm.private_statistics()
+            and _tensors_in(_attribute(algorithm, a))]
+    assert type(algorithm).release_carries_state == bool(kept), (name, kept)
 
 
 def test_gaussian_noise_refuses_a_standard_normal_narrower_than_fp32(monkeypatch):
