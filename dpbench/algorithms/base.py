@@ -53,8 +53,10 @@ class Algorithm(ABC):
     # Where dpbench-audit's one-run canaries enter a step (algorithms/steps.py); None: nowhere
     canary_site: ClassVar[str | None] = None
     step_hook: StepHook | None = None  # dpbench-audit audit.one_run=true only (algorithms/steps.py)
-    # whether a step's release sets state (beyond the parameters) that the next step's release reads:
-    # DC-DPSGD's threshold, DPDR's basis; dpbench-audit's two-step sensitivity row audits it
+    # whether it keeps tensors across steps beyond the parameters and the optimizer's state, set from a
+    # release and read by later steps: DC-DPSGD's threshold, DPDR's basis, DIFF's previous gradient,
+    # DIFF2's estimate, naive DP-GaLore's projectors; dpbench-audit's two-step sensitivity row audits it
+    # (a registry test checks the declaration against the state a class checkpoints)
     release_carries_state: ClassVar[bool] = False
     # The option naming the modules it trains in full beside what it adapts (LoRA's `train_modules`;
     # null there: the model family's `trained_modules`): the one-run audit adds its canary layer to

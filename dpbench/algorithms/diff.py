@@ -89,6 +89,7 @@ class GradientDifferenceAlgorithm(DPFirstOrderAlgorithm):
 @ALGORITHMS.register("diff", options=DiffOptions)
 class DIFF(GradientDifferenceAlgorithm):
     checkpoint_attributes = ("previous",)
+    release_carries_state = True  # the next step's differences are from g~_{t-1}, this step's noisy release
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.previous: list[torch.Tensor] | None = None  # g~_{t-1} (fp32), public

@@ -38,6 +38,7 @@ class Diff2Options(DiffOptions):
 @ALGORITHMS.register("diff2", options=Diff2Options)
 class DIFF2(GradientDifferenceAlgorithm):
     checkpoint_attributes = ("estimate", "previous_params")
+    release_carries_state = True  # v_{t-1} (a sum of releases) and theta_{t-1} are read by the next step
     def __init__(self, model, task, cfg, lr, privacy):
         super().__init__(model, task, cfg, lr, privacy)
         self.restart_interval = cfg.restart_interval

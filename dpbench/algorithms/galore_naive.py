@@ -31,6 +31,8 @@ class GaloreNaiveOptions(ProjectedAdamOptions):
 @ALGORITHMS.register("galore_naive", options=GaloreNaiveOptions)
 class NaiveDPGaLore(DPFirstOrderAlgorithm):
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
+    release_carries_state = True  # the projectors, from the SVD of a release, shape the following updates
+
     def __init__(self, model, task, cfg, lr, privacy):
         _, projections = build_projections(model, cfg)
         self.subspaces = SVDSubspaces(projections, cfg.update_interval)

@@ -17,12 +17,20 @@ import numpy as np
 import torch
 
 
+WIDE = (torch.float32, torch.float64)  # a standard normal narrower than fp32 keeps its grid after scaling
+
+
 def entropy_seed() -> int:
     return secrets.randbits(63)
 
 
 class GaussianNoise:
-    """Draws N(0, std^2) tensors. One instance per run; never reseeded."""
+    """Draws N(0, std^2) tensors. One instance per run; never reseeded.
+
+    The standard normal itself is drawn in fp32 or wider (`draw_dtype`, asserted at every draw): a
+    bf16 normal scaled by sigma C in fp32 has the right std, but release / std lies on bf16's grid."""
+
+    draw_dtype = torch.float32  # the standard normal's dtype (torch's normal_ draws into it)
 
     def __init__(self, device: torch.device | str = "cpu", secure: bool = False):
         self.device = torch.device(device)
@@ -34,10 +42,18 @@ class GaussianNoise:
         if std == 0:
             return torch.zeros(shape, device=self.device, dtype=dtype)
         if self.secure:
-            values = torch.from_numpy(secure_standard_normal(int(np.prod(shape))).reshape(tuple(shape)))
+            values = _wide(torch.from_numpy(secure_standard_normal(int(np.prod(shape))).reshape(tuple(shape))))
             return (values * std).to(device=self.device, dtype=dtype)
-        noise = torch.empty(shape, device=self.device, dtype=torch.float32)
+        noise = _wide(torch.empty(shape, device=self.device, dtype=self.draw_dtype))
         return noise.normal_(0.0, std, generator=self.generator).to(dtype)  # scaled as drawn: one pass
+
+
+def _wide(normal: torch.Tensor) -> torch.Tensor:
+    """`normal` (the buffer the standard normal is drawn into), refused unless fp32 or wider."""
+    if normal.dtype not in WIDE:
+        raise RuntimeError(f"the privacy noise's standard normal must be drawn in fp32 or wider, got {normal.dtype} "
+                           "(scaled by sigma C it keeps the narrow grid); this is a bug, please report it")
+    return normal
 
 
 def secure_standard_normal(count: int) -> np.ndarray:

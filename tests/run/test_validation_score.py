@@ -88,6 +88,23 @@ def test_the_ledger_charges_the_score_as_dp_accounting_composes_it(tiny):
     assert len(with_split.planned_ledger(3)) == 3
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_score_draws_from_the_runs_entropy_seeded_noise(tiny, secure):
+    """The score's noise comes from the plan's one GaussianNoise (entropy-seeded, privacy.secure_rng
+    honoured), the training noise's generator: never from one seeded by `seed`."""
+    from types import SimpleNamespace
+
+    from dpbench.privacy.validation import validation_score
+
+    plan = _plan(tiny, privacy__noise_multiplier=1.0, dataset__validation_fraction=0.2, privacy__secure_rng=secure)
+    assert plan.setup.noise.secure is secure
+    drawn, sample = [], plan.setup.noise.sample
+    plan.setup.noise.sample = lambda *args, **kwargs: drawn.append(args) or sample(*args, **kwargs)
+    task = SimpleNamespace(split=SimpleNamespace(planned_validation_size=41), validation_scores=lambda model: torch.ones(41))
+    scores = [validation_score(task, None, plan, None, None, CPU) for _ in range(2)]
+    assert len(drawn) == 2 and scores[0] != scores[1]  # one draw each, from the run's own generator
+
+
 @pytest.mark.slow  # calibration's bisection over the accountant: seconds
 def test_calibration_with_a_split_meets_the_target_epsilon(tiny):
     plan = _plan(tiny, steps=20, privacy__epsilon=2.0, dataset__validation_fraction=0.2)

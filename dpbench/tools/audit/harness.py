@@ -74,8 +74,12 @@ class Release:
 
     def noise(self, part: int) -> torch.Tensor:
         """The noise part `part` actually drew, flattened (float64)."""
+        return torch.cat(self.tensor_noise(part))
+
+    def tensor_noise(self, part: int) -> list[torch.Tensor]:
+        """The noise part `part` drew, one flat tensor per released tensor (float64)."""
         before = self.reference if self.reference is not None and part == 0 else self.noiseless[part]
-        return torch.cat([(b - a).flatten() for a, b in zip(before, self.noisy[part])])
+        return [(b - a).flatten() for a, b in zip(before, self.noisy[part])]
 
 
 class ReleaseRecorder:
@@ -94,11 +98,17 @@ class ReleaseRecorder:
         self.updates: dict[int, Update] = {}
         self.buffers: dict[int, dict[str, float]] = {}  # step -> buffer -> relative change by the step
         self.precision: dict = {}  # release part -> PrecisionTally (audit/precision.py), in the release's dtype
+        self.nulls: dict = {}  # release part -> per noised tensor, a NullTally (audit/precision.py)
+        self.magnitudes: dict[int, list[torch.Tensor]] = {}  # step -> sum over chunks of |clipped sums| (float64)
 
     def __call__(self, name, parts, noisy, mechanism) -> None:
         from dpbench.tools.audit.precision import tally_release
 
-        tally_release(self.precision, name, parts, noisy)  # before anything is converted to float64
+        reference = None  # a one-part release of the engine's chunk sums: its step's total noise is measured too
+        if self.phases and len(parts) == 1 and self.step in self.clipped and self.step in self.magnitudes \
+                and not distributed.is_distributed():
+            reference = (self.clipped[self.step], self.magnitudes[self.step])
+        tally_release(self.precision, name, parts, noisy, self.nulls, reference)  # before anything is converted to float64
         noiseless = [[v.detach().double().clone() for v in part.values] for part in parts]
         noisy = [[v.detach().double().clone() for v in values] for values in noisy]
         self.releases.append(Release(self.step, name, list(parts), noiseless, noisy, mechanism))
@@ -177,8 +187,12 @@ def _observe_phases(algorithm, recorder: ReleaseRecorder) -> None:
         total = recorder.clipped.get(recorder.step)
         if reduced:  # sharded: the step's running sums of this rank's rows
             recorder.clipped[recorder.step] = copy
+            recorder.magnitudes.pop(recorder.step, None)  # of the ranks' sums: not known here
         else:
             recorder.clipped[recorder.step] = copy if total is None else [t + c for t, c in zip(total, copy)]
+            size = recorder.magnitudes.get(recorder.step)
+            recorder.magnitudes[recorder.step] = ([c.abs() for c in copy] if size is None or total is None
+                                                  else [m + c.abs() for m, c in zip(size, copy)])
         recorder.chunks[recorder.step] = recorder.chunks.get(recorder.step, 0) + 1
 
     def before_step(optimizer, args, kwargs) -> None:

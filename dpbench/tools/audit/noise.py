@@ -29,13 +29,25 @@ from dpbench.tools.audit.harness import (
 from dpbench.tools.audit.report import (
     Check,
 )
-from dpbench.tools.audit.precision import merged, precision_checks
+from dpbench.tools.audit.precision import merged, merged_nulls, null_checks, precision_checks
 from dpbench.tools.audit.update import buffer_check, update_check
 
 SCALAR_DRAWS = 200  # empty-batch steps added when a release is one number per step
 
 
 MAX_LAGS = 8  # independence across steps: steps t and t+lag for lag 1..MAX_LAGS
+OWN_ROW = 256  # a tensor of this many entries gets its own std row; the smaller ones of a part are pooled
+
+
+def tensor_groups(key: str, tensors: list[torch.Tensor]) -> list[tuple[str, list[int]]]:
+    """The std rows of one release part: (row name, tensor indices), one per tensor of >= OWN_ROW
+    entries and one pooling the rest; the part's own name where that makes one row."""
+    large = [i for i, t in enumerate(tensors) if t.numel() >= OWN_ROW]
+    small = [i for i, t in enumerate(tensors) if t.numel() < OWN_ROW]
+    groups = [(f"{key} tensor {i} {list(tensors[i].shape)}", [i]) for i in large]
+    if small:
+        groups.append((f"{key} {len(small)} tensors of < {OWN_ROW} entries", small))
+    return [(key, list(range(len(tensors))))] if len(groups) == 1 else groups
 
 
 def planned_stds(releases: list[Release], planned: list[GaussianMechanism]) -> list[list[float]] | None:
@@ -119,15 +131,20 @@ class DrawnNoise:
                 continue
             for release, part_stds in zip(releases, stds):
                 for k, std in enumerate(part_stds):
-                    noise, key = release.noise(k), release.key(k)
-                    entry = self.squares.setdefault(key, [0.0, 0, set(), set()])
-                    entry[1] += noise.numel()
-                    entry[2].add(std)
-                    entry[3].add(release.parts[k].noise_std)
-                    if std == 0:  # a noiseless plan: any drawn noise is a mismatch
-                        entry[0] += math.inf if bool((noise != 0).any()) else 0.0
+                    tensors, key = release.tensor_noise(k), release.key(k)
+                    noise = torch.cat(tensors)
+                    for row, indices in tensor_groups(key, release.noisy[k]):  # per tensor (>= 256 entries), and the rest pooled
+                        drawn = torch.cat([tensors[i] for i in indices])
+                        entry = self.squares.setdefault(row, [0.0, 0, set(), set()])
+                        entry[1] += drawn.numel()
+                        entry[2].add(std)
+                        entry[3].add(release.parts[k].noise_std)
+                        if std == 0:  # a noiseless plan: any drawn noise is a mismatch
+                            entry[0] += math.inf if bool((drawn != 0).any()) else 0.0
+                        else:
+                            entry[0] += float((drawn / std).pow(2).sum())
+                    if std == 0:
                         continue
-                    entry[0] += float((noise / std).pow(2).sum())
                     series.setdefault(noise.numel(), {}).setdefault(step, []).append(noise / std)
                     self.names.setdefault(noise.numel(), set()).add(key)
         self.by_size.append({size: {step: torch.cat(noise) for step, noise in by_step.items()}
@@ -207,4 +224,5 @@ def noise_check(cfg) -> list[Check]:
     alpha = float(cfg.audit.alpha)
     return [*drawn.std_checks(alpha, jobs[0][0].privacy.setup.expected_batch_size),
             *precision_checks(merged(recorder for _, recorder in jobs)),
+            *null_checks(merged_nulls(recorder for _, recorder in jobs)),
             *drawn.independence_checks(alpha), drawn.ledger_check(), update_check(jobs), buffer_check(jobs)]

@@ -33,7 +33,8 @@ UPDATE = "release → update"  # the optimizer reads the noisy release after pub
 PRECISION = "noise precision"  # release - value is not on the bf16 / fp16 grid (audit/precision.py)
 TWO_STEP = "two-step sensitivity"  # state a release sets moves the next release only through the release (audit/two_step.py)
 VALIDATION = "validation score"  # the final validation release: what it reads and its noise (audit/validation.py)
-CHECK_ORDER = ("noise", PRECISION, "noise across runs", "independence", "sensitivity", TWO_STEP, UPDATE, VALIDATION,
+NULL = "noise per tensor"  # every noised tensor carries noise at every coordinate (audit/precision.py)
+CHECK_ORDER = ("noise", PRECISION, NULL, "noise across runs", "independence", "sensitivity", TWO_STEP, UPDATE, VALIDATION,
                "sampler", "accounting")
 
 

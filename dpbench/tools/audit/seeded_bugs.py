@@ -35,6 +35,10 @@ from dpbench.tools.audit.bug_patches import (
     _clipping_off,
     _dcdpsgd_mixture_noise,
     _dcdpsgd_threshold_unnoised,
+    _diff_previous_unnoised,
+    _normal_bf16_scaled,
+    _noise_skipped_small,
+    _validation_noise_seeded,
     _noise_bf16_rounded,
     _noise_half,
     _noise_reused,
@@ -61,6 +65,12 @@ def _dcdpsgd(algo_cls) -> bool:
     from dpbench.algorithms.dcdpsgd import DCDPSGD
 
     return issubclass(algo_cls, DCDPSGD)
+
+
+def _diff(algo_cls) -> bool:
+    from dpbench.algorithms.diff import DIFF
+
+    return issubclass(algo_cls, DIFF)
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,20 @@ CATALOGUE: dict[str, SeededBug] = {bug.name: bug for bug in [
               "DC-DPSGD's next threshold from the un-noised score histogram (the noisy one still released and "
               "charged): the record moves every later step's clipping, which no release covers",
               _dcdpsgd_threshold_unnoised, overrides=("algo=dcdpsgd",), applies=_dcdpsgd),
+    SeededBug("noise_skipped_small_tensors", "noise per tensor",
+              "no noise on tensors of fewer than 16 entries (the head's bias released exactly): pooled with the "
+              "others, the noise's std is still about right", _noise_skipped_small),
+    SeededBug("normal_bf16_scaled", "noise precision",
+              "the standard normal drawn in bfloat16, then scaled by sigma C in fp32: the right std and an fp32-wide "
+              "residual, but residual / std lies on bf16's grid (Mironov 2012)", _normal_bf16_scaled),
+    SeededBug("validation_noise_seeded", "noise across runs",
+              "the validation score's noise from a generator seeded by `seed`: it repeats in every run of the "
+              "config, so the released score gives the exact count away", _validation_noise_seeded,
+              overrides=VALIDATION_SPLIT),
+    SeededBug("diff_previous_unnoised", "two-step sensitivity",
+              "DIFF's previous gradient kept without its noise (the noisy one still released and applied): the next "
+              "step's differences read the un-noised batch, which no release covers", _diff_previous_unnoised,
+              overrides=("algo=diff",), applies=_diff),
 ]}
 
 

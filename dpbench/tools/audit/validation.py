@@ -31,7 +31,8 @@ import torch
 
 from dpbench.tasks import build_task
 from dpbench.tools.audit.harness import audited_job, chi_square_p_value
-from dpbench.tools.audit.precision import precision_checks
+from dpbench.tools.audit.noise import _independence_check, pooled_correlation
+from dpbench.tools.audit.precision import null_checks, precision_checks
 from dpbench.tools.audit.report import VALIDATION, Check
 
 VALIDATION_DRAWS = 1000  # noisy validation releases for the std and precision tests (a forward over the validation part each)
@@ -78,6 +79,10 @@ def validation_checks(cfg) -> list[Check]:
         return [Check(VALIDATION, "validation score", 0.0, 0.0, True,
                       "not applicable: no validation split (dataset.validation_fraction=0), no validation release")]
     job, recorder = audited_job(cfg, zero_noise=False)
+    (planned,) = job.privacy.final_releases
+    draws = [_noise_draws(job, recorder, planned)]  # first: from the generator's first draw
+    second, second_recorder = audited_job(cfg, zero_noise=False)  # a fresh job of the same config and seed
+    draws.append(_noise_draws(second, second_recorder, planned))
     split = job.task.split
     parallel = bool(job.privacy.parallel_final)
     sensitivity = COUNT_SENSITIVITY["add_remove"]  # the count's, under add/remove-one (replace-one: 2 x its part's)
@@ -113,15 +118,8 @@ def validation_checks(cfg) -> list[Check]:
               f"change of the noiseless count {val_change:.4g} ({val_what}) against its sensitivity {sensitivity:g} "
               "(per-example scores in [0, 1])"),
     ]
-    (planned,) = job.privacy.final_releases
-    squares, stds = 0.0, set()
-    scores = job.task.validation_scores(job.model)  # one model, one count: the draws differ in their noise only
-    with mock.patch.object(job.task, "validation_scores", lambda model: scores):
-        for _ in range(VALIDATION_DRAWS):
-            noiseless, noisy, stated, part_sensitivity = _released(job, recorder)
-            std = planned.noise_multiplier * part_sensitivity  # what the plan (and so epsilon) assumes
-            stds.add(std)
-            squares += ((noisy - noiseless) / std) ** 2
+    noise, stds, stated = draws[0]
+    squares = float(sum((n / std) ** 2 for n, std in zip(noise, stds)))
     p_value = chi_square_p_value(squares, VALIDATION_DRAWS)
     ratio = math.sqrt(squares / VALIDATION_DRAWS)
     checks.append(Check(
@@ -129,5 +127,23 @@ def validation_checks(cfg) -> list[Check]:
         f"the noise of {VALIDATION_DRAWS} validation releases (noisy - noiseless): std / planned std = {ratio:.4f}; planned "
         f"std (the plan's final release's noise multiplier x the stated sensitivity) {min(stds):.4g}, the release stated "
         f"{stated:.4g}; chi-square p = {p_value:.3g}", p_value=p_value))
-    return checks + precision_checks(recorder.precision)  # its noise keeps fp32's precision too
+    pairs = [(torch.tensor(draws[0][0], dtype=torch.float64), torch.tensor(draws[1][0], dtype=torch.float64))]
+    across = _independence_check("validation score", "jobs", [(
+        f"of {VALIDATION_DRAWS} score releases in each of two fresh jobs (same config, same seed), draw by draw",
+        *pooled_correlation(pairs))], float(cfg.audit.alpha), name="noise across runs")
+    # its noise keeps fp32's precision, and every draw carries noise (the rows of the noise check)
+    return checks + [across] + precision_checks(recorder.precision) + null_checks(recorder.nulls)
+
+
+def _noise_draws(job, recorder, planned) -> tuple[list[float], list[float], float]:
+    """VALIDATION_DRAWS releases of `job`'s count by one model: (their noise, the planned std of each,
+    the std the release stated)."""
+    noise, stds, stated = [], [], 0.0
+    scores = job.task.validation_scores(job.model)  # one model, one count: the draws differ in their noise only
+    with mock.patch.object(job.task, "validation_scores", lambda model: scores):
+        for _ in range(VALIDATION_DRAWS):
+            noiseless, noisy, stated, part_sensitivity = _released(job, recorder)
+            stds.append(planned.noise_multiplier * part_sensitivity)  # what the plan (and so epsilon) assumes
+            noise.append(noisy - noiseless)
+    return noise, stds, stated
 

@@ -148,8 +148,10 @@ def test_audit_compares_the_drawn_noise_with_the_plan(broken, ratio, tmp_path, m
     """The noise drawn is tested against the plan's multiplier x sensitivity, not the algorithm's own std."""
     monkeypatch.setitem(ALGORITHMS._entries, "dpsgd", broken)  # registered only in this test
     report = run_audit(compose(TINY + AUDIT + ["algo=dpsgd"]), tmp_path)
-    (noise,) = checks(report, "noise")
-    assert not noise.passed and noise.measured == pytest.approx(ratio, rel=0.02)
+    # one row per tensor of >= 256 entries (>= 1,536 draws: the std ratio's sd is <= 1.8%, so 10% is 5.5 sd) and
+    # one pooling the smaller ones
+    noise = checks(report, "noise")
+    assert len(noise) > 1 and all(not c.passed and c.measured == pytest.approx(ratio, rel=0.1) for c in noise), noise
     (ledger,) = checks(report, "accounting", "ledger vs plan")
     assert not ledger.passed and "its plan" in ledger.detail
     assert all(c.passed for c in checks(report, "sensitivity") + checks(report, "independence"))

@@ -290,11 +290,53 @@ def test_dcdpsgd_unnoised_threshold_is_caught_by_the_two_step_row(tmp_path):
     assert any(not c.passed and c.measured > 0.01 for c in rows(report, "two-step sensitivity"))
 
 
-@pytest.mark.slow  # a DPDR and a DC-DPSGD audit of the two-step row
-@pytest.mark.parametrize("algo", ["dcdpsgd", "dpdr"])
+@pytest.mark.slow  # a DPDR, a DC-DPSGD, a DIFF and a DIFF2 audit of the two-step row
+@pytest.mark.parametrize("algo", ["dcdpsgd", "dpdr", "diff", "diff2"])
 def test_stateful_algorithms_pass_the_two_step_row(algo, tmp_path):
     report = run_audit(compose(THRESHOLD + [f"algo={algo}", "audit.sensitivity_steps=2"]), tmp_path)
     two_step = rows(report, "two-step sensitivity")
     assert two_step and all(c.passed and "not applicable" not in c.detail for c in two_step), two_step
     assert report.passed, [c for c in report.checks if not c.passed]
 
+
+
+# ----------------------------------------------------------------- the audit's blind spots (the pooled rows)
+
+
+@pytest.mark.slow  # one catalogue audit each (10-60 s on two shared cores); test_every_seeded_bug_is_caught_by_its_check too
+def test_noise_skipped_on_small_tensors_is_caught_per_tensor_not_by_the_pooled_std(tmp_path):
+    """The head's bias (4 entries) released exactly: every residual of it is exactly 0, which no fp32
+    draw gives; the 'noise per tensor' row names it (a deterministic row)."""
+    report, result = run_bug(compose(CATALOGUE_DEFAULTS), "noise_skipped_small_tensors", tmp_path)
+    assert result.caught and result.ok, [c for c in report.checks if not c.passed]
+    (row,) = [c for c in rows(report, "noise per tensor") if not c.passed]
+    assert "[4]: 24 of 24 residuals exactly 0" in row.detail and row.p_value is None, row
+
+
+@pytest.mark.slow
+def test_a_bf16_normal_scaled_in_fp32_is_caught_on_residual_over_std(tmp_path):
+    """sigma 3.4218: sigma C's bits do not put the residuals themselves on bf16's grid; residual / std is."""
+    report, result = run_bug(compose(CATALOGUE_DEFAULTS + ["privacy.noise_multiplier=3.4218"]), "normal_bf16_scaled",
+                             tmp_path)
+    assert result.caught and result.ok, [c for c in report.checks if not c.passed]
+    (row,) = rows(report, "noise precision", "gradient")
+    assert row.measured > 0.9 and "of bf16's grid" in row.detail, row
+    assert all(c.passed for c in rows(report, "noise"))  # its std is right
+
+
+@pytest.mark.slow
+def test_the_validation_noise_seeded_by_seed_is_caught_across_runs(tmp_path):
+    report, result = run_bug(compose(CATALOGUE_DEFAULTS), "validation_noise_seeded", tmp_path)
+    assert result.caught and result.ok and result.also_failed == [], [c for c in report.checks if not c.passed]
+    (row,) = rows(report, "noise across runs", "validation score")
+    assert not row.passed and row.measured > 0.99, row
+    assert all(c.passed for c in rows(report, "validation score"))  # its std and what it reads are right
+
+
+@pytest.mark.slow
+def test_diffs_unnoised_previous_gradient_is_caught_by_the_two_step_row(tmp_path):
+    """DIFF declares release_carries_state, so the two-step row runs: the one-step sensitivity row holds
+    the previous gradient fixed and passes."""
+    report, result = run_bug(compose(CATALOGUE_DEFAULTS), "diff_previous_unnoised", tmp_path)
+    assert report.algo == "diff" and result.caught and result.ok, [c for c in report.checks if not c.passed]
+    assert all(c.passed for c in rows(report, "sensitivity")), rows(report, "sensitivity")
