@@ -323,10 +323,9 @@ def run_job(cfg: DictConfig, run_dir: Path, show_progress: bool = True, on_start
     With `resume`, a stored run of the same config is returned as is; `on_start()` is called only
     when the job actually runs. Under torchrun every rank runs it; a failure on one stops all.
     What the console printed is appended to the run folder's cli.log (rank 0's)."""
-    start_console_log()
     try:
         return _run_job(cfg, run_dir, show_progress, on_start)
-    finally:
+    finally:  # the console's text since the job started (a skipped job writes nothing)
         write_console_log(run_dir if int(os.environ.get("RANK", "0")) == 0 else None)
 
 
@@ -335,6 +334,7 @@ def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> R
     if (existing := ranks.decided(lambda: reusable_results(cfg, run_dir))) is not None:
         return existing
     prepare(cfg, ranks, on_start)
+    start_console_log()
     memory = PeakMemory(resolve_device(cfg.device))
     warm_up(cfg)  # what the first job of a process would pay alone (imports, first kernels): every job pays it
     memory.warmed_up = True

@@ -31,6 +31,8 @@ def write_console_log(run_dir) -> None:
     plain text (the progress bar's final state, notes, the summary table)."""
     from pathlib import Path
 
+    if not console.record:
+        return  # nothing was started: a skipped job
     text = console.export_text(clear=True)
     console.record = False
     if text and run_dir is not None and Path(run_dir).is_dir():

@@ -42,6 +42,19 @@ def accounted_ledger(ledger: Ledger) -> AccountedLedger:
                            [((m.add_remove_noise_multiplier, m.sample_rate), n) for m, n in items])
 
 
+def as_ledger(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism]) -> Ledger:
+    """A Ledger from a Ledger, its `as_records()` (results.json privacy.ledger) or a list of the
+    mechanisms that ran (one entry per release)."""
+    if isinstance(ledger, Ledger):
+        return ledger
+    items = list(ledger)
+    if all(isinstance(item, GaussianMechanism) for item in items):
+        out = Ledger()
+        out.extend(items)
+        return out
+    return Ledger.from_records(items)
+
+
 def ledger_dp_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], exact_replace_one: bool = False):
     """The ledger as one dp-accounting event: each (mechanism, count) a self-composed
     Poisson-subsampled Gaussian.
@@ -52,8 +65,6 @@ def ledger_dp_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism
     an accountant built with dp-accounting's REPLACE_ONE relation (PLD; its RDP has no
     replace-one analysis of Poisson sampling). A noiseless mechanism is a NonPrivateDpEvent."""
     import dp_accounting as dpa
-
-    from dpbench.study.accounting import as_ledger  # a Ledger from records or mechanisms
 
     items = as_ledger(ledger).items()
     if exact_replace_one and any(m.neighboring != "replace_one" for m, _ in items):

@@ -31,7 +31,7 @@ import numpy as np
 
 from dpbench.errors import UserError
 from dpbench.privacy.accountants import MAX_NOISE_MULTIPLIER, smallest_noise_multiplier
-from dpbench.privacy.events import ledger_dp_event  # noqa: F401  (the one ledger -> dp-accounting conversion)
+from dpbench.privacy.events import as_ledger, ledger_dp_event  # noqa: F401  (the one ledger -> dp-accounting conversion)
 from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 from dpbench.study.trials import _check_distribution, parse_shape
 
@@ -39,19 +39,6 @@ from dpbench.study.trials import _check_distribution, parse_shape
 # ---------------------------------------------------------------------------------------------
 # A trial's privacy event
 # ---------------------------------------------------------------------------------------------
-
-
-def as_ledger(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism]) -> Ledger:
-    """A Ledger from a Ledger, its `as_records()` (results.json privacy.ledger) or a list of the
-    mechanisms that ran (one entry per release)."""
-    if isinstance(ledger, Ledger):
-        return ledger
-    items = list(ledger)
-    if all(isinstance(item, GaussianMechanism) for item in items):
-        out = Ledger()
-        out.extend(items)
-        return out
-    return Ledger.from_records(items)
 
 
 def trial_event(ledger: Ledger | Iterable[dict] | Iterable[GaussianMechanism], score_noise_multiplier: float | None = None):

@@ -27,7 +27,7 @@ PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "de
 NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats", "bound",
                                                "epsilon_lower", "epsilon_upper", "pld_interval", "dp_events")]
 METRICS = ["metric", "test_accuracy", "best_test_accuracy", "train_loss", "test_loss", "train_accuracy"]
-CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
+CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "warmed_up", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
 THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s", "world_size"]
 ADDED_IN_2 = ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")
 ADDED_IN_3 = ("world_size",)
