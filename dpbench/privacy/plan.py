@@ -363,6 +363,8 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
         derived=derived,
     )
     planned = planned_for(sigma, derived)
+    if math.isfinite(sigma) and steps > 0:  # a fixed sigma too: one loss-grid interval, chosen for the whole run
+        accountant.settle_for(ledger_of_plan(planned, steps, per_epoch, final), float(p.delta))
     plan = PrivacyPlan(accountant, float(p.delta), setup, target, planned, log_private_stats, notes, sampling, per_epoch,
                        steps, OmegaConf.to_container(cfg.algo, resolve=True, enum_to_str=True), final, sigma_v,
                        parallel)
