@@ -123,6 +123,13 @@ class PLDAccountant(Accountant):
         self.interval_used: float | None = value_discretization_interval  # that of the last epsilon
 
     def _epsilon(self, ledger: Ledger, delta: float) -> float:
+        try:
+            return self._pld_epsilon(ledger, delta)
+        except (ValueError, MemoryError):  # a near-noiseless sigma: the loss grid would not fit in memory
+            self.computed_by = "rdp"  # also an upper bound; the run records it in privacy.accountant and a note
+            return RDPAccountant().epsilon(ledger, delta)
+
+    def _pld_epsilon(self, ledger: Ledger, delta: float) -> float:
         if self.value_discretization_interval is not None:
             return pld_epsilon(ledger, delta, self.value_discretization_interval)
         interval, epsilon = self.COARSEST, pld_epsilon(ledger, delta, self.COARSEST)
@@ -151,6 +158,8 @@ class PLDAccountant(Accountant):
         upper = self.epsilon(ledger, delta)
         if not ledger or math.isinf(upper):
             return upper, upper
+        if self.computed_by != self.name:  # rdp answered: an upper bound only
+            return None, upper
         return pld_epsilon(ledger, delta, self.interval_used or self.COARSEST, pessimistic=False), upper
 
 

@@ -51,6 +51,17 @@ def test_pld_bounds_bracket_the_reference():
     assert lower <= point["epsilon"] <= upper <= point["epsilon"] * 1.01
 
 
+def test_a_near_noiseless_sigma_falls_back_to_rdp():
+    """At sigma = 1e-9 dp-accounting's loss grid would not fit in memory (it raises); rdp, also an
+    upper bound, answers and the accountant says so (the run's privacy.accountant and a note)."""
+    point = {"noise_multiplier": 1e-9, "sample_rate": 0.5, "steps": 3}
+    accountant = build_accountant("pld")
+    epsilon = accountant.epsilon(ledger_of(point), 1e-5)
+    assert accountant.computed_by == "rdp"
+    assert epsilon == build_accountant("rdp").epsilon(ledger_of(point), 1e-5) and epsilon > 1e6
+    assert accountant.bounds(ledger_of(point), 1e-5) == (None, epsilon)
+
+
 @pytest.mark.slow
 def test_two_reference_points_recompute():
     sys.path.insert(0, str(FIXTURES))
