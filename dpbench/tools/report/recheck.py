@@ -3,7 +3,7 @@ file alone with dp-accounting, beside the epsilon the run recorded.
 
 The file's `privacy.dp_events` (dpbench/privacy/events.py; older files: `privacy.ledger`) are
 rebuilt as dp-accounting events and composed by dp-accounting's PLD accountant (its interval
-refined tenfold from 1e-3 to 1e-5 while epsilon moves by more than 5%: the upper bound) and its
+refined as dpbench's own pld refines it, `refined_pld`: the upper bound) and its
 privacy-buckets optimistic estimate (the lower bound), and by its RDP accountant. A recorded
 epsilon more than 1% below dp-accounting's PLD upper bound is flagged (exit status 1): it is not
 a bound on what ran (gdp's approximation can be).
@@ -19,9 +19,8 @@ from dpbench.errors import UserError
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 
-INTERVALS = (1e-3, 1e-4, 1e-5)
-SETTLED = 0.05
 BELOW = 0.01  # a recorded epsilon this far below the tight one is flagged
+OPTIMISTIC_INTERVAL = 1e-4  # the lower bound's grid
 
 
 @dataclass
@@ -61,14 +60,12 @@ def pld_upper_bound(event, relation, delta: float) -> float:
     """dp-accounting's PLD accountant on the event, its interval refined as dpbench's pld refines its own."""
     import dp_accounting as dpa
 
-    best = math.inf
-    for interval in INTERVALS:
-        epsilon = dpa.pld.PLDAccountant(relation, value_discretization_interval=interval).compose(event).get_epsilon(delta)
-        settled = best - epsilon <= SETTLED * epsilon
-        best = min(best, float(epsilon))
-        if settled:
-            break
-    return best
+    from dpbench.privacy.accountants import refined_pld
+
+    def epsilon_at(interval: float) -> float:
+        return float(dpa.pld.PLDAccountant(relation, value_discretization_interval=interval).compose(event).get_epsilon(delta))
+
+    return refined_pld(epsilon_at)[1]
 
 
 def _optimistic_pld(event, relation, interval: float):
@@ -121,7 +118,7 @@ def recheck_run(path: Path) -> Recheck:
     upper = pick([pld_upper_bound(e, relation, delta) for e in events])
     lowers = []
     for e in events:
-        optimistic = _optimistic_pld(e, relation, INTERVALS[1])
+        optimistic = _optimistic_pld(e, relation, OPTIMISTIC_INTERVAL)
         lowers.append(0.0 if optimistic is None else float(optimistic.get_epsilon_for_delta(delta)))
     rdps = [_rdp(e, relation, delta) for e in events]
     return Recheck(path.parent, privacy.epsilon, privacy.accountant, (privacy.epsilon_lower, privacy.epsilon_upper),
