@@ -79,7 +79,7 @@ class Accountant(ABC):
         return None, (epsilon if self.upper_bound else None)
 
     def quick(self) -> "Accountant":
-        """An accountant as sound and fast enough to bracket sigma (pld: its coarsest interval)."""
+        """A faster upper bound that brackets sigma before this accountant decides near it (pld: rdp)."""
         return self
 
     def settle_for(self, ledger: Ledger, delta: float) -> None:
@@ -115,7 +115,6 @@ class PLDAccountant(Accountant):
     """
 
     name = "pld"
-    COARSEST = 1e-3  # calibration's bracket (1.4% high at q = 0.01, T = 1e5; 1e-2 is 3x high there)
 
     def __init__(self, value_discretization_interval: float | None = None):
         super().__init__()
@@ -136,7 +135,7 @@ class PLDAccountant(Accountant):
         return epsilon
 
     def quick(self) -> "Accountant":
-        return self if self.value_discretization_interval is not None else PLDAccountant(self.COARSEST)
+        return PLDAccountant(PLD_INTERVALS[1])  # 1.4% high at q = 0.01, T = 1e5 (1e-2: 3x); rdp's fractional orders are slower
 
     def settle_for(self, ledger: Ledger, delta: float) -> None:
         if self.value_discretization_interval is None:
@@ -152,7 +151,7 @@ class PLDAccountant(Accountant):
             return upper, upper
         if self.computed_by != self.name:  # rdp answered: an upper bound only
             return None, upper
-        return pld_epsilon(ledger, delta, self.interval_used or self.COARSEST, pessimistic=False), upper
+        return pld_epsilon(ledger, delta, self.interval_used or PLD_INTERVALS[1], pessimistic=False), upper
 
 
 PLD_INTERVALS = (1e-2, 1e-3, 1e-4, 1e-5)  # the ladder refined_pld walks down
@@ -324,13 +323,59 @@ def calibrate_noise_multiplier(
     """
     unreachable = (f"no noise multiplier reaches epsilon={target_epsilon} at delta={delta} for "
                    "this run: raise privacy.epsilon or privacy.delta, or plan fewer steps")
-    quick = accountant.quick()  # bracket with a fast bound, then bisect near it with the accountant's own rule
-    sigma = smallest_noise_multiplier(lambda s: quick.epsilon(ledger_for(s), delta), target_epsilon, tolerance, unreachable)
+    quick = accountant.quick()  # a fast bound first, then the accountant's own rule near its answer
     if quick is accountant:
-        return sigma
+        return smallest_noise_multiplier(lambda s: accountant.epsilon(ledger_for(s), delta), target_epsilon, tolerance,
+                                         unreachable)
+    sigma, slope = secant_noise_multiplier(lambda s: quick.epsilon(ledger_for(s), delta), target_epsilon, tolerance,
+                                           unreachable, start=1.0)
     accountant.settle_for(ledger_for(sigma), delta)
-    return smallest_noise_multiplier(lambda s: accountant.epsilon(ledger_for(s), delta), target_epsilon, tolerance,
-                                     unreachable, start=sigma, shrink=0.98)
+    return secant_noise_multiplier(lambda s: accountant.epsilon(ledger_for(s), delta), target_epsilon, tolerance,
+                                   unreachable, start=sigma, slope=slope)[0]
+
+
+def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,
+                            unreachable: str, start: float, slope: float = -1.0) -> tuple[float, float]:
+    """Smallest sigma (up to `tolerance` in epsilon) with epsilon_of(sigma) <= target, as
+    `smallest_noise_multiplier` finds it, for an expensive epsilon_of: secant steps on
+    (log sigma, log epsilon) aimed at target - tolerance / 2, from `start` with the guessed `slope`
+    (d log eps / d log sigma, negative), each kept inside the bracket found so far and at least a
+    tenth of it from either end (so it shrinks even where the secant stalls); steps before a
+    bracket exists are at most 2x. Returns (a sigma whose epsilon is at most the target, the last
+    slope: a finer accountant's first guess)."""
+    aim = math.log(target_epsilon - tolerance / 2)
+    low = high = None  # log sigma with epsilon above the target / at most the target
+    previous = None  # (log sigma, log epsilon) of the evaluation before
+    x = math.log(start)
+    for _ in range(100):
+        if math.exp(x) > MAX_NOISE_MULTIPLIER:
+            raise UserError(unreachable)
+        epsilon = epsilon_of(math.exp(x))
+        if epsilon <= target_epsilon:
+            if epsilon >= target_epsilon - tolerance:
+                return math.exp(x), slope
+            high = x
+        else:
+            low = x
+        if low is not None and high is not None and high - low < 1e-6:
+            return math.exp(high), slope
+        y = math.log(epsilon) if 0 < epsilon < math.inf else None
+        step_slope = slope
+        if previous is not None and y is not None and previous[1] is not None and previous[0] != x:
+            step_slope = (y - previous[1]) / (x - previous[0])
+            if step_slope < 0 and math.isfinite(step_slope):
+                slope = step_slope
+        if y is None or not (step_slope < 0 and math.isfinite(step_slope)):
+            step = math.log(2) if epsilon > target_epsilon else -math.log(2)  # infinite, zero or flat: double or halve
+        else:
+            step = (aim - y) / step_slope
+        previous, x = (x, y), x + max(-math.log(2), min(math.log(2), step))
+        if low is not None and high is not None:
+            span = high - low
+            x = min(max(x, low + span / 10), high - span / 10)
+    if high is None:
+        raise UserError(unreachable)
+    return math.exp(high), slope
 
 
 def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,
@@ -356,7 +401,7 @@ def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsil
     else:  # search upwards
         low = high
         while eps(high) > target_epsilon:
-            low, high = high, high * 2
+            low, high = high, high / shrink
             if high > MAX_NOISE_MULTIPLIER:
                 raise UserError(unreachable)
     # invariant: eps(low) > target >= eps(high)
