@@ -343,22 +343,28 @@ def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon
     tenth of it from either end (so it shrinks even where the secant stalls); steps before a
     bracket exists are at most 2x. Returns (a sigma whose epsilon is at most the target, the last
     slope: a finer accountant's first guess)."""
-    aim = math.log(target_epsilon - tolerance / 2)
+    if not target_epsilon > 0:
+        raise UserError(unreachable)
+    aim = math.log(target_epsilon - min(tolerance, target_epsilon) / 2)
     low = high = None  # log sigma with epsilon above the target / at most the target
     previous = None  # (log sigma, log epsilon) of the evaluation before
     x = math.log(start)
     for _ in range(100):
-        if math.exp(x) > MAX_NOISE_MULTIPLIER:
+        # sigma on a 2^-20 grid, as bisection's are: sigma * C / C is then sigma again where a
+        # mechanism's std is sigma * C (its ledger records the sigma the run reports)
+        sigma = math.ceil(math.exp(x) * 2**20) / 2**20
+        x = math.log(sigma)
+        if sigma > MAX_NOISE_MULTIPLIER:
             raise UserError(unreachable)
-        epsilon = epsilon_of(math.exp(x))
+        epsilon = epsilon_of(sigma)
         if epsilon <= target_epsilon:
             if epsilon >= target_epsilon - tolerance:
-                return math.exp(x), slope
+                return sigma, slope
             high = x
         else:
             low = x
         if low is not None and high is not None and high - low < 1e-6:
-            return math.exp(high), slope
+            return math.ceil(math.exp(high) * 2**20) / 2**20, slope
         y = math.log(epsilon) if 0 < epsilon < math.inf else None
         step_slope = slope
         if previous is not None and y is not None and previous[1] is not None and previous[0] != x:
@@ -375,7 +381,7 @@ def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon
             x = min(max(x, low + span / 10), high - span / 10)
     if high is None:
         raise UserError(unreachable)
-    return math.exp(high), slope
+    return math.ceil(math.exp(high) * 2**20) / 2**20, slope
 
 
 def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,

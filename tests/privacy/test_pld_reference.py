@@ -88,3 +88,29 @@ def test_pld_calibrates_the_default_job_in_under_30_s():
     assert elapsed < 30
     assert 7.99 <= accountant.epsilon(ledger_for(sigma), 1e-5) <= 8.0
     assert sigma < calibrate_noise_multiplier(build_accountant("rdp"), ledger_for, 8.0, 1e-5)
+
+
+@pytest.mark.parametrize("start,slope", [(1.0, -1.0), (50.0, -0.2), (0.01, -8.0), (3.0, 1.0)])
+def test_the_secant_search_meets_the_target_from_far_or_wrong_guesses(start, slope):
+    """epsilon = 2 / sigma^1.7 + a kink (a PLD's epsilon is nearly a line in log-log, not exactly):
+    from a far start and a wrong slope, the sigma returned is within the tolerance below the target
+    in a few dozen evaluations, as bisection's answer is."""
+    from dpbench.privacy.accountants import secant_noise_multiplier, smallest_noise_multiplier
+
+    calls = []
+
+    def epsilon_of(sigma: float) -> float:
+        calls.append(sigma)
+        return 2 / sigma**1.7 + 0.5 * max(0.0, 1.0 - sigma)
+
+    sigma, _ = secant_noise_multiplier(epsilon_of, 3.0, 0.01, "unreachable", start=start, slope=slope)
+    assert 2.99 <= epsilon_of(sigma) <= 3.0 and len(calls) < 40
+    assert sigma == pytest.approx(smallest_noise_multiplier(epsilon_of, 3.0, 0.01, "unreachable"), rel=0.01)
+
+
+def test_the_secant_search_says_when_no_sigma_reaches_the_target():
+    from dpbench.errors import UserError
+    from dpbench.privacy.accountants import secant_noise_multiplier
+
+    with pytest.raises(UserError, match="no sigma"):
+        secant_noise_multiplier(lambda sigma: 5.0 + 1 / sigma, 3.0, 0.01, "no sigma", start=1.0)
