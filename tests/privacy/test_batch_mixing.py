@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from helpers.toy_modules import SequenceFirst
 
 from dpbench.errors import UserError
 from dpbench.models.user_checks import check_norms
@@ -144,14 +145,6 @@ def test_an_ordinary_model_passes_both_checks_at_the_larger_sizes(engine):
 
 
 def test_build_engine_refuses_without_a_probe_and_warns_when_told_to_skip_it():
-    class SequenceFirst(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):  # [B, T, d] -> [T, B, d] -> Linear -> back
-            return self.fc(x.transpose(0, 1)).transpose(0, 1).mean(1)
-
     pool = torch.randn(POOL, 5, 4, generator=torch.Generator().manual_seed(0))
     sequence_probe = LayoutProbe(lambda m, b: m(b).pow(2).sum(1), lambda i: pool[list(i)].double(), POOL, largest=LARGEST)
     for engine in ENGINES:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from opacus.layers import DPGRU, DPLSTM, DPMultiheadAttention
 from torch import nn
+from helpers.toy_modules import SequenceFirst
 
 from dpbench.errors import UserError
 from dpbench.privacy.engines import build_engine
@@ -251,14 +252,6 @@ def test_the_probe_refuses_batchnorm_in_train_mode(engine):
 def test_a_private_algorithm_refuses_a_sequence_first_model_before_training():
     """DPFirstOrderAlgorithm builds its engine through the probe: the run stops at setup."""
     from helpers.projected import build
-
-    class SequenceFirst(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-
-        def forward(self, x):  # [B, T, d] -> [T, B, d] -> Linear -> back
-            return self.fc(x.transpose(0, 1)).transpose(0, 1).mean(1)
 
     class Task:
         train_size = POOL
