@@ -74,7 +74,8 @@ def corpus_rows(movies: int = 16, per_movie: int = 3) -> list[dict]:
             label = (m + j) % 2
             words = GOOD if label else BAD
             text = f"the film is {words[(m + j) % 5]} and {words[(2 * m + j) % 5]} {'!' * (m + 1)} {j}"
-            text = f"{words[m % 5]} {'.' * (m % 3)} {j}" if j == 0 else text  # a short one: batches get padded
+            # a short one (batches get padded), distinct per movie: de-duplication drops every copy of a repeated text
+            text = f"{words[m % 5]} {'.' * (m % 3)} {m // 15}" if j == 0 else text
             rows.append({"category": "fresh" if label else "rotten", "text": text, "movie_name": name,
                          "has_plot_and_reviews": "True"})
     rows.append({"category": "fresh", "text": rows[1]["text"].upper() + "  ", "movie_name": "Movie 99", "has_plot_and_reviews": "False"})

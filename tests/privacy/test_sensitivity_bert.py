@@ -67,4 +67,6 @@ def test_one_added_example_moves_each_bert_release_by_at_most_its_sensitivity(be
             assert sensitivity > 0 and a.numel() == b.numel()
             moved = (a - b).norm().item()
             assert moved <= 1.0001 * sensitivity, f"{release}: moved {moved / sensitivity:.4f}× its sensitivity"
-            assert a.abs().sum() > 0  # the batch's own clipped sum is there: the comparison can fail
+            # the batch's own clipped sum is there, so the comparison can fail (DPZero's per-example
+            # scalars are clipped to +-C: a batch of as many signs of each sums to 0, its neighbour not)
+            assert a.abs().sum() > 0 or b.abs().sum() > 0
