@@ -25,22 +25,6 @@ from dpbench.tasks.prompts import CAUSAL_PROMPTS
 from dpbench.tasks.qa_metrics import exact_match, squad_f1
 
 
-# Hugging Face causal LMs whose logits are exactly the output layer on the base model's last hidden
-# state (no logit scaling or soft-capping after it), so the scored positions' logits can be formed alone.
-PLAIN_HEAD_MODEL_TYPES = ("opt", "gpt2", "llama", "mistral", "qwen2")
-
-
-def output_layer_split(model: nn.Module):
-    """(the model without its output layer, the output layer) of a plain-head causal LM; else None."""
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
-        return None
-    body, head = getattr(model, "base_model", None), model.get_output_embeddings()
-    if body is None or body is model or head is None:
-        return None
-    return body, head
-
-
 @dataclass
 class CausalBatch:
     input_ids: torch.Tensor  # [R, T], R = B * rows_per_example, example-major
@@ -48,7 +32,6 @@ class CausalBatch:
     target_mask: torch.Tensor  # [R, T]: 1 where the token is scored (predicted from t-1)
     labels: torch.Tensor  # [B] gold candidate (classification) or zeros
     rows_per_example: int
-    scored_width: int | None = None  # the most tokens any row scores (known when batching; None: read it)
 
 
 class _PlaceholderRow(dict):
@@ -136,12 +119,9 @@ class CausalLMTask(LanguageTask):
         sequences = [ids for example in encoded for ids, _ in example]
         ids, attention = self.pad(sequences)
         target = torch.zeros_like(attention)
-        width = 0
         for row, (seq, scored) in enumerate(pair for example in encoded for pair in example):
             target[row, len(seq) - scored: len(seq)] = 1
-            width = max(width, scored)
-        return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device),
-                           rows_per_example, width)
+        return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device), rows_per_example)
 
     def batch(self, indices):
         return self._batch([self.train_encoded[i] for i in indices], [self.train_gold[i] for i in indices])
@@ -151,33 +131,12 @@ class CausalLMTask(LanguageTask):
 
     # --- losses ---------------------------------------------------------------------------
     def row_nll(self, model: nn.Module, batch: CausalBatch) -> torch.Tensor:
-        """Mean NLL of each row's scored tokens: [R].
-
-        Only what the loss reads is formed: the output layer runs on the scored positions' hidden
-        states, [R, S, V] with S the most tokens a row scores (1-3 for candidates), not on every
-        position. The model's own forward forms [R, T, V] logits, and with their fp32 copy and the
-        log-softmax they were most of a zeroth-order step's memory (2.5 of the ~6.9 fp32
-        vocabulary-wide rows per token on OPT-30B). Same values: logsumexp - the target's logit, in fp32."""
-        parts = output_layer_split(model)
-        targets, scored = batch.input_ids[:, 1:], batch.target_mask[:, 1:].bool()  # [R, T-1]: token t+1 from position t
-        if parts is None:  # a model whose head we do not know: the full logits
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [R, T, V]
-            log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)  # [R, T-1]
-            return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
-        body, head = parts
-        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[0][:, :-1]  # [R, T-1, H]
-        width = batch.scored_width if batch.scored_width is not None else int(scored.sum(1).max())
-        width = max(1, min(width, scored.shape[1]))
-        # the scored positions of each row first, in order (a stable sort of the mask), then padding
-        positions = torch.sort(scored.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :width]  # [R, S]
-        counts = scored.sum(dim=1)  # [R]
-        valid = torch.arange(width, device=scored.device)[None, :] < counts[:, None]  # [R, S]
-        picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # [R, S, H]
-        logits = head(picked).float()  # [R, S, V]
-        target_logit = logits.gather(-1, targets.gather(1, positions)[..., None]).squeeze(-1)  # [R, S]
-        nll = torch.logsumexp(logits, dim=-1) - target_logit
-        return (nll * valid).sum(dim=1) / counts.clamp(min=1)
+        """Mean NLL of each row's scored tokens: [R]."""
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [R, T, V]
+        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -log_probs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [R, T-1]
+        scored = batch.target_mask[:, 1:].float()
+        return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
 
     def per_sample_loss(self, model, batch):
         if self.batch_size(batch) == 0:

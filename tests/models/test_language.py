@@ -181,23 +181,3 @@ def test_wrong_pairings_are_user_errors(workspace):
         task_and_model(workspace, "roberta", "squad")
     with pytest.raises(UserError, match="model.path"):
         build_task(compose(["dataset=sst2", "model=opt", "model.path=/nonexistent", f"dataset.path={workspace / 'data' / 'sst2'}"]), CPU)
-
-
-@pytest.mark.parametrize("dataset", ["boolq", "squad"])  # candidate rows; generation's answer tokens
-def test_opt_scores_only_what_the_loss_reads_with_the_full_logits_values(workspace, dataset, monkeypatch):
-    """row_nll forms the output layer's logits at the scored positions only ([R, S, V], not [R, T, V])
-    and gives the full-logits values; the output layer never sees every position."""
-    import dpbench.tasks.causal_lm as causal
-
-    task, model = task_and_model(workspace, "opt", dataset)
-    batch = task.batch(list(range(4)))
-    seen = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    lean = task.row_nll(model, batch)
-    hook.remove()
-    assert seen and seen[0][1] == batch.scored_width < batch.input_ids.shape[1] - 1  # only the scored positions
-    monkeypatch.setattr(causal, "output_layer_split", lambda model: None)  # the model's own full logits
-    full = task.row_nll(model, batch)
-    torch.testing.assert_close(lean, full, rtol=1e-5, atol=1e-5)
-    lean.sum().backward()  # gradients flow through the gathered positions
-    assert model.get_output_embeddings().weight.grad is not None

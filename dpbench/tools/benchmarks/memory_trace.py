@@ -200,10 +200,7 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
         prompt = task.prompt
         rows = 1 if prompt.generation else len(prompt.candidates(_PlaceholderRow()))
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
-        scored = 8 if prompt.generation else 1  # what the loss reads: the answer's tokens, or the candidate's word
-        target = torch.zeros_like(ones)
-        target[:, -scored:] = 1
-        return CausalBatch(ids(batch * rows, tokens), ones, target, zeros(batch), rows, scored)
+        return CausalBatch(ids(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
     return torch.randn(batch, *info["shape"], device=device), zeros(batch)
 
 
