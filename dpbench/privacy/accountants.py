@@ -79,7 +79,7 @@ class Accountant(ABC):
         return None, (epsilon if self.upper_bound else None)
 
     def quick(self) -> "Accountant":
-        """A faster upper bound that brackets sigma before this accountant decides near it (pld: rdp)."""
+        """A faster upper bound that finds sigma roughly before this accountant decides near it (pld: its 1e-3 grid)."""
         return self
 
     def settle_for(self, ledger: Ledger, delta: float) -> None:
@@ -350,9 +350,7 @@ def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon
     previous = None  # (log sigma, log epsilon) of the evaluation before
     x = math.log(start)
     for _ in range(100):
-        # sigma on a 2^-20 grid, as bisection's are: sigma * C / C is then sigma again where a
-        # mechanism's std is sigma * C (its ledger records the sigma the run reports)
-        sigma = math.ceil(math.exp(x) * 2**20) / 2**20
+        sigma = _on_sigma_grid(x)
         x = math.log(sigma)
         if sigma > MAX_NOISE_MULTIPLIER:
             raise UserError(unreachable)
@@ -364,7 +362,7 @@ def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon
         else:
             low = x
         if low is not None and high is not None and high - low < 1e-6:
-            return math.ceil(math.exp(high) * 2**20) / 2**20, slope
+            return _on_sigma_grid(high), slope
         y = math.log(epsilon) if 0 < epsilon < math.inf else None
         step_slope = slope
         if previous is not None and y is not None and previous[1] is not None and previous[0] != x:
@@ -381,7 +379,13 @@ def secant_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon
             x = min(max(x, low + span / 10), high - span / 10)
     if high is None:
         raise UserError(unreachable)
-    return math.ceil(math.exp(high) * 2**20) / 2**20, slope
+    return _on_sigma_grid(high), slope
+
+
+def _on_sigma_grid(log_sigma: float) -> float:
+    """exp(log_sigma) rounded up to a 2^-20 grid, as bisection's sigmas are: sigma * C / C is then
+    sigma again where a mechanism's std is sigma * C (its ledger records the sigma the run reports)."""
+    return math.ceil(math.exp(log_sigma) * 2**20) / 2**20
 
 
 def smallest_noise_multiplier(epsilon_of: Callable[[float], float], target_epsilon: float, tolerance: float,
