@@ -151,7 +151,11 @@ class PLDAccountant(Accountant):
             return upper, upper
         if self.computed_by != self.name:  # rdp answered: an upper bound only
             return None, upper
-        return pld_epsilon(ledger, delta, self.interval_used or PLD_INTERVALS[1], pessimistic=False), upper
+        try:
+            lower = pld_epsilon(ledger, delta, self.interval_used or PLD_INTERVALS[1], pessimistic=False)
+        except PLDGridTooLarge:
+            lower = None
+        return lower, upper
 
 
 PLD_INTERVALS = (1e-2, 1e-3, 1e-4, 1e-5)  # the ladder refined_pld walks down
@@ -165,10 +169,14 @@ def refined_pld(epsilon_at: Callable[[float], float]) -> tuple[float, float]:
     reference points), so the last refinement's gain / 9 bounds the bias left; a coarse grid that is
     already tight stops after two cheap grids instead of paying for a fine one (the fine grid's
     points are one Python call each in dp-accounting: 1e-4 is seconds at sigma 0.6, q = 0.06, T = 3,
-    where 1e-2 and 1e-3 agree to 5 digits). The smallest bound met is returned: each is sound."""
+    where 1e-2 and 1e-3 agree to 5 digits). The smallest bound met is returned: each is sound. A
+    finer grid larger than MAX_PLD_POINTS (a near-noiseless sigma) is not tried: the last bound stands."""
     interval, epsilon = PLD_INTERVALS[0], epsilon_at(PLD_INTERVALS[0])
     for finer in PLD_INTERVALS[1:]:
-        finer_epsilon = epsilon_at(finer)
+        try:
+            finer_epsilon = epsilon_at(finer)
+        except PLDGridTooLarge:  # the coarser bound is sound; a finer grid would not fit in memory
+            break
         bias_left = (epsilon - finer_epsilon) / 9
         interval, epsilon = finer, min(epsilon, finer_epsilon)
         if not bias_left > PLD_BIAS_LEFT * epsilon:  # nan (inf - inf): nothing to refine
@@ -185,25 +193,74 @@ def pld_epsilon(ledger: Ledger, delta: float, interval: float, pessimistic: bool
     return _pld_epsilon_of(record.relation, tuple(record.mechanisms), delta, interval, pessimistic)
 
 
+MAX_PLD_POINTS = 2**23  # a loss grid of 8.4M points: the composition's FFT buffers stay near 0.5 GiB
+
+
+class PLDGridTooLarge(MemoryError):
+    """The PLD at this interval needs a loss grid larger than MAX_PLD_POINTS. A near-noiseless sigma
+    does (sigma = 0.02, q = 0.1, T = 1,000 needs 2e8 points, 17 GB, at 1e-3): refined_pld keeps the
+    coarser bound, and pld falls back to rdp where even 1e-2 is too fine. Raised before the grid is
+    built, because numpy's MemoryError never comes: the kernel's OOM killer ends the process first."""
+
+
+def _check_grid(points: float, interval: float, what: str) -> None:
+    if points > MAX_PLD_POINTS:
+        raise PLDGridTooLarge(f"{what} at interval {interval:g} needs {points:.3g} loss points (> {MAX_PLD_POINTS})")
+
+
 @lru_cache(maxsize=1024)
 def _pld_epsilon_of(relation, mechanisms: tuple, delta: float, interval: float, pessimistic: bool) -> float:
     """Memoised: a study's trials, an audit's jobs and a grid's runs ask again for the same ledger,
     and one fine grid costs seconds (a pure function of its arguments, as rdp_of_one_step is)."""
+    return _pld_of(relation, mechanisms, delta, interval, pessimistic)[0]
+
+
+@lru_cache(maxsize=1024)
+def _pld_of(relation, mechanisms: tuple, delta: float, interval: float, pessimistic: bool) -> tuple[float, int]:
+    """(epsilon, points of the largest loss grid formed). Every grid's size is checked before it is
+    built (PLDGridTooLarge): a step's from its loss range, a composition's from the same ledger's grid
+    at the coarsest interval (sizes scale as 1 / interval) and then exactly from dp-accounting's own
+    truncation bounds."""
+    from dp_accounting.pld import common
     from dp_accounting.pld import privacy_loss_distribution as pld
 
-    composed = None
+    if interval < PLD_INTERVALS[0]:
+        coarse_points = _pld_of(relation, mechanisms, delta, PLD_INTERVALS[0], True)[1]
+        _check_grid(coarse_points * PLD_INTERVALS[0] / interval, interval, "the composition")
+    composed, largest = None, 0
     for mechanism, count in mechanisms:  # (sigma, sample rate) under relation
         sigma, rate = mechanism
-        if rate == 1.0:  # T full-batch Gaussians are one Gaussian of sigma / sqrt(T): exact and fast
-            one = pld.from_gaussian_mechanism(sigma / math.sqrt(count), value_discretization_interval=interval,
-                                              pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
-                                              neighboring_relation=relation)
-        else:
-            one = pld.from_gaussian_mechanism(sigma, sampling_prob=rate, value_discretization_interval=interval,
-                                              pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
-                                              neighboring_relation=relation).self_compose(count)
+        full_batch = rate == 1.0  # T full-batch Gaussians are one Gaussian of sigma / sqrt(T): exact and fast
+        sigma_step = sigma / math.sqrt(count) if full_batch else sigma
+        _check_grid(_loss_range(sigma_step, rate, relation) / interval, interval, "one step")
+        one = pld.from_gaussian_mechanism(sigma_step, sampling_prob=rate, value_discretization_interval=interval,
+                                          pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
+                                          neighboring_relation=relation)
+        pmfs = [pmf for pmf in (one._pmf_remove, one._pmf_add) if hasattr(pmf, "_probs")]  # dense ones: dp-accounting's internals
+        if not full_batch and count > 1:
+            for pmf in pmfs:
+                low, high = common.compute_self_convolve_bounds(pmf._probs, count, 1e-15)  # what self_compose allocates
+                _check_grid(high - low + 1, interval, f"{count} steps")
+            one = one.self_compose(count)
+            pmfs = [pmf for pmf in (one._pmf_remove, one._pmf_add) if hasattr(pmf, "_probs")]
+        largest = max([largest] + [pmf._probs.size for pmf in pmfs])
         composed = one if composed is None else composed.compose(one)
-    return float(composed.get_epsilon_for_delta(delta))
+    return float(composed.get_epsilon_for_delta(delta)), largest
+
+
+def _loss_range(sigma: float, rate: float, relation) -> float:
+    """Width of one step's privacy-loss support (dp-accounting's own connect-dots bounds): its grid
+    holds width / interval points."""
+    import dp_accounting as dpa
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    types = ([plm.AdjacencyType.REPLACE] if relation == dpa.NeighboringRelation.REPLACE_ONE
+             else [plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD])
+    widths = []
+    for adjacency in types:
+        bounds = plm.GaussianPrivacyLoss(sigma, sampling_prob=rate, adjacency_type=adjacency).connect_dots_bounds()
+        widths.append(bounds.epsilon_upper - bounds.epsilon_lower)
+    return max(widths)
 
 
 @ACCOUNTANTS.register("prv")
@@ -231,8 +288,10 @@ class PRVAccountant(Accountant):
                 return float(accountant.get_epsilon(delta, eps_error=self._eps_error))
             return float(first)
         except (RuntimeError, ValueError, MemoryError):
-            self.computed_by = "pld"  # the run records it: privacy.accountant names pld, and a note
-            return PLDAccountant().epsilon(ledger, delta)
+            fallback = PLDAccountant()
+            epsilon = fallback.epsilon(ledger, delta)
+            self.computed_by = fallback.computed_by  # pld (or rdp, pld's own fallback): the run records it, and a note
+            return epsilon
 
     def bounds(self, ledger: Ledger, delta: float) -> tuple[float | None, float | None]:
         """PRV's own (lower, upper) error bounds at the eps_error its epsilon used; pld's where PRV fell back to it."""
@@ -241,7 +300,7 @@ class PRVAccountant(Accountant):
         epsilon = self.epsilon(ledger, delta)
         if not ledger or math.isinf(epsilon):
             return epsilon, epsilon
-        if self.computed_by == "pld":
+        if self.computed_by != self.name:
             return PLDAccountant().bounds(ledger, delta)
         accountant = OpacusPRV()
         accountant.history = [(m.add_remove_noise_multiplier, m.sample_rate, n) for m, n in ledger.items()]

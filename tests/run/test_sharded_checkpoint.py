@@ -30,6 +30,7 @@ from helpers.sharded_checkpoint_worker import (
     run_two,
 )
 
+from dpbench.logging.console import LOG_FILE
 from dpbench.runtime.checkpoint import CHECKPOINT_FILE, EXIT_PREEMPTED, SHARDS_DIR
 
 TWO: dict = {}  # where the 2-rank spawn wrote (the 3-rank resume copies its checkpoint)
@@ -77,8 +78,8 @@ def test_each_checkpoint_is_one_complete_folder_named_by_checkpoint_pt(two):
         after = rank["after_kill"]
         assert after["files"] == [SHARDS_DIR, CHECKPOINT_FILE] and after["stored_step"] == 4
         assert after["folders"] == rank["saved_at_kill"][4]["folders"]
-    # the whole run and the resumed one leave only results.json
-    assert two[0]["whole_left"] == two[0]["resumed_left"] == ["results.json"]
+    # the whole run and the resumed one leave only results.json and the console's log: no checkpoint
+    assert two[0]["whole_left"] == two[0]["resumed_left"] == [LOG_FILE, "results.json"]
 
 
 @pytest.mark.slow  # starts processes

@@ -109,7 +109,7 @@ class DrawnNoise:
     unplanned: dict[int, str] = field(default_factory=dict)  # step -> why its releases are not its plan's
     ledger_mismatches: list[str] = field(default_factory=list)  # steps whose ledger is not their plan
     steps: int = 0  # audited steps, over both jobs
-    chunks: dict[str, set[int]] = field(default_factory=dict)  # release part -> physical chunks of its total-noise steps
+    chunks: dict[str, set[int]] = field(default_factory=dict)  # noise row -> physical chunks of its total-noise steps
 
     def add_job(self, plan, recorder: ReleaseRecorder) -> None:
         series: dict[int, dict[int, list[torch.Tensor]]] = {}
@@ -119,11 +119,11 @@ class DrawnNoise:
             if not same_mechanisms(recorder.ledger[step], planned):
                 self.ledger_mismatches.append(
                     f"step {step} ran {describe_mechanisms(recorder.ledger[step])}, its plan {describe_mechanisms(planned)}")
-            clipped = recorder.clipped.get(step)
+            clipped, total_noise_key = recorder.clipped.get(step), None
             if (recorder.phases and clipped is not None and len(releases) == 1 and len(releases[0].parts) == 1
                     and [v.shape for v in clipped] == [v.shape for v in releases[0].noisy[0]]):
                 releases[0].reference = clipped  # the step's total noise: release - the engine's clipped sum
-                self.chunks.setdefault(releases[0].key(0), set()).add(recorder.chunks[step])
+                total_noise_key = releases[0].key(0)
             stds = planned_stds(releases, planned)
             if stds is None:
                 self.unplanned[step] = (f"step {step} made {len(releases)} releases but its plan declares "
@@ -136,6 +136,8 @@ class DrawnNoise:
                     for row, indices in tensor_groups(key, release.noisy[k]):  # per tensor (>= 256 entries), and the rest pooled
                         drawn = torch.cat([tensors[i] for i in indices])
                         entry = self.squares.setdefault(row, [0.0, 0, set(), set()])
+                        if key == total_noise_key:  # each of the part's rows reads the step's total noise
+                            self.chunks.setdefault(row, set()).add(recorder.chunks[step])
                         entry[1] += drawn.numel()
                         entry[2].add(std)
                         entry[3].add(release.parts[k].noise_std)
