@@ -218,21 +218,17 @@ def _pld_epsilon_of(relation, mechanisms: tuple, delta: float, interval: float, 
 @lru_cache(maxsize=1024)
 def _pld_of(relation, mechanisms: tuple, delta: float, interval: float, pessimistic: bool) -> tuple[float, int]:
     """(epsilon, points of the largest loss grid formed). Every grid's size is checked before it is
-    built (PLDGridTooLarge): a step's from its loss range, a composition's from the same ledger's grid
-    at the coarsest interval (sizes scale as 1 / interval) and then exactly from dp-accounting's own
-    truncation bounds."""
+    built (PLDGridTooLarge): first by `check_pld_grids`, then a composition's exactly from
+    dp-accounting's own truncation bounds."""
     from dp_accounting.pld import common
     from dp_accounting.pld import privacy_loss_distribution as pld
 
-    if interval < PLD_INTERVALS[0]:
-        coarse_points = _pld_of(relation, mechanisms, delta, PLD_INTERVALS[0], True)[1]
-        _check_grid(coarse_points * PLD_INTERVALS[0] / interval, interval, "the composition")
+    check_pld_grids(relation, mechanisms, interval)
     composed, largest = None, 0
     for mechanism, count in mechanisms:  # (sigma, sample rate) under relation
         sigma, rate = mechanism
         full_batch = rate == 1.0  # T full-batch Gaussians are one Gaussian of sigma / sqrt(T): exact and fast
         sigma_step = sigma / math.sqrt(count) if full_batch else sigma
-        _check_grid(_loss_range(sigma_step, rate, relation) / interval, interval, "one step")
         one = pld.from_gaussian_mechanism(sigma_step, sampling_prob=rate, value_discretization_interval=interval,
                                           pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
                                           neighboring_relation=relation)
@@ -245,7 +241,26 @@ def _pld_of(relation, mechanisms: tuple, delta: float, interval: float, pessimis
             pmfs = [pmf for pmf in (one._pmf_remove, one._pmf_add) if hasattr(pmf, "_probs")]
         largest = max([largest] + [pmf._probs.size for pmf in pmfs])
         composed = one if composed is None else composed.compose(one)
+    if interval == PLD_INTERVALS[0] and pessimistic:
+        _COARSE_POINTS[(relation, mechanisms)] = largest
     return float(composed.get_epsilon_for_delta(delta)), largest
+
+
+_COARSE_POINTS: dict[tuple, int] = {}  # (relation, mechanisms) -> points of their largest grid at PLD_INTERVALS[0]
+
+
+def check_pld_grids(relation, mechanisms: tuple, interval: float) -> None:
+    """Raise PLDGridTooLarge where dp-accounting's PLD of `mechanisms` ((sigma, sample rate), count)
+    at `interval` would form a grid larger than MAX_PLD_POINTS, before any is built: a step's size
+    from its loss range, a composition's from its size at the coarsest interval (sizes scale as
+    1 / interval; the coarsest is built once, and is what refined_pld starts from)."""
+    for (sigma, rate), count in mechanisms:
+        sigma_step = sigma / math.sqrt(count) if rate == 1.0 else sigma
+        _check_grid(_loss_range(sigma_step, rate, relation) / interval, interval, "one step")
+    if interval < PLD_INTERVALS[0]:
+        if (relation, mechanisms) not in _COARSE_POINTS:
+            _pld_of(relation, mechanisms, 1e-5, PLD_INTERVALS[0], True)  # records its size (delta changes no size)
+        _check_grid(_COARSE_POINTS[(relation, mechanisms)] * PLD_INTERVALS[0] / interval, interval, "the composition")
 
 
 def _loss_range(sigma: float, rate: float, relation) -> float:

@@ -93,3 +93,23 @@ def test_recheck_of_a_folder_without_runs_is_one_line(tmp_path, capsys):
     assert report([str(tmp_path), "--recheck"]) == 2
     captured = capsys.readouterr()
     assert "no results.json" in captured.out + captured.err
+
+
+def test_recheck_of_a_near_noiseless_run_never_builds_a_grid_too_large(tmp_path, capsys, monkeypatch):
+    """The one-run audit's loud runs (sigma 0.02) need PLD grids the OOM killer ends the process
+    for: with no grid fitting (the cap lowered to stand for them), the recorded epsilon (pld's rdp
+    fallback, an upper bound) is shown beside dp-accounting's RDP, unchecked, and no PLD is built."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from dpbench.privacy import accountants
+
+    one_release = Ledger()
+    one_release.add(GaussianMechanism(5.0, 1.0))
+    monkeypatch.setattr(accountants, "MAX_PLD_POINTS", 10)
+    epsilon, lower, upper = write_run(tmp_path, "pld", ledger=one_release)
+    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism", None)  # any PLD built fails
+    assert report([str(tmp_path), "--recheck"]) == 0
+    out = " ".join(capsys.readouterr().err.split())
+    assert lower is None and upper == epsilon
+    assert f"recorded epsilon {epsilon:.4f} by pld" in out and "PLD lower -, upper -, RDP" in out
+    assert "not re-checked by PLD (no grid fits in memory)" in out

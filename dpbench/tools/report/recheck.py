@@ -6,7 +6,8 @@ rebuilt as dp-accounting events and composed by dp-accounting's PLD accountant (
 refined as dpbench's own pld refines it, `refined_pld`: the upper bound) and its
 privacy-buckets optimistic estimate (the lower bound), and by its RDP accountant. A recorded
 epsilon more than 1% below dp-accounting's PLD upper bound is flagged (exit status 1): it is not
-a bound on what ran (gdp's approximation can be).
+a bound on what ran (gdp's approximation can be). No PLD grid larger than dpbench's pld allows
+(`MAX_PLD_POINTS`) is built: a near-noiseless run gets a coarser lower bound, or none, and no verdict.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from dpbench.errors import UserError
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
+from dpbench.privacy.accountants import PLDGridTooLarge
 
 BELOW = 0.01  # a recorded epsilon this far below the tight one is flagged
 OPTIMISTIC_INTERVAL = 1e-4  # the lower bound's grid
@@ -29,15 +31,16 @@ class Recheck:
     recorded: float | None
     accountant: str | None
     recorded_bounds: tuple[float | None, float | None]
-    pld_lower: float
-    pld_upper: float
+    pld_lower: float | None  # None: no grid fits in memory
+    pld_upper: float | None
     rdp: float | None
     delta: float
     source: str  # dp_events | ledger
 
     @property
     def consistent(self) -> bool:
-        return self.recorded is not None and self.recorded >= self.pld_upper * (1 - BELOW)
+        """False only where the recorded epsilon is below PLD's upper bound (none where no grid fits)."""
+        return self.recorded is not None and (self.pld_upper is None or self.recorded >= self.pld_upper * (1 - BELOW))
 
 
 def _events(privacy) -> tuple[list, object, bool, str]:
@@ -60,12 +63,29 @@ def pld_upper_bound(event, relation, delta: float) -> float:
     """dp-accounting's PLD accountant on the event, its interval refined as dpbench's pld refines its own."""
     import dp_accounting as dpa
 
-    from dpbench.privacy.accountants import refined_pld
+    from dpbench.privacy.accountants import check_pld_grids, refined_pld
+
+    mechanisms = _mechanisms_of(event)
 
     def epsilon_at(interval: float) -> float:
+        check_pld_grids(relation, mechanisms, interval)  # a near-noiseless run's grid may not fit in memory
         return float(dpa.pld.PLDAccountant(relation, value_discretization_interval=interval).compose(event).get_epsilon(delta))
 
     return refined_pld(epsilon_at)[1]
+
+
+def _mechanisms_of(event) -> tuple:
+    """((sigma, sample rate), count) of each Gaussian in the event, the form dpbench's pld sizes grids by."""
+    import dp_accounting as dpa
+
+    if isinstance(event, dpa.ComposedDpEvent):
+        return tuple(m for e in event.events for m in _mechanisms_of(e))
+    if isinstance(event, dpa.SelfComposedDpEvent):
+        return tuple((m, n * event.count) for m, n in _mechanisms_of(event.event))
+    q, gaussian = (event.sampling_probability, event.event) if isinstance(event, dpa.PoissonSampledDpEvent) else (1.0, event)
+    if not isinstance(gaussian, dpa.GaussianDpEvent):
+        raise UserError(f"--recheck reads Gaussian events only, got {type(gaussian).__name__}")
+    return (((float(gaussian.noise_multiplier), float(q)), 1),)
 
 
 def _optimistic_pld(event, relation, interval: float):
@@ -88,6 +108,21 @@ def _optimistic_pld(event, relation, interval: float):
         raise UserError(f"--recheck reads Gaussian events only, got {type(gaussian).__name__}")
     return pld.from_gaussian_mechanism(gaussian.noise_multiplier, sampling_prob=q, value_discretization_interval=interval,
                                        pessimistic_estimate=False, use_connect_dots=False, neighboring_relation=relation)
+
+
+def _lower_bound(event, relation, delta: float) -> float | None:
+    """The optimistic PLD's epsilon at OPTIMISTIC_INTERVAL, or the finest coarser grid that fits in
+    memory (a coarser optimistic grid is still a lower bound); None where none fits."""
+    from dpbench.privacy.accountants import PLD_INTERVALS, check_pld_grids
+
+    for interval in sorted({OPTIMISTIC_INTERVAL, *[i for i in PLD_INTERVALS if i > OPTIMISTIC_INTERVAL]}):
+        try:
+            check_pld_grids(relation, _mechanisms_of(event), interval)
+        except PLDGridTooLarge:
+            continue
+        optimistic = _optimistic_pld(event, relation, interval)
+        return 0.0 if optimistic is None else float(optimistic.get_epsilon_for_delta(delta))
+    return None
 
 
 def _rdp(event, relation, delta: float) -> float | None:
@@ -115,14 +150,14 @@ def recheck_run(path: Path) -> Recheck:
         import dp_accounting as dpa
 
         events = [dpa.ComposedDpEvent(events)]
-    upper = pick([pld_upper_bound(e, relation, delta) for e in events])
-    lowers = []
-    for e in events:
-        optimistic = _optimistic_pld(e, relation, OPTIMISTIC_INTERVAL)
-        lowers.append(0.0 if optimistic is None else float(optimistic.get_epsilon_for_delta(delta)))
+    try:
+        upper = pick([pld_upper_bound(e, relation, delta) for e in events])
+    except PLDGridTooLarge:  # not even the coarsest grid fits: no PLD verdict, RDP's bound below
+        upper = None
+    lowers = [_lower_bound(e, relation, delta) for e in events]
     rdps = [_rdp(e, relation, delta) for e in events]
     return Recheck(path.parent, privacy.epsilon, privacy.accountant, (privacy.epsilon_lower, privacy.epsilon_upper),
-                   pick(lowers), upper, None if None in rdps else pick(rdps), delta, source)
+                   None if None in lowers else pick(lowers), upper, None if None in rdps else pick(rdps), delta, source)
 
 
 def _fmt(value) -> str:
@@ -139,6 +174,8 @@ def recheck(folder: Path) -> int:
         r = recheck_run(path)
         lower, upper = r.recorded_bounds
         verdict = "consistent" if r.consistent else f"BELOW dp-accounting's PLD by more than {BELOW:.0%}: not a bound"
+        if r.pld_upper is None and r.recorded is not None:  # a near-noiseless run: RDP (two libraries' orders) only
+            verdict = "not re-checked by PLD (no grid fits in memory)"
         console.print(
             f"{r.run}: recorded epsilon {_fmt(r.recorded)} by {r.accountant} (lower {_fmt(lower)}, upper {_fmt(upper)}); "
             f"dp-accounting from {r.source}: PLD lower {_fmt(r.pld_lower)}, upper {_fmt(r.pld_upper)}, RDP {_fmt(r.rdp)} "
