@@ -46,6 +46,12 @@ GRID_TOLERANCE = 2.0**-21  # relative: about 4 x the fp32 rounding of a scaled n
 MIN_SCALED = 2000
 ROUNDING_BAND = 2.0**-20  # of |chunk sums| + |release|: fp32 rounding of <= 16 chunks added up
 NULL_FALSE_ALARM = 1e-9  # a tensor's null residuals exceed their allowance by rounding at most this often
+# torch's fp32 normal_ (Box-Muller on 24-bit uniforms) returns an exact 0 where its uniform is 0, for both
+# normals of the pair: 2^-24 per pair in theory, 9 zeros in 1e8 draws measured; twice that as margin
+SAMPLER_ZERO_PAIRS = 2.0**-23
+# a tensor's exact-zero pairs exceed their allowance at most this often (per tensor; an audit has tens of
+# tensors, a test a few audits: below 1e-4 a test); a 1e-9 allowance would admit one pair in a 4-entry tensor
+SAMPLER_FALSE_ALARM = 1e-6
 
 
 @dataclass
@@ -123,16 +129,23 @@ class NullTally:
         self.expected += float(chance.clamp(max=1.0).sum())
 
     def allowed(self) -> int:
-        """The null count that fp32 rounding exceeds with probability below NULL_FALSE_ALARM (Chernoff:
-        P(Z >= k) <= exp(-E) (e E / k)^k for k > E, E = `expected`)."""
-        e, k = self.expected, 0
-        while k + 1 <= e or (e > 0 and -e + (k + 1) * (1 + math.log(e / (k + 1))) > math.log(NULL_FALSE_ALARM)):
-            k += 1
-        return k
+        """The null count that fp32 rounding exceeds with probability below NULL_FALSE_ALARM, plus twice
+        the count of the sampler's exact-zero pairs (SAMPLER_ZERO_PAIRS per pair of draws) exceeded with
+        probability below SAMPLER_FALSE_ALARM (Chernoff: P(Z >= k) <= exp(-E) (e E / k)^k for k > E)."""
+        pairs = self.draws / 2 * SAMPLER_ZERO_PAIRS
+        return _chernoff_count(self.expected, NULL_FALSE_ALARM) + 2 * _chernoff_count(pairs, SAMPLER_FALSE_ALARM)
 
     @property
     def passed(self) -> bool:
         return self.nonfinite == 0 and self.null <= self.allowed()
+
+
+def _chernoff_count(e: float, alarm: float) -> int:
+    """The smallest k that a sum of independent indicators of mean `e` exceeds with probability below `alarm`."""
+    k = 0
+    while k + 1 <= e or (e > 0 and -e + (k + 1) * (1 + math.log(e / (k + 1))) > math.log(alarm)):
+        k += 1
+    return k
 
 
 def tally_release(tallies: dict[str, PrecisionTally], name: str, parts, noisy,

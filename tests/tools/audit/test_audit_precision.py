@@ -144,7 +144,7 @@ def test_a_tensor_released_without_noise_fails_its_null_row_and_fp32_noise_passe
     small.add(value[:4], value[:4].clone(), 1.0)
     broken.add(value[:4], value[:4] + torch.tensor([0.5, math.nan, 0.2, 0.1]), 1.0)
     assert noised.passed and noised.null == 0
-    assert not skipped.passed and skipped.null == 1_000 and skipped.allowed() <= 2
+    assert not skipped.passed and skipped.null == 1_000 and skipped.allowed() <= 4  # rounding 2, a sampler pair 2
     assert not small.passed and small.null == 4
     assert not broken.passed and broken.nonfinite == 1
     (row,) = null_checks({"gradient": [noised, small]})
@@ -177,3 +177,18 @@ def test_the_null_allowance_is_a_chernoff_bound():
     assert tally.allowed() == 1  # P(Z >= 2) <= (e E / 2)^2 ~ 2e-12
     tally.expected = 5.0
     assert 15 <= tally.allowed() <= 30
+
+
+def test_the_samplers_exact_zero_pairs_are_allowed_in_large_tensors_only():
+    """torch's fp32 normal_ returns an exact 0, for both normals of a Box-Muller pair, where its 24-bit
+    uniform is 0 (9 zeros in 1e8 draws measured): a sharded audit once saw 2 of 73,728 residuals exactly
+    0 in one [192, 64] tensor, a false alarm. One such pair is allowed there; a small tensor whose
+    noise was skipped (24 of 24 zero, or all of a 4-entry one) still fails."""
+    seen = NullTally((192, 64))
+    seen.draws, seen.null = 73_728, 2
+    assert seen.passed and seen.allowed() == 4
+    for size in (4, 24):
+        skipped = NullTally((size,))
+        skipped.draws = skipped.null = size
+        assert not skipped.passed and skipped.allowed() < size
+    assert NullTally((4,), draws=4).allowed() == 0
