@@ -232,18 +232,23 @@ def _pld_of(relation, mechanisms: tuple, delta: float, interval: float, pessimis
         one = pld.from_gaussian_mechanism(sigma_step, sampling_prob=rate, value_discretization_interval=interval,
                                           pessimistic_estimate=pessimistic, use_connect_dots=pessimistic,
                                           neighboring_relation=relation)
-        pmfs = [pmf for pmf in (one._pmf_remove, one._pmf_add) if hasattr(pmf, "_probs")]  # dense ones: dp-accounting's internals
         if not full_batch and count > 1:
-            for pmf in pmfs:
-                low, high = common.compute_self_convolve_bounds(pmf._probs, count, 1e-15)  # what self_compose allocates
+            for pmf in _pmfs(one):  # a sparse one (few points) goes dense when composed many times
+                dense = pmf if hasattr(pmf, "_probs") else pmf.to_dense_pmf()
+                low, high = common.compute_self_convolve_bounds(dense._probs, count, 1e-15)  # what self_compose allocates
                 _check_grid(high - low + 1, interval, f"{count} steps")
             one = one.self_compose(count)
-            pmfs = [pmf for pmf in (one._pmf_remove, one._pmf_add) if hasattr(pmf, "_probs")]
-        largest = max([largest] + [pmf._probs.size for pmf in pmfs])
+        largest = max([largest] + [pmf.size for pmf in _pmfs(one)])
         composed = one if composed is None else composed.compose(one)
     if interval == PLD_INTERVALS[0] and pessimistic:
         _COARSE_POINTS[(relation, mechanisms)] = largest
     return float(composed.get_epsilon_for_delta(delta)), largest
+
+
+def _pmfs(distribution) -> list:
+    """The loss distributions (remove, and add where it differs) of a dp-accounting PLD: its internals,
+    which no public accessor gives (pinned by constraints.txt; tests/privacy/test_accountant_limits.py)."""
+    return [pmf for pmf in (distribution._pmf_remove, distribution._pmf_add) if pmf is not None]
 
 
 _COARSE_POINTS: dict[tuple, int] = {}  # (relation, mechanisms) -> points of their largest grid at PLD_INTERVALS[0]
