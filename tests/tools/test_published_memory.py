@@ -27,9 +27,9 @@ def test_the_slow_test_traces_only_claimed_points():
     assert all(p.claimed for p in POINTS if p.quick)
 
 
-# The claimed points quick to trace (7 of 10, about 3 minutes on two busy cores); the other three
-# (RoBERTa-large DP-Adam at B = 40, OPT-6.7B DP-Adam and DP-GRAPE verdicts) take one to two minutes
-# each: `python -m dpbench.tools.benchmarks.published_memory` traces every point.
+# The claimed points quick to trace (about 3 minutes on two cores); the others (RoBERTa-large DP-Adam
+# at B = 40, OPT-6.7B DP-Adam and DP-GRAPE verdicts, DPZero on OPT-2.7B and 6.7B, whose step OPT-1.3B
+# traces) take one to two minutes each: `python -m dpbench.tools.benchmarks.published_memory` traces every point.
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [p for p in POINTS if p.quick], ids=lambda p: f"{p.source}: {p.method}")
 def test_every_quick_claimed_point_holds(point):
