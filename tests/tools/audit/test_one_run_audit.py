@@ -388,7 +388,11 @@ def test_input_canaries_audit_an_image_run_and_refuse_other_tasks(tmp_path):
 
 # DP-AdamBC (added 2026-11-29): the one-run bound does not yet catch its seeded clipping_off bug
 # (the 200-example canary's move stays under the bound); strict, so a fix shows as XPASS
-MISSED_WITHOUT_CLIPPING = {"dpadambc"}
+MISSED_WITHOUT_CLIPPING: set[str] = set()
+# DP-AdamBC at gamma' = 1e-4 (ALGORITHM_RUNS): an excluded canary's pure-noise coordinate steps by noise / 1e-2,
+# masking the included ones, and the audit misses clipping_off (docs/auditing.md); at gamma' = 1 it steps by
+# lr x noise, while an included unclipped canary still steps by about lr each time it is sampled
+WITHOUT_CLIPPING_RUNS = {"dpadambc": ["algo.gamma=1.0"]}
 
 
 @pytest.mark.slow
@@ -402,8 +406,18 @@ def test_every_private_algorithm_is_caught_without_clipping(algo, tmp_path):
     misses every batch with probability 0.875^50 = 0.13 % (and then reads as excluded)."""
     from dpbench.tools.audit.seeded_bugs import run_bug
 
-    cfg = compose(_run_of(algo, steps=50) + ["privacy.epsilon=0.5"])  # zeroth order: its own 1000 steps win
+    cfg = compose(_run_of(algo, steps=50) + ["privacy.epsilon=0.5"] + WITHOUT_CLIPPING_RUNS.get(algo, []))  # zeroth order: its own 1000 steps win
     report, row = run_bug(cfg, "clipping_off", tmp_path)
     result = report.result
     assert row.caught and not report.passed and row.check == "one_run"
     assert result.epsilon_lower_bound > 0.5 >= result.claimed_epsilon - 0.01, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(WITHOUT_CLIPPING_RUNS))
+def test_the_settings_that_catch_clipping_off_pass_clean(algo, tmp_path):
+    """The per-algorithm settings above make the audit see clipping_off, not fail whatever runs: the
+    same run with clipping on passes (a bound below the claimed 0.5)."""
+    cfg = compose(_run_of(algo, steps=50) + ["privacy.epsilon=0.5"] + WITHOUT_CLIPPING_RUNS[algo])
+    report = run_audit(cfg, tmp_path)
+    assert report.passed and report.result.epsilon_lower_bound <= 0.5, report.result
