@@ -386,8 +386,8 @@ def test_input_canaries_audit_an_image_run_and_refuse_other_tasks(tmp_path):
                            "audit.one_run=true", "audit.canary=input", "audit.canaries=10", "audit.guesses=4"]), tmp_path)
 
 
-# DP-AdamBC (added 2026-11-29): the one-run bound does not yet catch its seeded clipping_off bug
-# (the 200-example canary's move stays under the bound); strict, so a fix shows as XPASS
+# algorithms whose seeded clipping_off bug the one-run bound is known to miss (strict xfail: a fix shows
+# as XPASS); none since DP-AdamBC runs at the floor below
 MISSED_WITHOUT_CLIPPING: set[str] = set()
 # DP-AdamBC at gamma' = 1e-4 (ALGORITHM_RUNS): an excluded canary's pure-noise coordinate steps by noise / 1e-2,
 # masking the included ones, and the audit misses clipping_off (docs/auditing.md); at gamma' = 1 it steps by
