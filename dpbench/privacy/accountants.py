@@ -190,7 +190,7 @@ def pld_epsilon(ledger: Ledger, delta: float, interval: float, pessimistic: bool
     from dpbench.privacy.events import accounted_ledger
 
     record = accounted_ledger(ledger)
-    return _pld_epsilon_of(record.relation, tuple(record.mechanisms), delta, interval, pessimistic)
+    return _pld_of(record.relation, tuple(record.mechanisms), delta, interval, pessimistic)[0]
 
 
 MAX_PLD_POINTS = 2**23  # a loss grid of 8.4M points: the composition's FFT buffers stay near 0.5 GiB
@@ -209,15 +209,9 @@ def _check_grid(points: float, interval: float, what: str) -> None:
 
 
 @lru_cache(maxsize=1024)
-def _pld_epsilon_of(relation, mechanisms: tuple, delta: float, interval: float, pessimistic: bool) -> float:
-    """Memoised: a study's trials, an audit's jobs and a grid's runs ask again for the same ledger,
-    and one fine grid costs seconds (a pure function of its arguments, as rdp_of_one_step is)."""
-    return _pld_of(relation, mechanisms, delta, interval, pessimistic)[0]
-
-
-@lru_cache(maxsize=1024)
 def _pld_of(relation, mechanisms: tuple, delta: float, interval: float, pessimistic: bool) -> tuple[float, int]:
-    """(epsilon, points of the largest loss grid formed). Every grid's size is checked before it is
+    """(epsilon, points of the largest loss grid formed), memoised: a study's trials, an audit's jobs
+    and a grid's runs ask again for the same ledger, and one fine grid costs seconds. Every grid's size is checked before it is
     built (PLDGridTooLarge): first by `check_pld_grids`, then a composition's exactly from
     dp-accounting's own truncation bounds."""
     from dp_accounting.pld import common

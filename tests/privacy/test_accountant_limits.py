@@ -69,7 +69,7 @@ def test_a_pld_grid_too_large_for_memory_is_never_built(monkeypatch):
     run = ledger(0.537, 0.01, 300)  # a ledger no other test asks for (the PLDs are memoised)
     record = accounted_ledger(run)
     coarse = accountants._pld_of(record.relation, tuple(record.mechanisms), DELTA, 1e-2, True)
-    accountants._pld_of.cache_clear(), accountants._pld_epsilon_of.cache_clear()
+    accountants._pld_of.cache_clear()
     built = []
     original = privacy_loss_distribution.from_gaussian_mechanism
     monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism",
@@ -81,7 +81,7 @@ def test_a_pld_grid_too_large_for_memory_is_never_built(monkeypatch):
     assert set(built) == {1e-2}  # the finer grid was never built
     assert pld.bounds(run, DELTA)[1] == coarse[0]
 
-    accountants._pld_of.cache_clear(), accountants._pld_epsilon_of.cache_clear()
+    accountants._pld_of.cache_clear()
     monkeypatch.setattr(accountants, "MAX_PLD_POINTS", coarse[1] // 2)  # not even 1e-2 fits
     monkeypatch.setattr(accountants, "prv_grid_points", lambda *a, **k: math.inf)  # prv falls back to pld, pld to rdp
     for name in ("pld", "prv"):

@@ -115,9 +115,10 @@ def _lower_bound(event, relation, delta: float) -> float | None:
     memory (a coarser optimistic grid is still a lower bound); None where none fits."""
     from dpbench.privacy.accountants import PLD_INTERVALS, check_pld_grids
 
+    mechanisms = _mechanisms_of(event)
     for interval in sorted({OPTIMISTIC_INTERVAL, *[i for i in PLD_INTERVALS if i > OPTIMISTIC_INTERVAL]}):
         try:
-            check_pld_grids(relation, _mechanisms_of(event), interval)
+            check_pld_grids(relation, mechanisms, interval)
         except PLDGridTooLarge:
             continue
         optimistic = _optimistic_pld(event, relation, interval)
