@@ -174,3 +174,20 @@ def test_a_model_that_cannot_take_the_outlier_is_probed_without_it():
     indexed = LayoutProbe(cross_entropy, lambda i: (pool[list(i)], labels[list(i)]), POOL, largest=LARGEST)
     build_engine("bk", Indexed().double(), probe=indexed).detach()
     check_norms(Indexed(), indexed, "bk", "model=custom")
+
+
+def test_an_audit_probes_each_model_once_and_still_refuses_another():
+    """Inside `layout_verdicts_reused` (one self-audit's jobs) a model identical to one that passed is
+    not probed again; a model of another structure still is, and refused; outside, every build probes."""
+    from dpbench.privacy.layout import layout_verdicts_reused
+
+    reads: list = []
+    with layout_verdicts_reused():
+        build_engine("materialize", PerExample().double(), probe=probe(sizes=reads))
+        first = len(reads)
+        build_engine("materialize", PerExample().double(), probe=probe(sizes=reads))
+        assert first > 0 and len(reads) == first
+        with pytest.raises(UserError, match="mixes examples"):
+            build_engine("materialize", FlipMixes().double(), probe=probe())
+    build_engine("materialize", PerExample().double(), probe=probe(sizes=reads))
+    assert len(reads) == 2 * first

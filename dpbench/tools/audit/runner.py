@@ -22,6 +22,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dpbench.errors import UserError
+from dpbench.privacy.layout import layout_verdicts_reused
 from dpbench.privacy.mechanisms import SeveralMechanismsPerBatchError
 from dpbench.tools.audit.accounting import accounting_check, several_mechanisms_check
 from dpbench.tools.audit.harness import audited_job
@@ -49,7 +50,13 @@ def check_audit_options(audit) -> None:
 
 def run_audit(cfg, run_dir: Path) -> AuditReport:
     """Run every check (with audit.one_run, the one-run canary audit instead); write audit.json; return
-    the report (`passed` says whether all checks held)."""
+    the report (`passed` says whether all checks held). The jobs of one audit share one config, so
+    their model's layout is probed once (`layout_verdicts_reused`)."""
+    with layout_verdicts_reused():
+        return _run_audit(cfg, run_dir)
+
+
+def _run_audit(cfg, run_dir: Path) -> AuditReport:
     if cfg.audit.get("one_run", False):  # a lower bound on epsilon from one run with canaries (dpbench/tools/audit/one_run.py)
         return _written(one_run_audit(cfg), run_dir)
     check_audit_options(cfg.audit)
