@@ -132,6 +132,7 @@ def test_each_refused_input_is_one_line_exit_2_and_leaves_no_folder(case, tmp_pa
     assert [p.name for p in work.iterdir()] == []
 
 
+@pytest.mark.slow  # whole jobs through the console script's entry point (the fast tier's budget)
 def test_a_refusal_inside_the_job_removes_the_run_folder_it_made_and_only_that(tmp_path):
     made = tmp_path / "new" / "run"
     refused = dpbench_in_process(*TINY, "privacy.epsilon=1e-9", "train.steps=50", f"hydra.run.dir={made}", cwd=tmp_path)
@@ -205,6 +206,7 @@ def test_a_preset_that_gives_epsilon_contradicts_a_typed_sigma():
     validate(compose(["experiment=dpgrape_fig3", "privacy.noise_multiplier=1", "privacy.epsilon=null"]))
 
 
+@pytest.mark.slow  # a grid of whole jobs (the fast tier's budget)
 def test_a_grid_over_algorithms_keeps_its_budget_for_the_private_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     result = dpbench_in_process("-m", "algo=adam,dpsgd", *TINY, "privacy.epsilon=8", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -266,6 +268,7 @@ def test_physical_batches_accumulate_to_the_same_update(tiny_cfg, tmp_path):
     torch.testing.assert_close(updates[0], updates[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a grid of whole jobs (the fast tier's budget)
 def test_a_bad_job_in_a_grid_is_recorded_and_the_grid_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     result = dpbench_in_process("-m", "privacy.epsilon=-1,8", *TINY, "algo=dpsgd", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -309,6 +312,7 @@ def test_version_and_help_describe_dpbench(tmp_path):
     assert "dpbench-audit" in help_text.stdout
 
 
+@pytest.mark.slow  # three whole jobs (the fast tier's budget)
 def test_resume_skips_only_the_same_config_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
     first = dpbench_in_process(*TINY, *FIXED_SIGMA, f"hydra.run.dir={run}", cwd=tmp_path)

@@ -45,6 +45,7 @@ def house(tmp_path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # starts pip
 def test_install_takes_the_requirement_and_its_pinned_dependency_from_the_wheelhouse_alone(house, tmp_path):
     target = tmp_path / "target"
     command = wheelhouse.install(house, "gcapp", keep_distributions=("torch",), extra=("--target", str(target), "--quiet"))

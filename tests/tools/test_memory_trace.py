@@ -88,6 +88,7 @@ def test_max_batch_predicted_bisects_on_the_prediction():
     assert predicted_search([], 10**9, start=8, limit=20, predict=predict)[0] == 20
 
 
+@pytest.mark.slow  # BERT-base traced twice (the fast tier's budget)
 def test_a_sentence_classifier_traces_and_fused_dropout_drops_the_attention_probabilities():
     # BERT-base, top block trained: CPU torch's SDPA with dropout takes the math path, which keeps the
     # trained block's [B, heads, T, T] probabilities (and mask); CUDA's fused kernel, modelled by

@@ -272,6 +272,7 @@ def test_a_clean_run_passes(algo, tmp_path):
     assert DPSGD.clip_and_accumulate is DPFirstOrderAlgorithm.clip_and_accumulate  # the class is untouched
 
 
+@pytest.mark.slow  # two one-run audits of 1,000 canaries (the fast tier's budget)
 @pytest.mark.parametrize("algo", ["dpsgd", "dpadam"])
 def test_an_update_without_its_released_noise_fails(algo, tmp_path):
     """Seeded bug `unnoised_update` under the one-run audit: the noisy sum is released (and charged)

@@ -120,6 +120,7 @@ DCDPSGD = QUICK + ["algo=dcdpsgd"]
 MIXTURE = QUICK + ["dataset.dimension=256", "audit.noise_steps=3", "train.steps=3"]
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 def test_dcdpsgd_mixture_noise_is_caught_by_the_noise_check(tmp_path):
     report, result = run_bug(compose(MIXTURE), "dcdpsgd_mixture_noise", tmp_path)  # its row sets algo=dcdpsgd
     assert report.algo == "dcdpsgd" and result.caught and result.ok
@@ -236,6 +237,7 @@ def test_the_console_script_runs_the_catalogue(tmp_path):
 BF16_SIZES = ["dataset.dimension=1024", "dataset.spectrum=d", "privacy.noise_multiplier=0.1"]
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 def test_bf16_rounded_noise_is_caught_by_the_precision_row(tmp_path):
     """Noise of the right std, rounded to bf16: every other check passes, the precision row does not.
     1,024 dimensions (A = I, so every coordinate's gradient counts) x 2 steps x 2 jobs at sigma 0.1: about a
@@ -262,6 +264,7 @@ VALIDATION = CATALOGUE_DEFAULTS + ["model=cnn", "model.width=8", "audit.noise_st
                                    "privacy.validation_composition=parallel"]
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 def test_validation_score_on_training_records_is_caught(tmp_path):
     report, result = run_bug(compose(VALIDATION), "validation_on_training", tmp_path)
     assert result.caught and result.ok, [c for c in report.checks if not c.passed]
@@ -282,6 +285,7 @@ def test_a_clean_validation_score_passes_its_rows(tmp_path):
 THRESHOLD = QUICK + ["algo=dcdpsgd", "dataset.dimension=256", "audit.sensitivity_steps=1", "audit.trials=3"]
 
 
+@pytest.mark.slow  # the fast tier's budget; test_every_seeded_bug_is_caught_by_its_check runs it too
 def test_dcdpsgd_unnoised_threshold_is_caught_by_the_two_step_row(tmp_path):
     """The one-step sensitivity check holds the threshold fixed and passes; the two-step row does not."""
     report, result = run_bug(compose(THRESHOLD), "dcdpsgd_threshold_unnoised", tmp_path)
