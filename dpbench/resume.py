@@ -15,13 +15,15 @@ from dpbench.runtime.checkpoint import CHECKPOINT_FILE, SHARDS_DIR, checkpoint_p
 from dpbench.logging.console import console
 from dpbench.logging.results import RESULTS_FILE, RunResults, read_results
 from dpbench.run_config import resolved_config
-from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS, default_of
+from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS, USED_ONLY_WITH, default_of
 
 UNUSED_WITH_STEPS = "train.epochs"  # not compared where either side sets train.steps
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignored keys left out)."""
+    if not prefix:
+        stored, current = _without_unread(stored, current), _without_unread(current, stored)
     keys = sorted(set(stored) | set(current))
     out = []
     for key in keys:
@@ -39,6 +41,21 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
             out += config_differences(a, b, dotted + ".")
         elif a != b:
             out.append(f"{dotted} ({a!r} -> {b!r})")
+    return out
+
+
+def _without_unread(config: dict, other: dict) -> dict:
+    """`config` less each USED_ONLY_WITH key that neither config reads."""
+    def select(tree, dotted):
+        for part in dotted.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    out = config
+    for dotted, (switch, value) in USED_ONLY_WITH.items():
+        section, key = dotted.split(".")
+        if value not in (select(config, switch), select(other, switch)) and key in (out.get(section) or {}):
+            out = {**out, section: {k: v for k, v in out[section].items() if k != key}}
     return out
 
 

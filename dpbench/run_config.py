@@ -13,6 +13,7 @@ from dpbench.errors import UserError
 from dpbench.options import DEFAULT_EPSILON, target_epsilon  # noqa: F401  (the rule lives in the leaf)
 from dpbench.logging.console import console
 from dpbench.models.user import check_builders
+from dpbench.models.zero_shot_head import check_head_init
 from dpbench.preflight import check_device, check_threads
 from dpbench.schema import check_keys, preset_fallbacks
 
@@ -70,6 +71,7 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
                         "set; set dataset.validation_fraction > 0 (optimize=validation_score), or train.evaluate_test=true")
     check_device(cfg)
     check_builders(cfg)  # model.builder / dataset.builder: importable, before any work
+    check_head_init(cfg)  # model.head_init=zero_shot: a text encoder and the data set's label descriptions
 
 
 # The target when neither privacy.epsilon nor privacy.noise_multiplier is given (conf/config.yaml):

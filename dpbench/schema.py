@@ -106,7 +106,10 @@ DEFAULT_SUPPLIERS = ("algo.default_lr", "algo.lr_family", "algo.default_clip_nor
                      "algo.default_batch_size", "dataset.train_defaults", "paper_setting")
 # Keys added since runs were stored whose new default is not what those runs did: the value a stored
 # run without the key ran with (zeroth-order runs perturbed every weight before algo.mode existed)
-PREDATING_VALUES = {"algo.mode": "full"}
+PREDATING_VALUES = {"algo.mode": "full", "model.head_init": "random"}
+# Keys read only where another key has a value (the label descriptions build a zero-shot head and
+# nothing else): elsewhere resume and the report leave them out, so runs made before they existed match.
+USED_ONLY_WITH = {"dataset.label_descriptions": ("model.head_init", "zero_shot")}
 
 
 def excluded_from_dirname() -> list[str]:

@@ -65,6 +65,9 @@ class ModelFamily:
     # Libraries its builder imports when it runs: imported before a job's memory is metered
     # (dpbench/runtime/warmup.py), so the first job of a process does not pay for them alone.
     libraries: tuple[str, ...] = ()
+    # Whether the head can start from the encoder's features of the data set's label descriptions
+    # (model.head_init=zero_shot, dpbench/models/zero_shot_head.py); False: refused in one line.
+    zero_shot_head: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ BERT = LanguageFamily(
     lora_targets=("query", "value"),  # as for RoBERTa (MeZO's and DPZero's LoRA baseline)
     trained_modules=("classifier",),  # the fresh head stays trained beside LoRA adapters
     block_modules=("*encoder.layer.*",),  # train.sharding=fsdp wraps each encoder layer
+    zero_shot_head=True,  # model.head_init=zero_shot: the head from the pooled label descriptions
 )
 # model=bert: any local BERT folder (model.path); model=minilm: the fetched all-MiniLM-L6-v2 (its
 # config names the asset). One record: the same architecture, so the same facts.
@@ -64,7 +65,12 @@ class SentenceClassifier(nn.Module):
         self.lora_targets: list[str] | None = None  # with trained_blocks: the trained layers' query/value only
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self._from_cache(input_ids, attention_mask)
+        return self.classifier(self.pooled(input_ids, attention_mask))
+
+    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cached: bool = True) -> torch.Tensor:
+        """The sentence features the head reads, [B, hidden] (`cached=False`: the whole encoder runs,
+        never the cache: model.head_init=zero_shot's label descriptions are not the task's sentences)."""
+        hidden = self._from_cache(input_ids, attention_mask) if cached else None
         if hidden is None:
             # Position ids per example ([B, T], not BertEmbeddings' shared [1, T] buffer): the per-example
             # engines read an Embedding's input as one row per example; a shared row would hand them the
@@ -73,13 +79,13 @@ class SentenceClassifier(nn.Module):
             out = self.bert(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                             token_type_ids=torch.zeros_like(input_ids))
             if self.pooling == "pooler":  # BertModel ran its pooler (once: the engines hook each call)
-                return self.classifier(out.pooler_output)
+                return out.pooler_output
             hidden = out.last_hidden_state
         elif self.pooling == "pooler":
-            return self.classifier(self.bert.pooler(hidden))
+            return self.bert.pooler(hidden)
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         # masked mean over real tokens; every sequence has [CLS] and [SEP], so the count is >= 1
-        return self.classifier((hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0))
+        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
     def _from_cache(self, input_ids, attention_mask) -> torch.Tensor | None:
         """The last hidden states from the cached frozen part and the trained top layers; None when

@@ -17,6 +17,7 @@ from torch import nn
 
 from dpbench.data.validation import split_training_set
 from dpbench.errors import UserError
+from dpbench.models.zero_shot_head import check_description_count, head_init, start_from_descriptions
 from dpbench.tasks.base import TASKS, Task
 
 
@@ -51,6 +52,8 @@ class SentenceClassificationTask(Task):
             raise UserError(f"dataset.max_length is not set for dataset={data.name}; set it in its config (e.g. 48)")
         self.cfg, self.device = cfg, device
         loader, self.num_classes = SENTENCE_SETS[data.name]
+        if head_init(cfg.model) == "zero_shot":  # before the data load: the count is the config's
+            check_description_count(data, self.num_classes)
         train, test = loader(data)
         if data.get("num_test"):  # smoke runs: the first n test examples (file order), not a sample
             test = test[: int(data.num_test)]
@@ -77,9 +80,17 @@ class SentenceClassificationTask(Task):
         from dpbench.models.bert import load_classifier
 
         model = load_classifier(model_cfg, self.num_classes, len(self.tokenizer))
+        if head_init(model_cfg) == "zero_shot":  # the head from the label descriptions (public words)
+            descriptions = self.make_batch(self.description_ids(), list(range(self.num_classes)))
+            start_from_descriptions(model, descriptions.input_ids, descriptions.attention_mask)
         # model.cache_frozen: every sentence of the run through the frozen lower part, once, length-sorted
         model.expect(self.train_ids + self.validation_ids + self.eval_ids)
         return model
+
+    def description_ids(self) -> list[list[int]]:
+        """dataset.label_descriptions tokenised as the sentences are (one per class, in label order)."""
+        descriptions = [str(d) for d in self.cfg.dataset.label_descriptions]
+        return self.tokenizer(descriptions, truncation=True, max_length=self.max_length)["input_ids"]
 
     def make_batch(self, sequences: list[list[int]], labels: list[int]) -> SentenceBatch:
         width = max((len(s) for s in sequences), default=1)

@@ -86,6 +86,7 @@ CASES = {
                              DPBENCH_CACHE="{empty}"),
     "language model, image data": dp("model=minilm", "dataset=digits", says="model=minilm is a language model", cheap=False),
     "roberta on digits": dp("model=roberta", "dataset=digits", says="model=roberta is a language model", cheap=False),
+    "zero-shot head without a text encoder": dp("+model.head_init=zero_shot", says="needs a text encoder with a classification head"),
     "user builder not importable": dp("model=custom", "model.builder=my_models.nope:build", says="my_models"),
     # presets, grids, searches
     "unknown preset": dp("experiment=dpgrape_t99", says="experiment=dpgrape_t99"),

@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS
+from dpbench.schema import DEFAULT_SUPPLIERS, PREDATING_VALUES, RUN_INVARIANT_KEYS, USED_ONLY_WITH
 from dpbench.tools.report.formatting import fmt_any, fmt_eps
 from dpbench.tools.report.load import RunRow
 
@@ -30,6 +30,9 @@ def _comparable(row: RunRow) -> dict:
     keys = {k: v for k, v in config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
     if keys.get("train.steps") is not None:
         keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.UNUSED_WITH_STEPS)
+    for dotted, (switch, value) in USED_ONLY_WITH.items():
+        if keys.get(switch) != value:  # unread (the label descriptions of a random head)
+            keys.pop(dotted, None)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
         keys = {k: v for k, v in keys.items() if not k.startswith(("privacy.", "accountant.")) or k == "privacy.sampling"}
     for k in ("algo", "dataset", "model", "target_epsilon", "steps", "status", "batch_size", "sampling"):

@@ -185,12 +185,14 @@ def _has_engines(algo: str | None) -> bool:
 
 def method_name(row: RunRow) -> str:
     """'grape', 'dpadam' (materialised), 'dpadam_ghost', 'dpadam_bk', ...; 'dpadam_probe' for the
-    frozen-encoder linear probe (model.trained_blocks=0: the head alone trains)."""
+    frozen-encoder linear probe (model.trained_blocks=0: the head alone trains); '..._zero_shot' for a head
+    started from the label descriptions (model.head_init=zero_shot)."""
     engine = row.algo_config.get("per_sample")
     name = str(row.algo)
     if engine and engine != DEFAULT_ENGINE and _has_engines(row.algo):
         name = f"{name}_{engine}"
-    return f"{name}_probe" if row.config.get("model.trained_blocks") == 0 else name
+    name = f"{name}_probe" if row.config.get("model.trained_blocks") == 0 else name
+    return f"{name}_zero_shot" if row.config.get("model.head_init") == "zero_shot" else name
 
 
 def own_peak_bytes(results: RunResults) -> int | None:
