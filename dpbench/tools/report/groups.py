@@ -28,6 +28,11 @@ def _comparable(row: RunRow) -> dict:
     the steps that actually ran and the status (a diverged run is never averaged with a finished one)."""
     config = {**{k: v for k, v in PREDATING_VALUES.items() if k.split(".")[0] + ".name" in row.config}, **row.config}
     keys = {k: v for k, v in config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
+    if keys.get("train.compute_budget") is not None:
+        keys.pop("train.steps", None)  # the budget set the steps (run.steps below holds them)
+        keys.pop("train.epochs", None)
+    else:
+        keys.pop("train.compute_budget", None)  # unset: as in a run from before the key
     if keys.get("train.steps") is not None:
         keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.UNUSED_WITH_STEPS)
     if not row.private:  # ε, δ, C, accountant do not change what a non-private run computes
