@@ -139,6 +139,9 @@ def test_runs_under_one_compute_budget_get_a_board_at_equal_compute_beside_the_o
     assert "equal compute: 9 forward-pass equivalents per training example" in out
     assert "| fwd-eq / example | compute ÷ DP-Adam |" in out and "| 2.00 | 1.00 |" in out
     assert "wall min (info)" in out and "for information only" in captured.err.replace("\n", " ")
+    # report.expect compares methods within one budget (a method under two budgets is not ambiguous)
+    assert main([str(bench), "--leaderboard", "--check", "--format", "csv", "--no-plots"]) == 0
+    assert "compute budget 9 ε=8" in capsys.readouterr().err
 
 
 def test_a_run_that_withheld_its_count_shows_the_planned_compute_flagged(bench):

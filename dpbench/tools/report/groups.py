@@ -104,12 +104,12 @@ def accuracy_percent(g: Group, metric: str) -> tuple[float | None, float | None]
 
 
 def cells(groups: list[Group]) -> dict[tuple, list[Group]]:
-    """Groups that an ordering compares: same dataset, model, batch and target ε. Non-private runs
-    (ε = ∞) join every ε of their dataset/model/batch, as a reference."""
+    """Groups that an ordering compares: same dataset, model, batch, compute budget (None: none) and
+    target ε. Non-private runs (ε = ∞) join every ε of their dataset/model/batch/budget, as a reference."""
     private = defaultdict(list)
     public = defaultdict(list)
     for g in groups:
-        base = (g.first.dataset, g.first.model, g.first.batch_size)
+        base = (g.first.dataset, g.first.model, g.first.batch_size, g.first.compute_budget)
         (private if g.first.private else public)[base].append(g)
     out: dict[tuple, list[Group]] = {}
     for base, members in private.items():
