@@ -55,8 +55,8 @@ def test_every_job_of_the_real_presets_composes_on_one_task(name):
             ("adam", None), ("grape", "materialize"), ("dpadam", "bk")}
     if name == "bench_real_compute":  # one budget for every method: 3 forward-pass equivalents per training example
         assert {j["train"]["compute_budget"] for j in jobs} == {3.0}
-        assert {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs} >= {
-            ("dpzero", None), ("dcdpsgd", "materialize"), ("dpadam", "ghost"), ("dpadam", "bk")}
+        assert {j["algo"]["name"] for j in jobs} >= {"adam", "dpadam", "dpzero", "mezo", "dcdpsgd"}
+        assert {j["algo"].get("per_sample") for j in jobs if j["algo"]["name"] == "dpadam"} == {"materialize", "ghost", "bk"}
     if name == "bench_real_calibration":
         assert {j["dataset"]["validation_fraction"] for j in jobs} == {0.2}  # never the test set
         assert len({(j["algo"]["name"], j["train"]["lr"]) for j in jobs}) == len(jobs) == 12
