@@ -325,10 +325,20 @@ def resume_point(cfg: DictConfig, run_dir: Path, ranks: Ranks) -> tuple[dict | N
     return checkpoint, earlier_attempt_note(run_dir) if checkpoint is None and ranks.main else None
 
 
+def budget_notes(job: Job) -> list[str]:
+    """What train.compute_budget decided (the steps), said once at the start and kept in results.json."""
+    budget = job.cfg.train.get("compute_budget")
+    if budget is None:
+        return []
+    return [f"train.compute_budget={budget:g} forward-pass equivalents per training example: {job.steps} steps of "
+            f"{job.cfg.train.batch_size} expected examples at {planned_per_example(job.cfg):g} each "
+            "(algo's declared cost; train.steps and train.epochs are not used)"]
+
+
 def job_logger(job: Job, run_dir: Path, ranks: Ranks, resuming: bool = False):
     """The run's logger (rank 0's; the others log nothing), named and tagged by the run."""
     cfg = job.cfg
-    for message in job.privacy.notes if job.privacy else []:
+    for message in [*(job.privacy.notes if job.privacy else []), *budget_notes(job)]:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
     epsilon = f"eps={job.privacy.target_epsilon:g}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"  # issue 43: the target used
@@ -389,7 +399,7 @@ def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> R
             score = validation_score(job.task, job.model, job.privacy, trainer.state.ledger.add_release,
                                      job.algorithm.release_observer, job.device)  # once, on the final model (charged)
     results = record(job, trainer, status, memory, started,
-                     notes=[*preset_fallbacks(cfg), *trainer.resume_notes]
+                     notes=[*preset_fallbacks(cfg), *budget_notes(job), *trainer.resume_notes]
                      + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)
     results_file = None

@@ -92,3 +92,21 @@ def test_the_budget_sets_the_steps_from_the_declared_cost(algo, overrides, per_e
 def test_a_budget_that_is_not_positive_is_refused_in_one_line():
     with pytest.raises(UserError, match=r"^train.compute_budget=0.0 must be positive"):
         planned_steps(compose([*BUDGET, "algo=dpsgd", "train.compute_budget=0"]), 256)
+
+
+@pytest.mark.slow  # trains end to end
+def test_a_run_under_a_budget_takes_the_steps_it_buys_and_records_them(tmp_path):
+    """DPZero at 0.5 fwd-eq per training example (n = 256, B = 32, 2 per example): 2 steps, said in a
+    note, with the budget and the passes in results.json."""
+    from dpbench.logging.results import read_results
+    from dpbench.run import run_job
+    from helpers.config import TINY
+
+    run_job(compose([*TINY, "algo=dpzero", "train.compute_budget=0.5"]), tmp_path, show_progress=False)
+    stored = read_results(tmp_path)
+    assert stored["privacy"]["steps"] == stored["privacy"]["planned_steps"] == 2
+    compute = stored["compute"]
+    assert compute["budget"] == 0.5 and compute["per_example"] == compute["planned_per_example"] == 2.0
+    assert compute["planned_forward_equivalents"] == 2.0 * 32 * 2 and compute["backwards"] == 0
+    assert any(note.startswith("train.compute_budget=0.5 forward-pass equivalents per training example: 2 steps")
+               for note in stored["notes"])
