@@ -330,7 +330,8 @@ def budget_notes(job: Job) -> list[str]:
     budget = job.cfg.train.get("compute_budget")
     if budget is None:
         return []
-    return [f"train.compute_budget={budget:g} forward-pass equivalents per training example: {job.steps} steps of "
+    steps = f"{job.steps} step" + ("" if job.steps == 1 else "s")
+    return [f"train.compute_budget={budget:g} forward-pass equivalents per training example: {steps} of "
             f"{job.cfg.train.batch_size} expected examples at {planned_per_example(job.cfg):g} each "
             "(algo's declared cost; train.steps and train.epochs are not used)"]
 
