@@ -120,6 +120,9 @@ class TrainOptions:
     physical_batch_size: Optional[int] = None
     epochs: Optional[float] = 30.0  # fractional epochs are allowed
     steps: Optional[int] = None
+    # forward-pass equivalents per training example (3: an epoch of forward and backward); set, it
+    # sets the steps from the algorithm's declared cost per example (algorithms/compute.py)
+    compute_budget: Optional[float] = None
     lr: float = 2.0e-2
     head_lr_scale: float = 1.0  # the declared head's learning rate / lr (algorithms/learning_rates.py)
     precision: PrecisionName = PrecisionName.fp32

@@ -21,13 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 from dpbench import saved_model
 from dpbench.runtime import distributed, sharding
 from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class
+from dpbench.algorithms.compute import BACKWARD, FORWARD, planned_chunks, steps_for_budget
 from dpbench.algorithms.learning_rates import mark_head
 from dpbench.runtime.algorithm_state import CheckpointMismatch
 from dpbench.runtime.checkpoint import Checkpointer, StopSignals, delete_checkpoint, incompatible
 from dpbench.errors import DivergedError, UserError
 from dpbench.logging.console import ProgressCallback, console, start_console_log, summary_table, write_console_log
 from dpbench.logging.results import (
-    EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers, write_results,
+    ComputeResults, EvalRecord, MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults, epsilon_covers,
+    write_results,
 )
 from dpbench.logging.wandb_logger import LoggerCallback, build_logger
 from dpbench.runtime.metering import PeakMemory
@@ -60,11 +62,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def planned_per_example(cfg: DictConfig) -> float:
+    """Forward-pass equivalents a step of this run plans per example: the algorithm's declaration
+    (algorithms/compute.py) at the physical chunks of a batch of the expected size."""
+    chunks = planned_chunks(int(cfg.train.batch_size), cfg.train.get("physical_batch_size"))
+    return algorithm_class(cfg.algo.name).forward_equivalents_per_example(cfg.algo, chunks)
+
+
 def planned_steps(cfg: DictConfig, train_size: int) -> int:
     """train.steps, or train.epochs passes of n / B Poisson batches or of the shuffled epoch's batches
-    (n: the public planning size; a batch larger than it is refused, as q = B / n must be <= 1)."""
+    (n: the public planning size; a batch larger than it is refused, as q = B / n must be <= 1).
+    train.compute_budget, when set, wins over both: the steps whose planned forward-pass
+    equivalents come to the budget per training example (public: n, B and the declaration)."""
     if cfg.train.batch_size > train_size:
         raise UserError(f"train.batch_size={cfg.train.batch_size} exceeds the {train_size} training examples; lower it")
+    budget = cfg.train.get("compute_budget")
+    if budget is not None:
+        if not budget > 0:
+            raise UserError(f"train.compute_budget={budget} must be positive (forward-pass equivalents per training example)")
+        return steps_for_budget(float(budget), train_size, int(cfg.train.batch_size), planned_per_example(cfg))
     if cfg.train.steps is not None:
         return int(cfg.train.steps)
     per_epoch = batches_per_epoch(cfg, train_size) or train_size / cfg.train.batch_size
@@ -195,8 +211,9 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         "parameter_bytes": sharding.local_bytes(job.model.parameters()),  # this rank's shards when sharded
     }
     throughput = {**trainer.throughput.summary(), "wall_s": time.perf_counter() - started}
+    compute = compute_figures(job, privacy)
     if job.privacy is not None and not job.privacy.log_private_stats:  # they depend on realised batch sizes
-        for values, section in ((memory_figures, "memory"), (throughput, "throughput")):
+        for values, section in ((memory_figures, "memory"), (throughput, "throughput"), (compute, "compute")):
             values.update(dict.fromkeys(PRIVATE_STATISTIC_FIGURES[section]))
         notes = [*notes, "memory and throughput figures that depend on realised batch sizes or on what ran before "
                  "in the process (" + ", ".join(f"{s}.{k}" for s, keys in PRIVATE_STATISTIC_FIGURES.items() for k in keys)
@@ -216,6 +233,7 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         ),
         memory=MemoryResults.from_json(memory_figures),
         throughput=ThroughputResults.from_json(throughput),
+        compute=ComputeResults.from_json(compute),
         algorithm=extra,
         history=state.history,
         notes=notes,
@@ -229,6 +247,21 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
         results.throughput.sharding = sharding.requested(cfg)  # memory figures are then rank 0's shards
     results.resumed_from_step = trainer.resumed_from_step
     return results
+
+
+def compute_figures(job: Job, privacy: PrivacyResults) -> dict:
+    """results.json's `compute`: the passes the steps ran (summed over the ranks) and the plan."""
+    tally = job.algorithm.compute
+    forwards, backwards, examples = (int(v) for v in distributed.all_reduce_scalars(*tally.state()))
+    total = FORWARD * forwards + BACKWARD * backwards
+    planned = planned_per_example(job.cfg)
+    return {
+        "forward_equivalents": total, "per_example": total / examples if examples else None,
+        "forwards": forwards, "backwards": backwards, "examples": examples,
+        "planned_per_example": planned,
+        "planned_forward_equivalents": planned * privacy.expected_batch_size * privacy.planned_steps,
+        "budget": job.cfg.train.get("compute_budget"),
+    }
 
 
 def keep_model(job: Job, run_dir: Path, results: RunResults) -> None:
@@ -292,10 +325,21 @@ def resume_point(cfg: DictConfig, run_dir: Path, ranks: Ranks) -> tuple[dict | N
     return checkpoint, earlier_attempt_note(run_dir) if checkpoint is None and ranks.main else None
 
 
+def budget_notes(job: Job) -> list[str]:
+    """What train.compute_budget decided (the steps), said once at the start and kept in results.json."""
+    budget = job.cfg.train.get("compute_budget")
+    if budget is None:
+        return []
+    steps = f"{job.steps} step" + ("" if job.steps == 1 else "s")
+    return [f"train.compute_budget={budget:g} forward-pass equivalents per training example: {steps} of "
+            f"{job.cfg.train.batch_size} expected examples at {planned_per_example(job.cfg):g} each "
+            "(algo's declared cost; train.steps and train.epochs are not used)"]
+
+
 def job_logger(job: Job, run_dir: Path, ranks: Ranks, resuming: bool = False):
     """The run's logger (rank 0's; the others log nothing), named and tagged by the run."""
     cfg = job.cfg
-    for message in job.privacy.notes if job.privacy else []:
+    for message in [*(job.privacy.notes if job.privacy else []), *budget_notes(job)]:
         console.print(f"[yellow]note:[/] {message}", soft_wrap=True)
     run_name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.dataset.name}-seed{cfg.seed}"
     epsilon = f"eps={job.privacy.target_epsilon:g}" if job.privacy and job.privacy.target_epsilon else "eps=fixed-sigma"  # issue 43: the target used
@@ -356,7 +400,7 @@ def _run_job(cfg: DictConfig, run_dir: Path, show_progress: bool, on_start) -> R
             score = validation_score(job.task, job.model, job.privacy, trainer.state.ledger.add_release,
                                      job.algorithm.release_observer, job.device)  # once, on the final model (charged)
     results = record(job, trainer, status, memory, started,
-                     notes=[*preset_fallbacks(cfg), *trainer.resume_notes]
+                     notes=[*preset_fallbacks(cfg), *budget_notes(job), *trainer.resume_notes]
                      + ([earlier] if earlier and job.privacy is not None else []),
                      score=score)
     results_file = None

@@ -15,6 +15,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from dpbench.algorithms.compute import BACKWARD, FORWARD, ComputeTally
 from dpbench.algorithms.learning_rates import lr_groups
 from dpbench.runtime import distributed, sharding
 from dpbench.errors import DivergedError, UserError
@@ -80,6 +81,15 @@ class Algorithm(ABC):
         # Facts about this run that change what its results mean; setup prints them and results.json
         # keeps them (algorithms never print).
         self.run_notes: list[str] = []
+        self.compute = ComputeTally()  # forward-pass equivalents of the steps (algorithms/compute.py)
+
+    # --- compute: the plan (algorithms/compute.py; what ran is counted in `per_example_losses`) ---
+    @classmethod
+    def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
+        """Forward-pass equivalents a step spends per example of its batch (a forward 1, a backward 2),
+        from the algorithm's options `cfg` and the physical chunks of a logical batch: what
+        train.compute_budget plans with. Here: one forward and one backward."""
+        return FORWARD + BACKWARD
 
     # --- privacy: the plan ---------------------------------------------------------------------
     @classmethod
@@ -169,6 +179,7 @@ class Algorithm(ABC):
             raise
         result.mechanisms = one_batch_mechanism(self.step_mechanisms)  # every release read this one batch
         self.step_mechanisms = []
+        self.compute.examples += result.batch_size  # this rank's, as its passes are
         if self.step_hook is not None:  # step hook: the step's update is applied
             self.step_hook.end_step(self, step_index)
         if distributed.is_distributed():  # report the logical batch's loss and size, not this rank's
@@ -236,10 +247,12 @@ class Algorithm(ABC):
         self.precision = precision
 
     def per_example_losses(self, batch: Batch) -> torch.Tensor:
+        """Per-example losses [b] of a chunk: every forward of a step goes through here, where its
+        passes are counted (`compute`: the forward now, each backward through them when it runs)."""
         if self.step_hook is not None and isinstance(batch, OwnLossExamples):  # a step hook's examples: their own loss
-            return batch.per_sample_loss(self.model)
+            return self.compute.forward(batch.per_sample_loss(self.model))
         with self.precision.autocast():
-            return self.task.per_sample_loss(self.model, batch)
+            return self.compute.forward(self.task.per_sample_loss(self.model, batch))
 
     def backward_mean_loss(self, batches: list[Batch]) -> LossTally:
         """Non-private gradient accumulation over the physical chunks: backpropagate the mean

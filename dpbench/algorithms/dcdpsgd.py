@@ -208,6 +208,12 @@ class DCDPSGD(DPFirstOrderAlgorithm):
     unnoised_results = ("mean_tail_fraction",)
 
     @classmethod
+    def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
+        """Pass 1 scores every example; with several physical chunks pass 2 recomputes each chunk's
+        forward and backward (`clip_and_accumulate`), so a step costs twice as much."""
+        return super().forward_equivalents_per_example(cfg, chunks) * (2 if chunks > 1 else 1)
+
+    @classmethod
     def privacy_notes(cls, cfg) -> list[str]:
         notes = []
         if budget_split(cfg) == "epsilon":

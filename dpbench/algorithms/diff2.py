@@ -47,6 +47,13 @@ class DIFF2(GradientDifferenceAlgorithm):
         self.estimate: list[torch.Tensor] | None = None  # v_{t-1}, fp32
         self.previous_params: list[torch.Tensor] | None = None  # theta_{t-1}
 
+    @classmethod
+    def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
+        """A restart step is DP-SGD's; every other step also forms each example's gradient at
+        theta_{t-1} (a second forward and backward): averaged over restart_interval steps."""
+        one, every = super().forward_equivalents_per_example(cfg, chunks), max(1, int(cfg.restart_interval))
+        return one * (2 * every - 1) / every
+
     def is_restart(self, step_index: int) -> bool:
         return step_index % self.restart_interval == 0
 

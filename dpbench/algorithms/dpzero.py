@@ -44,6 +44,7 @@ from torch import nn
 
 from dpbench.algorithms.learning_rates import lr_scale
 from dpbench.runtime import distributed, sharding
+from dpbench.algorithms.compute import FORWARD
 from dpbench.algorithms.base import ALGORITHMS, DIRECTION, Algorithm, OwnDifferenceExamples, ReleasePart, StepResult
 from dpbench.errors import UserError
 from dpbench.models import FROM_SCRATCH_ATTRIBUTE, family_of
@@ -107,6 +108,11 @@ class ZerothOrderAlgorithm(Algorithm):
     trained_modules_option = "train_modules"  # lora mode: trained in full beside the adapters
     last_direction: tuple[int, float] | None = None  # the last step's (seed, scale) of z: public, what the update moved along
     checkpoint_attributes = ("seed_generator", "perturbation_bytes")  # the public direction seeds
+
+    @classmethod
+    def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
+        """Two forwards per example (at theta + lam z and theta - lam z), no backward."""
+        return 2 * FORWARD
 
     def __init__(self, model, task, cfg, lr, privacy):
         self.mode = "lora" if trains_lora(model, cfg) else "full"
@@ -259,7 +265,7 @@ class ZerothOrderAlgorithm(Algorithm):
         losses = []
         for coefficient in (step, -step):
             with self.perturbed(seed, coefficient) as touched:
-                losses.append(self.task.per_sample_loss(self.model, batch).float())
+                losses.append(self.per_example_losses(batch).float())  # counted there (algorithms/compute.py)
             if len(touched) != len(self.params):
                 missed = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in touched]
                 raise UserError(

@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from dpbench.algorithms.compute import BACKWARD, FORWARD
 from dpbench.algorithms.base import ALGORITHMS, EXAMPLES, Algorithm, LossTally, StepResult, torch_optimizer_state_bytes
 from dpbench.errors import UserError
 from dpbench.options import choice_of
@@ -58,6 +59,11 @@ class DPFirstOrderAlgorithm(Algorithm):
     # classes run them unchanged: their update is release / expected batch size)
     STOCK_PHASES: ClassVar[tuple[str, ...]] = ("step", "privatize", "clip_and_accumulate", "add_noise", "scale_grad",
                                                "apply_update")
+
+    @classmethod
+    def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
+        """One forward and the engine's backwards (algo.per_sample: ghost runs two) per example."""
+        return FORWARD + BACKWARD * engine_spec(declared_option(cfg, "per_sample", "materialize")).backwards
 
     @classmethod
     def runs_stock_phases(cls) -> bool:

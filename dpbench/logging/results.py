@@ -28,6 +28,9 @@ Schema versions (add keys; never rename them, so that old runs stay readable):
      dpbench/privacy/events.py), privacy.epsilon_lower / epsilon_upper (the bounds the accountant
      gives: pld optimistic / pessimistic, prv's error bounds) and privacy.pld_interval (the pld loss
      grid's interval); private runs only.
+  9  compute: the training's forward-pass equivalents (dpbench/algorithms/compute.py), measured
+     (un-noised: realised batch sizes) and planned (the algorithm's declaration, public), and
+     compute.budget (train.compute_budget, when set). An older file reads as unknown (None).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 from dpbench.paths import atomic_write
 
 RESULTS_FILE = "results.json"
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _OMIT_IF_NONE = "omit_if_none"
 _FIGURE = "figure"  # what a data-dependent key is: RELEASE (epsilon covers it) or UNNOISED (it does not)
@@ -174,6 +177,21 @@ class ThroughputResults(Section):
 
 
 @dataclass(kw_only=True)
+class ComputeResults(Section):
+    """What training spent in forward-pass equivalents: an example's forward 1, its backward 2
+    (dpbench/algorithms/compute.py), counted as the passes ran, never from wall time."""
+
+    forward_equivalents: float | None = None  # over the steps that ran: forwards + 2 backwards
+    per_example: float | None = None  # forward_equivalents / examples
+    forwards: int | None = None  # examples forwarded (a recomputed chunk twice, a zeroth-order step's two)
+    backwards: int | None = None  # examples backpropagated (ghost clipping's second backward again)
+    examples: int | None = None  # examples of the logical batches trained on, each once
+    planned_per_example: float | None = None  # the algorithm's declaration for this config (public)
+    planned_forward_equivalents: float | None = None  # planned_per_example x expected batch size x planned steps
+    budget: float | None = _only_when_known()  # train.compute_budget: per training example, it set the steps
+
+
+@dataclass(kw_only=True)
 class EvalRecord(Section):
     """One evaluation: a record of `history`, what the trainer hands its callbacks (console, W&B)."""
 
@@ -187,6 +205,7 @@ class EvalRecord(Section):
 
 _SECTIONS: dict[str, type[Section]] = {
     "privacy": PrivacyResults, "metrics": MetricsResults, "memory": MemoryResults, "throughput": ThroughputResults,
+    "compute": ComputeResults,
 }
 _RECORD_LISTS: dict[str, type[Section]] = {"history": EvalRecord}  # keys holding a list of records
 
@@ -208,6 +227,10 @@ SUMMARY_KEYS = {
     "memory/optimizer_state_bytes": ("memory", "optimizer_state_bytes"),
     "throughput/samples_per_s": ("throughput", "samples_per_s"),
     "throughput/wall_s": ("throughput", "wall_s"),
+    "compute/forward_equivalents": ("compute", "forward_equivalents"),
+    "compute/per_example": ("compute", "per_example"),
+    "compute/planned_forward_equivalents": ("compute", "planned_forward_equivalents"),
+    "compute/planned_per_example": ("compute", "planned_per_example"),
 }
 # An evaluation record of `history` (the trainer's) under the same names.
 EVAL_KEYS = {
@@ -236,6 +259,7 @@ class RunResults(Section):
     metrics: MetricsResults = field(default_factory=MetricsResults)
     memory: MemoryResults = field(default_factory=MemoryResults)
     throughput: ThroughputResults = field(default_factory=ThroughputResults)
+    compute: ComputeResults = field(default_factory=ComputeResults)  # version 9
     resumed_from_step: int | None = None  # the checkpoint step it continued from (None: ran in one go)
     algorithm: dict | None = None  # the algorithm's own facts (extra_results)
     history: list[EvalRecord] | None = None  # one record per evaluation

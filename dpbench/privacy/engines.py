@@ -115,6 +115,7 @@ class EngineSpec:
     name: str
     build: Callable[[nn.Module, dict[nn.Module, GradSampler]], Engine]  # (model, sampler overrides)
     capabilities: frozenset[str] = frozenset()
+    backwards: int = 1  # backward passes per chunk (ghost: a second, reweighted one): what compute is planned with
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)
@@ -156,7 +157,7 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
 
 register_engine(EngineSpec("materialize", PerSampleGradients, frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE})))
 register_engine(EngineSpec("ghost", lambda model, overrides: BookKeeping(model, overrides, passes=2),
-                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS}), backwards=2))
 register_engine(EngineSpec("bk", lambda model, overrides: BookKeeping(model, overrides, passes=1),
                            frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
 

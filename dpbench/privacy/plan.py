@@ -118,6 +118,7 @@ UNNOISED_RELEASES = (
 PRIVATE_STATISTIC_FIGURES = {
     "memory": ("peak_bytes", "cuda_max_allocated", "per_sample_grad_bytes", "start_bytes"),
     "throughput": ("samples_per_s", "wall_s"),
+    "compute": ("forward_equivalents", "per_example", "forwards", "backwards", "examples"),  # realised batch sizes
 }
 
 

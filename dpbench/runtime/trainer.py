@@ -205,6 +205,8 @@ class Trainer:
             # realised batch sizes: kept only where they may be reported (log_private_stats)
             "throughput": [throughput.steps, throughput.examples, throughput.measured_time]
             if self.config.log_private_stats else None,
+            # the passes counted so far (algorithms/compute.py): realised batch sizes too
+            "compute": self.algorithm.compute.state() if self.config.log_private_stats else None,
             "rng": rank_rng_states() if generators is None else generators,
             "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
             "algorithm": algorithm_state(self.algorithm, self.config.log_private_stats) if algorithm is None else algorithm,
@@ -222,6 +224,8 @@ class Trainer:
         self._window_loss, self._window_count = saved["window"]
         if saved["throughput"] is not None:
             self.throughput.steps, self.throughput.examples, self.throughput.measured_time = saved["throughput"]
+        if saved.get("compute") is not None:  # (a checkpoint from before the count: counted from here)
+            self.algorithm.compute.load(saved["compute"])
         if saved.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
             self.sampler.load_state_dict(saved["sampler"])
             self._sampler_restored = True

@@ -76,6 +76,7 @@ def test_a_resumed_seeded_run_is_bit_identical_to_the_uninterrupted_one(extra, t
     assert resumed.resumed_from_step == 6
     assert resumed.history == whole.history
     assert resumed.metrics == whole.metrics
+    assert resumed.compute == whole.compute and whole.compute.forward_equivalents > 0  # the passes before the checkpoint too
 
 
 # --- every algorithm's state ------------------------------------------------------------------------

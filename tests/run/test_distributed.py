@@ -109,6 +109,8 @@ def test_torchrun_writes_one_results_json_with_the_ledger_of_all_steps(tmp_path)
     privacy = results["privacy"]
     assert privacy["steps"] == 3 and sum(entry.get("count", 1) for entry in privacy["ledger"]) == 3
     assert results["privacy"]["epsilon"] > 0
+    compute = results["compute"]  # every rank's passes, summed (a collective every rank entered)
+    assert compute["per_example"] == 3.0 and compute["forwards"] == compute["backwards"] == compute["examples"] > 0
     assert result.stderr.count("results:") == 1  # one summary: only rank 0 prints
 
 

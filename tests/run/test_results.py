@@ -19,7 +19,7 @@ from dpbench.run import run_job
 # results.json of schema version 5 as readers know it, in the order it is written (pinned here
 # so that a renamed or dropped key fails; adding one means a new schema version).
 TOP = ["schema_version", "status", "algo", "model", "dataset", "seed", "privacy", "metrics", "memory",
-       "throughput", "resumed_from_step", "algorithm", "history", "notes", "versions", "config", "epsilon_covers"]
+       "throughput", "compute", "resumed_from_step", "algorithm", "history", "notes", "versions", "config", "epsilon_covers"]
 PRIVATE = ["private", "epsilon", "epsilon_is_upper_bound", "target_epsilon", "delta", "noise_multiplier",
            "clip_norm", "sample_rate", "expected_batch_size", "steps", "planned_steps", "accountant",
            "requested_accountant", "neighboring", "log_private_stats", "ledger", "sampling", "bound",
@@ -29,6 +29,9 @@ NON_PRIVATE = [k for k in PRIVATE if k not in ("epsilon_is_upper_bound", "reques
 METRICS = ["metric", "test_accuracy", "best_test_accuracy", "train_loss", "test_loss", "train_accuracy"]
 CPU_MEMORY = ["peak_bytes", "kind", "start_bytes", "warmed_up", "per_sample_grad_bytes", "optimizer_state_bytes", "parameter_bytes"]
 THROUGHPUT = ["samples_per_s", "measured_steps", "wall_s", "world_size"]
+COMPUTE = ["forward_equivalents", "per_example", "forwards", "backwards", "examples", "planned_per_example",
+           "planned_forward_equivalents"]
+COMPUTE_ROW = ("forward_equivalents", "compute_per_example", "planned_forward_equivalents", "planned_per_example")
 ADDED_IN_2 = ("epsilon_is_upper_bound", "requested_accountant", "log_private_stats")
 ADDED_IN_3 = ("world_size",)
 ADDED_IN_4 = ("bound",)
@@ -49,10 +52,11 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("algo,privacy_keys", [("dpsgd", PRIVATE), ("adam", NON_PRIVATE)])
 def test_results_json_keeps_its_keys_and_reads_back_exactly(runs, algo, privacy_keys):
     _, stored = runs[algo]
-    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 8
+    assert list(stored) == TOP and stored["schema_version"] == SCHEMA_VERSION == 9
     assert list(stored["privacy"]) == privacy_keys
     assert list(stored["metrics"]) == METRICS
     assert list(stored["memory"]) == CPU_MEMORY and list(stored["throughput"]) == THROUGHPUT
+    assert list(stored["compute"]) == COMPUTE
     assert RunResults.from_json(stored).to_json() == stored
 
 
@@ -65,6 +69,7 @@ def older_version(results: dict, version: int) -> dict:
         del old["throughput"][key]
     del old["resumed_from_step"]
     del old["epsilon_covers"]
+    del old["compute"]  # added in 9
     old["schema_version"] = 2
     if version == 1:
         del old["schema_version"]
@@ -80,18 +85,31 @@ def test_an_older_file_reads_like_the_same_run_written_today(runs, tmp_path, ver
     for name, results in (("new", stored), ("old", old)):
         write_results(tmp_path / name, results)
     new_row, old_row = (row for row in sorted(load_rows(tmp_path), key=lambda r: r["path"]))
-    assert {**old_row, "path": None} == {**new_row, "path": None}
+    unknown = dict.fromkeys(COMPUTE_ROW)  # compute: unknown in a file from before version 9
+    assert {**old_row, "path": None} == {**new_row, "path": None, **unknown}
     read = RunResults.from_json(old)
     assert read.schema_version == version and read.throughput.world_size is None
+    assert read.compute.forward_equivalents is None and read.compute.planned_per_example is None  # unknown
     assert (read.privacy.requested_accountant is None) == (version == 1)
     assert read.privacy.epsilon == stored["privacy"]["epsilon"]
     written = read.to_json()  # every key of the old file is written back unchanged
     for key, value in old.items():
-        kept = {k: written[key][k] for k in value} if key in ("privacy", "metrics", "memory", "throughput") else written[key]
+        kept = {k: written[key][k] for k in value} if key in ("privacy", "metrics", "memory", "throughput", "compute") \
+            else written[key]
         assert kept == value, key
     sparse = RunResults.from_json({"algo": "dpadam", "privacy": {"epsilon": 3.0}})  # missing keys: None
     assert sparse.privacy.is_private and sparse.metrics.test_accuracy is None and sparse.config is None
     assert sparse.summary()["memory/peak_bytes"] is None
+
+
+def test_results_json_holds_the_compute_the_steps_ran(runs):
+    """DP-SGD (materialize) and Adam: a forward and a backward per example, 3 forward-pass equivalents,
+    over the examples the 3 steps trained on; the plan is 3 x the expected batch (32) x 3 steps."""
+    for algo in ("dpsgd", "adam"):
+        compute = runs[algo][1]["compute"]
+        assert compute["forwards"] == compute["backwards"] == compute["examples"] > 0
+        assert compute["forward_equivalents"] == 3 * compute["examples"] and compute["per_example"] == 3.0
+        assert compute["planned_per_example"] == 3.0 and compute["planned_forward_equivalents"] == 3.0 * 32 * 3
 
 
 def test_epsilon_covers_says_which_figures_epsilon_covers(runs):
@@ -122,11 +140,11 @@ def test_without_private_statistics_nothing_outside_epsilon_is_written(tmp_path)
 
 
 def test_keys_of_a_newer_file_survive_a_round_trip():
-    newer = {"schema_version": 9, "status": "completed", "privacy": {"epsilon": 1.0, "future_bound": 0.9},
+    newer = {"schema_version": 10, "status": "completed", "privacy": {"epsilon": 1.0, "future_bound": 0.9},
              "checkpoint": {"step": 4}}
     written = RunResults.from_json(newer).to_json()
     assert written["checkpoint"] == {"step": 4} and written["privacy"]["future_bound"] == 0.9
-    assert written["schema_version"] == 9
+    assert written["schema_version"] == 10
 
 
 def test_console_table_shows_the_summary(runs):

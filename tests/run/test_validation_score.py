@@ -119,7 +119,7 @@ def test_results_round_trip_the_new_keys_and_read_a_version_4_file(tmp_path):
                          metrics=MetricsResults(test_accuracy=0.5, validation_score=0.4, validation_size=51),
                          saved_model_test={"metric": "accuracy", "accuracy": 0.5})
     stored = results.to_json()
-    assert stored["schema_version"] == SCHEMA_VERSION == 8
+    assert stored["schema_version"] == SCHEMA_VERSION == 9
     assert stored["metrics"]["validation_score"] == 0.4 and stored["privacy"]["validation_noise_multiplier"] == 10.0
     assert RunResults.from_json(json.loads(json.dumps(stored))).to_json() == stored
     old = {"schema_version": 4, "status": "completed", "privacy": {"private": True, "epsilon": 1.0, "bound": "x"},

@@ -1,6 +1,6 @@
-"""The real tier's presets (bench_real, its epsilon-3, engine, calibration, full-model and tuned companions):
-every job of every grid their headers run composes to a valid config, on the same data, steps and
-batch, with its family's learning rate, and the tuned one sweeps only keys that exist."""
+"""The real tier's presets (bench_real, its epsilon-3, engine, calibration, full-model, equal-compute and
+tuned companions): every job of every grid their headers run composes to a valid config, on the same
+data, steps and batch, with its family's learning rate, and the tuned one sweeps only keys that exist."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from test_leaderboard import grid_points, header_grids  # the bench presets' hea
 
 register()
 EXPERIMENTS = Path(config_dir()) / "experiment"
-PRESETS = ("bench_real", "bench_real_eps3", "bench_real_engines", "bench_real_calibration", "bench_real_full")
+PRESETS = ("bench_real", "bench_real_eps3", "bench_real_engines", "bench_real_calibration", "bench_real_full",
+           "bench_real_compute")
 PRIVATE = {"dpadam", "dpsgd", "grape", "galore_naive", "dplora", "dpdr", "dcdpsgd", "dpzero"}
 PUBLIC = {"adam", "lora", "galore", "mezo"}
 
@@ -52,6 +53,10 @@ def test_every_job_of_the_real_presets_composes_on_one_task(name):
         assert {j["model"]["trained_blocks"] for j in jobs} == {None} and {j["seed"] for j in jobs} == {0}
         assert {(j["algo"]["name"], j["algo"].get("per_sample")) for j in jobs} == {
             ("adam", None), ("grape", "materialize"), ("dpadam", "bk")}
+    if name == "bench_real_compute":  # one budget for every method: 3 forward-pass equivalents per training example
+        assert {j["train"]["compute_budget"] for j in jobs} == {3.0}
+        assert {j["algo"]["name"] for j in jobs} >= {"adam", "dpadam", "dpzero", "mezo", "dcdpsgd"}
+        assert {j["algo"].get("per_sample") for j in jobs if j["algo"]["name"] == "dpadam"} == {"materialize", "ghost", "bk"}
     if name == "bench_real_calibration":
         assert {j["dataset"]["validation_fraction"] for j in jobs} == {0.2}  # never the test set
         assert len({(j["algo"]["name"], j["train"]["lr"]) for j in jobs}) == len(jobs) == 12

@@ -20,11 +20,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from dpbench.logging.results import (MemoryResults, MetricsResults, PrivacyResults, RunResults, ThroughputResults,
-                                     write_results)
+from dpbench.logging.results import (ComputeResults, MemoryResults, MetricsResults, PrivacyResults, RunResults,
+                                     ThroughputResults, write_results)
 from dpbench.paths import config_dir
 from dpbench.tools.report import group_runs, load_rows, main
-from dpbench.tools.report.leaderboard import build_boards, fairness, pareto_front
+from dpbench.tools.report.leaderboard import board_table, build_boards, fairness, pareto_front
 from dpbench.run_config import validate
 from dpbench.schema import algo_schemas, register
 
@@ -40,12 +40,21 @@ METHODS = {
     "dpzero": ("dpzero", None, (0.25, 0.375), 50.0, 2000.0, 1000, 1e-3, 10.0),
 }
 SOURCES = {"dpzero": "DPZero paper: 10x the first-order steps", "grape": "DP-GRAPE Table 5"}
+COST = {"dpadam_ghost": 5.0, "dpzero": 2.0}  # forward-pass equivalents per example (else 3: a forward and a backward)
 EXPECT = ["grape.own_mib < dpadam.own_mib", "dpadam_ghost.own_mib < dpadam.own_mib", "adam > grape"]
 
 
 def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expect=EXPECT, size: str = "micro",
-              warmed_up: bool | None = True) -> None:
-    algo, engine, accuracies, own_mib, speed, steps, lr, clip = METHODS[method]
+              warmed_up: bool | None = True, budget: float | None = None, steps: int | None = None,
+              measured: bool = True) -> None:
+    """One run's results.json; with `budget` (train.compute_budget) it ran `steps` steps, and without
+    `measured` its compute is the plan only (log_private_stats=false)."""
+    algo, engine, accuracies, own_mib, speed, default_steps, lr, clip = METHODS[method]
+    steps = steps or default_steps
+    cost = COST.get(method, 3.0)
+    compute = ComputeResults(planned_per_example=cost, planned_forward_equivalents=cost * 256 * steps, budget=budget)
+    if measured:
+        compute.forward_equivalents, compute.per_example, compute.examples = cost * 256 * steps, cost, 256 * steps
     private = algo != "adam"
     accuracy = accuracies[seed] - (0.0 if epsilon is None else 0.125 / epsilon)  # less accurate at small ε
     start = 500 * MIB
@@ -59,6 +68,7 @@ def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expec
         memory=MemoryResults(peak_bytes=int(start + own_mib * MIB), start_bytes=start, kind="cpu_peak_rss",
                              warmed_up=warmed_up),
         throughput=ThroughputResults(samples_per_s=speed, wall_s=60.0 * (seed + 1)),  # 1 and 2 minutes
+        compute=compute,
         versions={"device": "cpu"},
         config={
             "seed": seed, "name": "bench_fake",
@@ -66,12 +76,12 @@ def write_run(folder: Path, method: str, seed: int, epsilon: float | None, expec
             "model": {"name": "vit", "size": size}, "dataset": {"name": "digits"},
             "privacy": {"epsilon": epsilon or 8.0, "delta": 1e-5, "clip_norm": clip or 1.0, "clipping": "flat",
                         "sampling": "poisson", "neighboring": "add_remove"},
-            "train": {"batch_size": 256, "steps": steps, "lr": lr, "precision": "fp32"},
+            "train": {"batch_size": 256, "steps": steps, "lr": lr, "precision": "fp32", "compute_budget": budget},
             "paper_setting": {"source": SOURCES},
             "report": {"metric": "final", "expect": list(expect)},
         },
     )
-    write_results(folder / f"{method}-eps{epsilon}-seed{seed}", results)
+    write_results(folder / (f"{method}-eps{epsilon}-seed{seed}" + ("" if budget is None else f"-budget{budget}")), results)
 
 
 @pytest.fixture
@@ -105,6 +115,44 @@ def test_methods_are_ranked_with_memory_and_speed_ratios_and_the_pareto_frontier
     # not dominated in (accuracy up, memory down) among the private methods; the ceiling never counts
     assert [e.method for e in pareto_front(board)] == ["dpzero", "dpadam_ghost", "grape"]
     assert not by["dpadam"].pareto and not by["galore_naive"].pareto and not by["adam"].pareto
+
+
+def test_runs_under_one_compute_budget_get_a_board_at_equal_compute_beside_the_other(bench, capsys):
+    """The budget's runs (each method's steps set from its cost) form their own board, after the one of
+    the runs without a budget; both show forward-pass equivalents per example and ÷ DP-Adam's."""
+    for seed in (0, 1):  # 9 fwd-eq per training example of n = 2560: 23,040 / (256 x cost) steps
+        for method, steps in (("adam", 30), ("dpadam", 30), ("dpadam_ghost", 18), ("dpzero", 45)):
+            write_run(bench, method, seed, None if method == "adam" else 8.0, budget=9.0, steps=steps)
+    boards = boards_of(bench)
+    assert [(b.epsilon, b.budget) for b in boards] == [(1.0, None), (8.0, None), (8.0, 9.0)]
+    examples, compute = boards[1], boards[2]
+    assert compute.title == "digits · vit-micro · ε = 8 · equal compute: 9 forward-pass equivalents per training example"
+    assert examples.title == "digits · vit-micro · ε = 8"  # DPZero's 1000 steps: neither examples nor compute equal
+    by = {e.method: e for e in compute.entries}
+    assert set(by) == {"adam", "dpadam", "dpadam_ghost", "dpzero"}
+    assert [by[m].per_example for m in ("dpadam", "dpadam_ghost", "dpzero")] == [3.0, 5.0, 2.0]
+    assert [by[m].compute_ratio for m in ("adam", "dpadam", "dpadam_ghost", "dpzero")] == [1.0, 1.0, 1.0, 1.0]
+    assert {e.method: e.compute_ratio for e in examples.entries}["dpzero"] == pytest.approx(2 * 1000 / (3 * 100))
+    assert main([str(bench), "--leaderboard", "--format", "markdown", "--no-plots"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "equal compute: 9 forward-pass equivalents per training example" in out
+    assert "| fwd-eq / example | compute ÷ DP-Adam |" in out and "| 2.00 | 1.00 |" in out
+    assert "wall min (info)" in out and "for information only" in captured.err.replace("\n", " ")
+    # report.expect compares methods within one budget (a method under two budgets is not ambiguous)
+    assert main([str(bench), "--leaderboard", "--check", "--format", "csv", "--no-plots"]) == 0
+    assert "compute budget 9 ε=8" in capsys.readouterr().err
+
+
+def test_a_run_that_withheld_its_count_shows_the_planned_compute_flagged(bench):
+    for seed in (0, 1):
+        write_run(bench, "dpzero", seed, 8.0, measured=False)
+    board = boards_of(bench)[1]
+    dpzero = next(e for e in board.entries if e.method == "dpzero")
+    assert dpzero.compute_planned and dpzero.per_example == 2.0 and dpzero.forward_equivalents == 2.0 * 256 * 1000
+    header, body = board_table(board)
+    row = dict(zip(header, next(r for r in body if r[1] == "dpzero")))
+    assert row["fwd-eq / example"] == "2.00" and "compute planned, not measured" in row["flags"]
 
 
 def test_fairness_names_what_is_equal_what_differs_and_each_source(bench):

@@ -31,7 +31,7 @@ from dpbench.tools.report.expect import check
 from dpbench.tools.report.formatting import fmt
 from dpbench.tools.report.groups import group_runs, ratios
 from dpbench.tools.report.html import page, write_page
-from dpbench.tools.report.leaderboard import NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
+from dpbench.tools.report.leaderboard import COMPUTE_NOTE, NUMERIC, board_table, build_boards, csv_table, fairness, fairness_markdown, headline
 from dpbench.tools.report.load import AUDIT_FILE, AuditRow, load_report
 from dpbench.tools.report.paper import caption, paper_ref
 from dpbench.tools.report.studies import NUMERIC as STUDY_NUMERIC
@@ -172,6 +172,7 @@ def _leaderboard(args, groups, metric: str, audits: list[AuditRow]) -> int:
                 console.print(rendered)
             else:
                 print(rendered + "\n")
+        console.print(COMPUTE_NOTE, soft_wrap=True, markup=False)
     elif args.format == "csv":
         print(render(*csv_table(boards), "csv", ""))
     if args.format != "html":

@@ -90,7 +90,8 @@ def check(groups: list[Group], metric: str) -> tuple[bool, list[str]]:
         return False, ["no report.expect in these runs' configs: nothing to check (run a *_mini preset)"]
     lines, evaluated, passed = [], 0, True
     for where, cell in cells(groups).items():
-        label = f"{where[0]}/{where[1]} batch {where[2]} ε={fmt_eps(where[3])}"
+        budget = "" if where[3] is None else f" compute budget {where[3]:g}"
+        label = f"{where[0]}/{where[1]} batch {where[2]}{budget} ε={fmt_eps(where[4])}"
         for expression in expectations:
             try:
                 ok, shown = evaluate(expression, cell, metric)

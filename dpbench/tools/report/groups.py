@@ -28,6 +28,11 @@ def _comparable(row: RunRow) -> dict:
     the steps that actually ran and the status (a diverged run is never averaged with a finished one)."""
     config = {**{k: v for k, v in PREDATING_VALUES.items() if k.split(".")[0] + ".name" in row.config}, **row.config}
     keys = {k: v for k, v in config.items() if k not in SEED_KEYS and not k.startswith(IGNORED_PREFIXES)}
+    if keys.get("train.compute_budget") is not None:
+        keys.pop("train.steps", None)  # the budget set the steps (run.steps below holds them)
+        keys.pop("train.epochs", None)
+    else:
+        keys.pop("train.compute_budget", None)  # unset: as in a run from before the key
     if keys.get("train.steps") is not None:
         keys.pop("train.epochs", None)  # steps win: epochs change nothing (resume.UNUSED_WITH_STEPS)
     for dotted, (switch, value) in USED_ONLY_WITH.items():
@@ -102,12 +107,12 @@ def accuracy_percent(g: Group, metric: str) -> tuple[float | None, float | None]
 
 
 def cells(groups: list[Group]) -> dict[tuple, list[Group]]:
-    """Groups that an ordering compares: same dataset, model, batch and target ε. Non-private runs
-    (ε = ∞) join every ε of their dataset/model/batch, as a reference."""
+    """Groups that an ordering compares: same dataset, model, batch, compute budget (None: none) and
+    target ε. Non-private runs (ε = ∞) join every ε of their dataset/model/batch/budget, as a reference."""
     private = defaultdict(list)
     public = defaultdict(list)
     for g in groups:
-        base = (g.first.dataset, g.first.model, g.first.batch_size)
+        base = (g.first.dataset, g.first.model, g.first.batch_size, g.first.compute_budget)
         (private if g.first.private else public)[base].append(g)
     out: dict[tuple, list[Group]] = {}
     for base, members in private.items():

@@ -9,7 +9,7 @@ import html
 from pathlib import Path
 
 from dpbench.tools.report.formatting import fmt_eps
-from dpbench.tools.report.leaderboard import NUMERIC, PARETO_MARK, Board, Fairness, board_table, headline
+from dpbench.tools.report.leaderboard import COMPUTE_NOTE, NUMERIC, PARETO_MARK, Board, Fairness, board_table, headline
 from dpbench.tools.report.load import AuditRow
 from dpbench.tools.report.tables import AUDIT_NUMERIC, build_audit_table
 
@@ -101,7 +101,8 @@ def page(boards: list[Board], fairness: list[Fairness], figures: dict[str, dict[
            f'<p class="meta">Ranked by {_e(boards[0].metric)} test {_e(boards[0].metric_name)} among the private methods '
            f"(mean ± SE over seeds); non-private runs are the ceiling. Memory: {_e(boards[0].memory_kind)}. "
            f"Ratios: to DP-Adam materialising per-example gradients (dpadam) and to non-private Adam at the same ε. "
-           f"{PARETO_MARK} and shaded rows: on the accuracy-vs-memory Pareto frontier of the private methods.</p>",
+           f"{PARETO_MARK} and shaded rows: on the accuracy-vs-memory Pareto frontier of the private methods. "
+           f"{_e(COMPUTE_NOTE[0].upper() + COMPUTE_NOTE[1:])}.</p>",
            "<ul>" + "".join(f"<li>{_e(line)}</li>" for line in headline(boards)) + "</ul>"]
     for task in tasks:
         out.append(f"<h2>{_e(task)}</h2>")

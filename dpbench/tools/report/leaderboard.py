@@ -5,6 +5,12 @@ with its own peak memory and throughput beside DP-Adam's (per-example gradients 
 non-private Adam's, the ε it spent, its steps, and whether it lies on the accuracy-vs-memory Pareto
 frontier of the private methods. Non-private runs are the ceiling of every ε of their task.
 
+Compute is compared in forward-pass equivalents (an example's forward 1, its backward 2, counted as
+the passes ran: dpbench/algorithms/compute.py), per example and in total beside DP-Adam's. Runs
+given one `train.compute_budget` form their own board, at equal compute (each method's steps set
+from its cost per example, so zeroth-order methods take more), beside the board of the runs
+without one. Wall time and samples/s are shown for information only: on shared cores they are noise.
+
 A method is the algorithm plus its per-example engine when that is not the default
 (`dpadam_ghost`, `dpadam_bk`: load.method_name); `report.expect` names methods the same way.
 """
@@ -22,9 +28,17 @@ from dpbench.tools.report.tables import flags
 
 PRIVATE_REFERENCE = "dpadam"     # DP-Adam materialising every per-example gradient
 PUBLIC_REFERENCE = "adam"        # non-private Adam
+WALL = "wall min (info)"  # information only: shared cores make wall time noise (COMPUTE_NOTE)
 HEADER = ["rank", "method", "accuracy %", "seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam",
-          "samples/s", "speed ÷ DP-Adam", "wall min", "ε spent", "steps", "Pareto", "flags"]
-NUMERIC = ("seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam", "samples/s", "speed ÷ DP-Adam", "wall min", "steps")
+          "samples/s", "speed ÷ DP-Adam", WALL, "ε spent", "steps", "fwd-eq / example", "compute ÷ DP-Adam",
+          "Pareto", "flags"]
+NUMERIC = ("seeds", "own peak MiB", "mem ÷ DP-Adam", "mem ÷ Adam", "samples/s", "speed ÷ DP-Adam", WALL, "steps",
+           "fwd-eq / example", "compute ÷ DP-Adam")
+COMPUTE_NOTE = ("compute: forward-pass equivalents (fwd-eq) of training, an example's forward 1 and its backward 2, "
+                "counted as the passes ran (ghost clipping's second backward, DC-DPSGD's recomputed chunks and "
+                "DPZero's two forwards included); samples/s and wall time are for information only (shared cores "
+                "make them noise)")
+PLANNED_FLAG = "compute planned, not measured (log_private_stats=false)"
 PARETO_MARK = "★"
 CEILING = "ceiling"
 
@@ -42,6 +56,7 @@ class Entry:
     memory_ratio_private: float | None = None   # own peak ÷ DP-Adam's
     memory_ratio_public: float | None = None    # own peak ÷ Adam's
     speed_ratio: float | None = None            # samples/s ÷ DP-Adam's
+    compute_ratio: float | None = None          # forward-pass equivalents ÷ DP-Adam's
 
     @property
     def private(self) -> bool:
@@ -66,6 +81,21 @@ class Entry:
     def epsilon(self) -> float | None:
         return self.group.mean("epsilon") if self.private else None
 
+    @property
+    def compute_planned(self) -> bool:
+        """Whether the compute shown is the plan (the runs withheld their measured count)."""
+        return self.group.mean("forward_equivalents") is None and self.group.mean("planned_forward_equivalents") is not None
+
+    @property
+    def forward_equivalents(self) -> float | None:
+        """The mean run's forward-pass equivalents in training: measured, else planned (None: a run before schema 9)."""
+        return self.group.mean("planned_forward_equivalents") if self.compute_planned else self.group.mean("forward_equivalents")
+
+    @property
+    def per_example(self) -> float | None:
+        """Forward-pass equivalents per example trained on: measured, else the algorithm's declaration."""
+        return self.group.mean("planned_per_example") if self.compute_planned else self.group.mean("compute_per_example")
+
 
 @dataclass
 class Board:
@@ -77,14 +107,27 @@ class Board:
     metric: str
     metric_name: str
     entries: list[Entry] = field(default_factory=list)
+    budget: float | None = None  # train.compute_budget of its runs (None: the runs without one)
 
     @property
     def task(self) -> str:
-        return f"{self.dataset} · {self.model}"
+        """The task, and for runs under a compute budget the budget: its figures and fairness are its own."""
+        base = f"{self.dataset} · {self.model}"
+        return base if self.budget is None else f"{base} · equal compute {self.budget:g}"
+
+    @property
+    def held_equal(self) -> str:
+        """What the board holds equal across methods: compute (a budget), examples (every method's
+        steps × batch size the same), or neither (nothing said: the fairness statement shows the steps)."""
+        if self.budget is not None:
+            return f"equal compute: {self.budget:g} forward-pass equivalents per training example"
+        seen = {(e.group.first.steps or 0) * (e.group.first.batch_size or 0) for e in self.entries}
+        return "equal examples" if len(seen) == 1 and 0 not in seen else ""
 
     @property
     def title(self) -> str:
-        return f"{self.task} · ε = {fmt_eps(self.epsilon)}"
+        base = f"{self.dataset} · {self.model} · ε = {fmt_eps(self.epsilon)}"
+        return f"{base} · {self.held_equal}" if self.held_equal else base
 
     @property
     def memory_kind(self) -> str:
@@ -124,19 +167,21 @@ def _labels(groups: list[Group]) -> dict[int, str]:
 
 
 def build_boards(groups: list[Group], metric: str) -> list[Board]:
-    """One board per task and target ε; non-private groups join every ε of their task."""
+    """One board per task, compute budget (None first: the runs without one) and target ε;
+    non-private groups join every ε of their task and budget."""
     by_task: dict[tuple, list[Group]] = defaultdict(list)
     for g in groups:
-        by_task[(g.first.dataset, g.first.model)].append(g)
+        by_task[(g.first.dataset, g.first.model, g.first.compute_budget)].append(g)
     boards = []
-    for (dataset, model), members in sorted(by_task.items(), key=lambda kv: tuple(map(str, kv[0]))):
+    for (dataset, model, budget), members in sorted(by_task.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]),
+                                                                                     kv[0][2] is not None, kv[0][2] or 0)):
         public = [g for g in members if not g.first.private]
         epsilons = sorted({g.first.target_epsilon for g in members if g.first.private}, key=lambda e: (e is None, e or 0.0))
         metric_name = next((g.first.metric_name for g in members if g.first.metric_name), "accuracy")
         for eps in epsilons or [None]:
             on_board = [g for g in members if g.first.private and g.first.target_epsilon == eps] + public
             names = _labels(on_board)
-            board = Board(dataset, model, eps, metric, metric_name)
+            board = Board(dataset, model, eps, metric, metric_name, budget=budget)
             for g in on_board:
                 mean, se = accuracy_percent(g, metric)
                 board.entries.append(Entry(names[id(g)], g, mean, se))
@@ -164,6 +209,7 @@ def _rank(board: Board) -> None:
         e.memory_ratio_private = _ratio(e.own_mib, dp_adam.own_mib if dp_adam else None)
         e.memory_ratio_public = _ratio(e.own_mib, adam.own_mib if adam else None)
         e.speed_ratio = _ratio(e.samples_per_s, dp_adam.samples_per_s if dp_adam else None)
+        e.compute_ratio = _ratio(e.forward_equivalents, dp_adam.forward_equivalents if dp_adam else None)
 
 
 def pareto_front(board: Board) -> list[Entry]:
@@ -186,8 +232,9 @@ def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
             CEILING if not e.private else fmt_any(e.rank), e.method, accuracy, str(len(e.group.rows)),
             fmt(e.own_mib, ".1f"), fmt(e.memory_ratio_private, ".2f"), fmt(e.memory_ratio_public, ".2f"),
             fmt(e.samples_per_s, ".1f"), fmt(e.speed_ratio, ".2f"), fmt(e.wall_minutes, ".1f"),
-            fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), PARETO_MARK if e.pareto else "",
-            "; ".join(f for f in (flags(e.group), memory_flag(e.group)) if f),
+            fmt_eps(e.epsilon, ".2f"), fmt_any(e.group.first.steps), fmt(e.per_example, ".2f"),
+            fmt(e.compute_ratio, ".2f"), PARETO_MARK if e.pareto else "",
+            "; ".join(f for f in (flags(e.group), memory_flag(e.group), PLANNED_FLAG if e.compute_planned else "") if f),
         ])
     header = list(HEADER)
     header[2] = f"{board.metric} {board.metric_name} % (mean ± SE)"
@@ -195,11 +242,11 @@ def board_table(board: Board) -> tuple[list[str], list[list[str]]]:
 
 
 def csv_table(boards: list[Board]) -> tuple[list[str], list[list[str]]]:
-    """All boards as one table (dataset, model and target ε as columns)."""
-    header, body = ["dataset", "model", "target ε"], []
+    """All boards as one table (dataset, model, target ε and compute budget as columns)."""
+    header, body = ["dataset", "model", "target ε", "compute budget"], []
     for board in boards:
         board_header, rows = board_table(board)
-        body += [[str(board.dataset), str(board.model), fmt_eps(board.epsilon)] + row for row in rows]
+        body += [[str(board.dataset), str(board.model), fmt_eps(board.epsilon), fmt_any(board.budget)] + row for row in rows]
     return header + (board_table(boards[0])[0] if boards else HEADER), body
 
 
@@ -207,10 +254,12 @@ def records(boards: list[Board]) -> tuple[list[str], list[list]]:
     """All boards with numbers as numbers (None where unknown): the W&B Table, sortable."""
     columns = ["dataset", "model", "target_epsilon", "rank", "method", "accuracy_pct", "accuracy_se_pct", "seeds",
                "own_peak_mib", "memory_vs_dpadam", "memory_vs_adam", "samples_per_s", "speed_vs_dpadam",
-               "wall_minutes", "epsilon_spent", "steps", "pareto", "private", "flags"]
+               "wall_minutes", "epsilon_spent", "steps", "forward_equivalents_per_example", "forward_equivalents",
+               "compute_vs_dpadam", "compute_budget", "pareto", "private", "flags"]
     data = [[b.dataset, b.model, b.epsilon, e.rank, e.method, e.accuracy, e.accuracy_se, len(e.group.rows), e.own_mib,
              e.memory_ratio_private, e.memory_ratio_public, e.samples_per_s, e.speed_ratio, e.wall_minutes, e.epsilon,
-             e.group.first.steps, e.pareto, e.private, flags(e.group)] for b in boards for e in b.entries]
+             e.group.first.steps, e.per_example, e.forward_equivalents, e.compute_ratio, b.budget, e.pareto, e.private,
+             flags(e.group)] for b in boards for e in b.entries]
     return columns, data
 
 
@@ -243,6 +292,7 @@ SHARED = [
     ("batch size (logical)", lambda r: r.batch_size, False),
     ("physical batch", lambda r: r.config.get("train.physical_batch_size") or r.batch_size, False),
     ("steps", lambda r: r.steps, False),
+    ("compute budget (fwd-eq per training example)", lambda r: r.compute_budget, False),
     ("δ", _config("privacy.delta"), True),
     ("accountant", lambda r: r.accountant, True),
     ("sampling", lambda r: r.sampling, True),
@@ -350,7 +400,7 @@ def epsilon_agreement(boards: list[Board]) -> list[str]:
     lines = []
     for i, first in enumerate(boards):
         for second in boards[i + 1:]:
-            if (first.dataset, first.model) != (second.dataset, second.model) or None in (first.epsilon, second.epsilon):
+            if first.task != second.task or None in (first.epsilon, second.epsilon):
                 continue
             agreement = kendall(private_accuracies(first), private_accuracies(second))
             if agreement is not None:

@@ -84,6 +84,13 @@ class RunRow:
     optimizer_state_bytes: int | None = None
     samples_per_s: float | None = None
     wall_s: float | None = None  # the run's wall time (whole job: model, cache, steps, evaluations)
+    # training compute in forward-pass equivalents (an example's forward 1, its backward 2; schema 9):
+    # measured (None where log_private_stats=false withheld it) and planned (the algorithm's declaration)
+    forward_equivalents: float | None = None
+    compute_per_example: float | None = None
+    planned_forward_equivalents: float | None = None
+    planned_per_example: float | None = None
+    compute_budget: float | None = None  # train.compute_budget: per training example, it set the steps
     device: str | None = None
     paper_accounting: bool = False
     validation: float | None = None  # noisy validation score (dataset.validation_fraction > 0), a fraction
@@ -249,6 +256,11 @@ def run_row(path: Path, folder: Path, results: RunResults) -> RunRow:
         optimizer_state_bytes=figures["memory/optimizer_state_bytes"],
         samples_per_s=figures["throughput/samples_per_s"],
         wall_s=figures["throughput/wall_s"],
+        forward_equivalents=results.compute.forward_equivalents,
+        compute_per_example=results.compute.per_example,
+        planned_forward_equivalents=results.compute.planned_forward_equivalents,
+        planned_per_example=results.compute.planned_per_example,
+        compute_budget=results.compute.budget,
         device=(results.versions or {}).get("device"),
         paper_accounting=bool((config.get("algo") or {}).get("paper_accounting")),
         report=config.get("report") or {},

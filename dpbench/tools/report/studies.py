@@ -205,6 +205,8 @@ def _paper_ranks(folder: Path, metric: str) -> dict[tuple, dict[str, float]]:
     groups, _ = group_runs(load_rows(Path(folder)))
     out: dict[tuple, dict[str, float]] = {}
     for board in build_boards(groups, metric):
+        if board.budget is not None:  # a board at equal compute (train.compute_budget): not the runs' own steps
+            continue
         out[(board.dataset, board.model, board.epsilon)] = {e.method: e.accuracy for e in board.entries
                                                             if e.private and e.accuracy is not None}
     return out
