@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
-from helpers.projected import algo_cfg, image_task, tiny_vit
+from helpers.projected import TensorTask, algo_cfg
 from torch import nn
 
 from dpbench.algorithms import PrivacySetup, algorithm_class
+from dpbench.models.vit import DPViT
 from dpbench.errors import UserError
 from dpbench.privacy.clipping import (
     layer_thresholds, per_layer_factors, per_sample_layer_norms,
@@ -21,6 +22,18 @@ from dpbench.privacy.noise import GaussianNoise
 
 ENGINES = ["materialize", "ghost", "bk"]
 CLIP = 0.5
+
+
+def tiny_vit():
+    """A ViT small enough for the fast tier (patch embedding, tokens, attention, MLP, norms, head)."""
+    torch.manual_seed(0)
+    return DPViT(img_size=4, patch_size=2, in_chans=1, num_classes=3, embed_dim=8, depth=1, num_heads=2,
+                 mlp_ratio=2.0, global_pool="token")
+
+
+def image_task(n=8, weights=None):
+    g = torch.Generator().manual_seed(0)
+    return TensorTask(torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g), weights)
 
 
 def setup(clip=CLIP, thresholds="equal", clipping="per_layer"):
@@ -103,8 +116,8 @@ def test_each_engine_hands_per_layer_norms_of_the_per_example_gradients(engine):
 def test_clipped_sum_equals_the_hand_reference_in_every_engine(rule):
     """Σ_i Σ_l min(1, C_l / ‖g_il‖) g_il from per-example autograd gradients: the three engines agree
     with it (large and small examples, so some layers are clipped and some are not)."""
-    task = image_task(weights=torch.tensor([1.0, 40.0] * 6))
-    reference_grads = per_example_layer_grads(tiny_vit(), task, 12)
+    task = image_task(weights=torch.tensor([1.0, 40.0] * 4))
+    reference_grads = per_example_layer_grads(tiny_vit(), task, 8)
     thresholds = layer_thresholds([p for p in tiny_vit().parameters() if p.requires_grad], CLIP, rule)
     expected = [sum(min(1.0, thresholds[l].item() / (grads[l].norm().item() + 1e-6)) * grads[l]
                     for grads in reference_grads) for l in range(len(thresholds))]
@@ -114,7 +127,7 @@ def test_clipped_sum_equals_the_hand_reference_in_every_engine(rule):
     for engine in ENGINES:
         algo = build("dpsgd", tiny_vit(), task, engine, thresholds=rule)
         torch.testing.assert_close(algo.layer_thresholds, thresholds)
-        sums, _ = algo.clip_and_accumulate([task.batch(range(0, 7)), task.batch(range(7, 12))])
+        sums, _ = algo.clip_and_accumulate([task.batch(range(0, 5)), task.batch(range(5, 8))])
         for e, a in zip(expected, sums):
             torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-6 * CLIP)
 
@@ -122,8 +135,8 @@ def test_clipped_sum_equals_the_hand_reference_in_every_engine(rule):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_grape_projected_sums_agree_across_engines(engine):
     """DP-GRAPE's layers are its engine's params, its weights' parts projected: the same sums in every engine."""
-    task = image_task(weights=torch.tensor([1.0, 40.0] * 6))
-    batches = [task.batch(range(0, 7)), task.batch(range(7, 12))]
+    task = image_task(weights=torch.tensor([1.0, 40.0] * 4))
+    batches = [task.batch(range(0, 5)), task.batch(range(5, 8))]
     expected, _ = build("grape", tiny_vit(), task, "materialize").clip_and_accumulate(batches)
     actual, _ = build("grape", tiny_vit(), task, engine).clip_and_accumulate(batches)
     for e, a in zip(expected, actual):
