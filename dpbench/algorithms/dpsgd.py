@@ -1,6 +1,7 @@
 """DP-SGD (Abadi et al. 2016): clipped per-example gradients, Gaussian noise, SGD.
 
-`privacy.clipping` picks the clipping rule: flat (Abadi), automatic (Auto-S / NSGD) or psac.
+`privacy.clipping` picks the clipping rule: flat (Abadi), automatic (Auto-S / NSGD), psac, or per_layer
+(each parameter tensor to its own C_l, Σ_l C_l² = C²): every one of sensitivity C.
 """
 
 from __future__ import annotations

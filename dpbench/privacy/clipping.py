@@ -46,9 +46,10 @@ def per_sample_norms(per_sample: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms], dim=0), dim=0)
 
 
-# Clipping rules: per-example scale factor from the per-example norm. "flat" is Abadi et al.'s
-# min(1, C/||g||) (Opacus's form, with its 1e-6 guard); the others are DP-SGD variants whose
-# sensitivity is still C.
+# Clipping rules: per-example scale factor from the per-example norm, each of sensitivity C (the
+# clipped example's norm, ||f g||): "flat" is Abadi et al.'s min(1, C/||g||) (Opacus's form, with its
+# 1e-6 guard): min(||g||, C); "automatic" (Auto-S / NSGD) C ||g|| / (||g|| + gamma) < C; "psac"
+# C ||g|| / (||g|| + gamma / (||g|| + gamma)) < C.
 CLIP_FACTORS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
     "flat": lambda norms, c, gamma: (c / (norms + 1e-6)).clamp(max=1.0),
     "automatic": lambda norms, c, gamma: c / (norms + gamma),

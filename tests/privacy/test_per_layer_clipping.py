@@ -201,3 +201,15 @@ def test_the_declaration_is_stated_by_each_class():
 
     takers = {n for n in ALGORITHMS.names() if ALGORITHMS.get(n).stated("per_layer_clipping")}
     assert takers == {"dpsgd", "dpadam", "dpadambc", "dpbitfit", "dplora", "grape", "galore_naive"}
+
+
+def test_sharded_runs_refuse_it_in_one_line(monkeypatch):
+    from helpers.config import compose
+
+    from dpbench.algorithms import ALGORITHMS
+    from dpbench.runtime import sharding
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose(["logger=none", "algo=dpadam", "algo.per_sample=bk", "train.sharding=fsdp", "privacy.clipping=per_layer"])
+    with pytest.raises(UserError, match="privacy.clipping=per_layer is not supported"):
+        sharding.check_supported(cfg, ALGORITHMS)
