@@ -81,7 +81,8 @@ class Algorithm(ABC):
         if privacy is not None and privacy.clipping == PER_LAYER and not self.stated("per_layer_clipping"):
             takers = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).stated("per_layer_clipping")]
             raise UserError(f"algo={cfg.get('name', type(self).__name__)} does not take privacy.clipping=per_layer "
-                            "(it clips its own per-example quantities, not each parameter's gradient); use privacy.clipping=flat, or algo={'|'.join(takers)}")
+                            "(it clips its own per-example quantities, not each parameter's gradient); use "
+                            f"privacy.clipping=flat, or algo={'|'.join(takers)}")
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
         self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/runtime/sharding.py)

@@ -73,10 +73,10 @@ class DPFirstOrderAlgorithm(Algorithm):
         # The capabilities are checked before the engine hooks the model.
         self.engine_spec: EngineSpec = engine_spec(declared_option(cfg, "per_sample", "materialize"))
         self.engine_spec.require(self.engine_capabilities, f"algo={cfg.get('name', type(self).__name__)}")
-        # The layout probe (privacy/layout.py) runs here, once per model, before the engine hooks it.
-        self.per_layer = privacy.clipping == PER_LAYER
+        self.per_layer = privacy.clipping == PER_LAYER  # each parameter's per-example part clipped to its own C_l
         if self.per_layer:
             self.engine_spec.require({PER_LAYER_NORMS}, "privacy.clipping=per_layer")
+        # The layout probe (privacy/layout.py) runs here, once per model, before the engine hooks it.
         self.engine: Engine = self.engine_spec.attach(model, self.sampler_overrides(), LayoutProbe.of_task(task))
         # privacy.clipping=per_layer: C_l per parameter of the engine's sums, fixed now from public
         # quantities only (the initial weights; before any checkpoint is loaded), Σ_l C_l² = C²
@@ -114,9 +114,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
             factors = sharding.zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
-            if self.per_layer:  # each parameter's per-example part clipped to its own C_l
-                reduce["per_layer"] = True
-            contribution = self.engine.clipped_sum(losses, factors, **reduce)
+            contribution = self.engine.clipped_sum(losses, factors, **reduce, **({"per_layer": True} if self.per_layer else {}))
             if shards is not None:  # the engine handed every sum to `shards`, which added it up
                 sums = shards.check(contribution)
             else:
