@@ -16,7 +16,7 @@ from omegaconf import MISSING
 
 from dpbench.precision import DTYPES
 from dpbench.privacy.accountants import ACCOUNTANTS
-from dpbench.privacy.clipping import CLIP_FACTORS
+from dpbench.privacy.clipping import CLIPPING_RULES, LAYER_THRESHOLDS
 from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
 
 
@@ -42,7 +42,8 @@ def choice_of(name: str, values: Iterable[str], module: str) -> type[Choice]:
 
 
 # From the registries they select from: a rule, accountant or relation added there is a choice here.
-Clipping = choice_of("Clipping", CLIP_FACTORS, __name__)
+Clipping = choice_of("Clipping", CLIPPING_RULES, __name__)
+LayerThresholds = choice_of("LayerThresholds", LAYER_THRESHOLDS, __name__)  # privacy.clipping=per_layer's C_l
 AccountantName = choice_of("AccountantName", ACCOUNTANTS.names(), __name__)
 Neighboring = choice_of("Neighboring", NEIGHBORING_RELATIONS, __name__)
 PrecisionName = choice_of("PrecisionName", DTYPES, __name__)  # the forward's autocast dtype
@@ -102,6 +103,7 @@ class PrivacyOptions:
     clip_norm: float = 1.0
     clipping: Clipping = Clipping.flat
     clipping_gamma: float = 0.01
+    per_layer_thresholds: LayerThresholds = LayerThresholds.equal
     sampling: Sampling = Sampling.poisson
     neighboring: Neighboring = Neighboring.add_remove
     secure_rng: bool = False

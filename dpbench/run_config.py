@@ -37,6 +37,9 @@ def validate(cfg: DictConfig, grid: bool | None = None) -> None:
     if not p.get("clipping_gamma", 0.01) > 0:  # automatic / psac divide by norm + gamma: <= 0 breaks the bound C
         raise UserError(f"privacy.clipping_gamma must be positive (the stability constant of automatic and psac "
                         f"clipping), got {p.clipping_gamma}")
+    if str(p.get("per_layer_thresholds", "equal")) != "equal" and str(p.clipping) != "per_layer":
+        console.print(f"[yellow]note:[/] privacy.per_layer_thresholds={p.per_layer_thresholds} is read only by "
+                      f"privacy.clipping=per_layer, not by privacy.clipping={p.clipping}", soft_wrap=True)
     if not t.batch_size or t.batch_size <= 0:
         raise UserError(f"train.batch_size must be a positive integer, got {t.batch_size}")
     if t.physical_batch_size is not None and not 0 < t.physical_batch_size <= t.batch_size:

@@ -21,6 +21,7 @@ from dpbench.runtime import distributed, sharding
 from dpbench.errors import DivergedError, UserError
 from dpbench.precision import FP32, Precision, unscaled
 from dpbench.privacy.mechanisms import GaussianMechanism, one_batch_mechanism, under_relation
+from dpbench.privacy.clipping import PER_LAYER
 from dpbench.privacy.plan import PrivacySetup
 # The release lives in dpbench/privacy/release.py; its names stay importable from here.
 from dpbench.privacy.release import (  # noqa: F401
@@ -50,6 +51,9 @@ class Algorithm(ABC):
     data_parallel: ClassVar[bool] = True  # whether its releases are sums over examples (torchrun ranks add them)
     # whether train.sharding=fsdp runs it (dpbench/runtime/sharding.py asks `stated`: a subclass states it again)
     shardable: ClassVar[bool] = False
+    # whether privacy.clipping=per_layer clips what it releases (each parameter's part to its own C_l,
+    # first_order.py); asked with `stated`: an algorithm that clips its own quantities refuses it
+    per_layer_clipping: ClassVar[bool] = False
     per_example_engine: ClassVar[bool] = False  # whether it forms per-example gradients with algo.per_sample's engine
     # Where dpbench-audit's one-run canaries enter a step (algorithms/steps.py); None: nowhere
     canary_site: ClassVar[str | None] = None
@@ -75,6 +79,11 @@ class Algorithm(ABC):
         self.cfg = cfg
         self.lr = lr
         self.privacy = privacy
+        if privacy is not None and privacy.clipping == PER_LAYER and not self.stated("per_layer_clipping"):
+            takers = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).stated("per_layer_clipping")]
+            raise UserError(f"algo={cfg.get('name', type(self).__name__)} does not take privacy.clipping=per_layer "
+                            "(it clips its own per-example quantities, not each parameter's gradient); use "
+                            f"privacy.clipping=flat, or algo={'|'.join(takers)}")
         self.step_mechanisms: list[GaussianMechanism] = []  # releases of the step in progress
         self.release_observer: ReleaseObserver | None = None
         self.sharded = sharding.is_sharded(model)  # train.sharding=fsdp (dpbench/runtime/sharding.py)
@@ -121,7 +130,7 @@ class Algorithm(ABC):
     calibrate_noise: ClassVar[Callable | None] = None
 
     # Capabilities a subclass does not inherit unstated: a feature reads them with `stated`
-    OWN_CAPABILITIES: ClassVar[tuple[str, ...]] = ("shardable",)
+    OWN_CAPABILITIES: ClassVar[tuple[str, ...]] = ("shardable", "per_layer_clipping")
 
     @classmethod
     def stated(cls, capability: str) -> bool:

@@ -20,6 +20,7 @@ class DPAdamOptions(AdamOptions):
 
 @ALGORITHMS.register("dpadam", options=DPAdamOptions)
 class DPAdam(DPFirstOrderAlgorithm):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/runtime/sharding.py)
 
     def build_optimizer(self, params):

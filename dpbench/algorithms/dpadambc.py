@@ -71,6 +71,7 @@ class AdamBC(torch.optim.Optimizer):
 
 @ALGORITHMS.register("dpadambc", options=DPAdamBCOptions)
 class DPAdamBC(DPFirstOrderAlgorithm):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     def noise_variance(self) -> float:
         """Φ = (σC / B)²: the per-coordinate variance of the noise in the gradient Adam reads, with B the
         public expected batch size qn (scale_grad divides by it)."""

@@ -47,6 +47,7 @@ def train_biases_and_head(model: nn.Module, cfg) -> list[str]:
 
 @ALGORITHMS.register("dpbitfit", options=DPBiTFiTOptions)
 class DPBiTFiT(DPAdam):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     shardable = False  # train.sharding=fsdp: not tried with frozen weights beside sharded biases
     trained_modules_option = "train_modules"  # trained in full beside the biases (the one-run audit's canaries)
     # a fine-tuning method: on the from-scratch micro ViT the biases and head alone stay at chance

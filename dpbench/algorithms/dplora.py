@@ -22,6 +22,7 @@ class DPLoRAOptions(LoRAOptions):
 
 @ALGORITHMS.register("dplora", options=DPLoRAOptions)
 class DPLoRA(DPAdam):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     shardable = False  # train.sharding=fsdp: LoRA's injected adapters are not sharded (untested there)
     libraries = ("peft",)  # the adapters
     trained_modules_option = "train_modules"  # trained in full beside the adapters (the one-run audit's canary layer)

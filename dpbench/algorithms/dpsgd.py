@@ -1,6 +1,7 @@
 """DP-SGD (Abadi et al. 2016): clipped per-example gradients, Gaussian noise, SGD.
 
-`privacy.clipping` picks the clipping rule: flat (Abadi), automatic (Auto-S / NSGD) or psac.
+`privacy.clipping` picks the clipping rule: flat (Abadi), automatic (Auto-S / NSGD), psac, or per_layer
+(each parameter tensor to its own C_l, Σ_l C_l² = C²): every one of sensitivity C.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class DPSGDOptions(AlgoOptions):
 
 @ALGORITHMS.register("dpsgd", options=DPSGDOptions)
 class DPSGD(DPFirstOrderAlgorithm):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     shardable = True  # train.sharding=fsdp: its clipped sums reduce-scattered as formed (dpbench/runtime/sharding.py)
 
     def build_optimizer(self, params):

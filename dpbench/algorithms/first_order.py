@@ -16,9 +16,9 @@ from dpbench.algorithms.base import ALGORITHMS, EXAMPLES, Algorithm, LossTally, 
 from dpbench.errors import UserError
 from dpbench.options import choice_of
 from dpbench.precision import Precision
-from dpbench.privacy.clipping import clip_factors
+from dpbench.privacy.clipping import PER_LAYER, clip_factors, layer_thresholds, per_layer_factors
 from dpbench.privacy.engines import (
-    COVERAGE_CHECK, LOSS_SCALE, PER_SAMPLE_ENGINES, Engine, EngineSpec, engine_spec, engines_with,
+    COVERAGE_CHECK, LOSS_SCALE, PER_LAYER_NORMS, PER_SAMPLE_ENGINES, Engine, EngineSpec, engine_spec, engines_with,
 )
 from dpbench.privacy.layout import LayoutProbe
 from dpbench.privacy.per_sample import GradSampler
@@ -79,8 +79,15 @@ class DPFirstOrderAlgorithm(Algorithm):
         # The capabilities are checked before the engine hooks the model.
         self.engine_spec: EngineSpec = engine_spec(declared_option(cfg, "per_sample", "materialize"))
         self.engine_spec.require(self.engine_capabilities, f"algo={cfg.get('name', type(self).__name__)}")
+        self.per_layer = privacy.clipping == PER_LAYER  # each parameter's per-example part clipped to its own C_l
+        if self.per_layer:
+            self.engine_spec.require({PER_LAYER_NORMS}, "privacy.clipping=per_layer")
         # The layout probe (privacy/layout.py) runs here, once per model, before the engine hooks it.
         self.engine: Engine = self.engine_spec.attach(model, self.sampler_overrides(), LayoutProbe.of_task(task))
+        # privacy.clipping=per_layer: C_l per parameter of the engine's sums, fixed now from public
+        # quantities only (the initial weights; before any checkpoint is loaded), Σ_l C_l² = C²
+        self.layer_thresholds = layer_thresholds(self.engine.params, privacy.clip_norm, privacy.per_layer_thresholds) \
+            if self.per_layer else None
         self.optimizer = self.build_optimizer(self.params)
         self.nonfinite_examples: torch.Tensor | None = None  # examples given clip factor 0 (a tensor: no sync)
 
@@ -113,7 +120,7 @@ class DPFirstOrderAlgorithm(Algorithm):
         for _, losses in self.chunks(batches, tally):
             # algo.per_sample picks how (materialize | ghost | bk); the clipped sum is the same.
             factors = sharding.zero_factors if self.padding_chunk else self.example_factors  # padding: exactly 0
-            contribution = self.engine.clipped_sum(losses, factors, **reduce)
+            contribution = self.engine.clipped_sum(losses, factors, **reduce, **({"per_layer": True} if self.per_layer else {}))
             if shards is not None:  # the engine handed every sum to `shards`, which added it up
                 sums = shards.check(contribution)
             else:
@@ -125,11 +132,22 @@ class DPFirstOrderAlgorithm(Algorithm):
                         keep: torch.Tensor | None = None) -> torch.Tensor:
         """Per-example factors of the privacy's clipping rule at privacy.clip_norm, or flat clipping
         at `clip` (an algorithm's own bound: DPDR's C_perp, DIFF's C_d). An example whose norm is
-        non-finite, or that `keep` leaves out, gets 0 and is counted, without a host sync."""
+        non-finite, or that `keep` leaves out, gets 0 and is counted, without a host sync.
+
+        privacy.clipping=per_layer: `norms` [L, B] (the engine's per_layer=True) get factors [L, B],
+        min(1, C_l / ‖g_{i,l}‖): each example's part in parameter l has norm ≤ C_l, Σ_l C_l² = C², so
+        its whole contribution has norm ≤ C: the sum's sensitivity is C, the release's noise σC as
+        for flat clipping. Per-example norms [B] under per_layer (an engine asked without it) are
+        clipped flat at C, which bounds them alike."""
         p = self.privacy
-        kept = torch.isfinite(norms) if keep is None else torch.isfinite(norms) & keep
+        finite = torch.isfinite(norms).all(dim=0) if norms.dim() == 2 else torch.isfinite(norms)
+        kept = finite if keep is None else finite & keep
         dropped = (~kept).sum()
         self.nonfinite_examples = dropped if self.nonfinite_examples is None else self.nonfinite_examples + dropped
+        if clip is None and norms.dim() == 2:
+            return per_layer_factors(norms, self.layer_thresholds, keep=kept)
+        if clip is None and self.per_layer:
+            return clip_factors(norms, p.clip_norm, keep=kept)
         if clip is None:
             return clip_factors(norms, p.clip_norm, p.clipping, p.clipping_gamma, keep=kept)
         return clip_factors(norms, clip, keep=kept)

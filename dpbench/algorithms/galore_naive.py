@@ -30,6 +30,7 @@ class GaloreNaiveOptions(ProjectedAdamOptions):
 
 @ALGORITHMS.register("galore_naive", options=GaloreNaiveOptions)
 class NaiveDPGaLore(DPFirstOrderAlgorithm):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's part of its clipped sum to its own C_l
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "subspaces.projectors")
     release_carries_state = True  # the projectors, from the SVD of a release, shape the following updates
 

@@ -130,6 +130,7 @@ class ProjectedLinear:
 
 @ALGORITHMS.register("grape", options=GrapeOptions)
 class DPGrape(DPFirstOrderAlgorithm):
+    per_layer_clipping = True  # privacy.clipping=per_layer: each parameter's (projected) part of its clipped sum to its own C_l
     checkpoint_attributes = ("optimizer.state", "optimizer.step_count", "projection_seed")  # moments; projector seeds
     # train.sharding=fsdp: the projected sums are small, so the whole release is replicated (summed
     # over the ranks, one draw on rank 0, broadcast) and every rank holds the same noisy release

@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from dpbench.errors import UserError
-from dpbench.privacy.clipping import Reduce
+from dpbench.privacy.clipping import Reduce, layer_norms
 
 # LinearGradientMap, is_layer_norm and the piece forms moved to layers.py and pieces.py; they stay
 # importable from here for one release.
@@ -243,14 +243,17 @@ class BookKeeping:
             cap = torch.where(again > measured, (measured / again.clamp(min=1e-300)).sqrt() * (1 - 4 * UNIT_ROUNDOFF[torch.float64]),
                               torch.ones_like(again))
             cap = round_down_fp32(torch.where(finite, cap, torch.zeros_like(cap)))
-            return piece.clipped_sum(self._state.factors * cap)
+            return piece.clipped_sum(self._factors_of(p, self._state.factors) * cap)
 
     def _open_bytes(self) -> int:
         return sum(piece.nbytes() for piece in self._state.open.values())
 
     # --- the engine interface -----------------------------------------------------------------
-    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn, reduce: Reduce | None = None) -> list[torch.Tensor]:
-        """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B]; `peak_bytes`
+    def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn, reduce: Reduce | None = None,
+                    per_layer: bool = False) -> list[torch.Tensor]:
+        """Σ_i f_i g_i (fp32, aligned with `params`) for per-example losses [B]. `per_layer`:
+        factors_fn gets [L, B] (each parameter's own clip norm, the bound its pieces give, rounded
+        up; 0 for a parameter no hook reached) and returns [L, B], row l scaling parameter l. `peak_bytes`
         meters the per-example working bytes held at the peak. `reduce` (train.sharding=fsdp:
         `distributed.reduce_scatter_rows`): applied to each parameter's sum, with its position in
         `params`, as soon as it is formed, so that one full-size sum exists at a time: bk after
@@ -271,7 +274,7 @@ class BookKeeping:
             if not self._coverage_checked:
                 check_coverage(self)
             self._drop_grads()
-            norms = self._norms(losses)
+            norms = self._layer_norms(losses) if per_layer else self._norms(losses)
             factors = factors_fn(norms)
             sums = self._book_kept_sums(factors, reduce) if self.passes == 1 else \
                 self._reweighted_sums(losses, factors, reduce)
@@ -294,6 +297,15 @@ class BookKeeping:
             norm_sq = norm_sq + value.double()
         return round_up_fp32((norm_sq.clamp(min=0) * fp64_slack(len(self._state.norm_sq) + 4)).sqrt() * fp64_slack(2))
 
+    def _layer_norms(self, losses: torch.Tensor) -> torch.Tensor:
+        """[L, B]: each parameter's clip norm (per-layer clipping), in the order of `params`."""
+        missing = torch.zeros(losses.shape[0], dtype=torch.float64, device=losses.device)
+        return layer_norms([self._state.norm_sq.get(p, missing) for p in self.params])
+
+    def _factors_of(self, p: nn.Parameter, factors: torch.Tensor) -> torch.Tensor:
+        """The [B] factors that scale parameter p: its row of per-layer factors [L, B], else all of them."""
+        return factors[self._position[p]] if factors.dim() == 2 else factors
+
     def _book_kept_sums(self, factors: torch.Tensor, reduce: Reduce | None = None) -> list[torch.Tensor]:
         """Each parameter's clipped sum, its kept pieces released as soon as it is formed (the
         next layer's temporaries reuse their memory). `reduce`: each sum reduced as soon as it is
@@ -313,7 +325,7 @@ class BookKeeping:
             piece = self._state.kept.pop(p)
             own_g = isinstance(piece, OuterProduct) and readers[_storage(piece.g)] == 1
             with exact_arithmetic(piece_device(piece)):
-                summed = piece.clipped_sum(factors, all_finite, own_g=own_g)
+                summed = piece.clipped_sum(self._factors_of(p, factors), all_finite, own_g=own_g)
             readers.subtract(_storage(t) for t in piece.tensors())
             return summed
 

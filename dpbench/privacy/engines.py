@@ -16,6 +16,7 @@ asking an engine for one it lacks is a one-line error before training. The capab
     loss_scale              yes          -      -    LossScaled: loss_scale divided out (fp16)
     coverage_check          -            yes    yes  CoverageChecked: tolerance of the coverage check
     sharded_sums            -            yes    yes  clipped_sum(..., reduce=): each sum reduced as formed (fsdp)
+    per_layer_norms         yes          yes    yes  clipped_sum(..., per_layer=True): [L, B] norms and factors
 
 `build_engine(mode, model, probe=LayoutProbe(...))` is the public way to build one on a model of
 your own: it runs the layout probe (privacy/layout.py) first and refuses without a probe unless
@@ -54,7 +55,9 @@ class Engine(Protocol):
 
     def clipped_sum(self, losses: torch.Tensor, factors_fn: FactorsFn,
                     reduce: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Σ_i f_i g_i over the chunk (fp32, aligned with `params`), f = factors_fn(norms).
+        """Σ_i f_i g_i over the chunk (fp32, aligned with `params`), f = factors_fn(norms), norms [B]
+        bounding each example's whole gradient (capability `per_layer_norms`: with `per_layer=True`,
+        norms [L, B] bound each parameter's part, and factors [L, B] scale each parameter's part).
         `reduce(sum, position in params)` (train.sharding=fsdp: `distributed.reduce_scatter_rows`,
         a collective): applied to every parameter's sum once (zeros for one no hook reached), as
         soon as the engine allows, in an order that is the same on every rank; the list returned
@@ -100,11 +103,13 @@ PER_EXAMPLE_GRADIENTS = "per_example_gradients"
 LOSS_SCALE = "loss_scale"
 COVERAGE_CHECK = "coverage_check"
 SHARDED_SUMS = "sharded_sums"
+PER_LAYER_NORMS = "per_layer_norms"
 CAPABILITIES = {  # capability -> what it means, as an error message says it
     PER_EXAMPLE_GRADIENTS: "every per-example gradient",
     LOSS_SCALE: "the loss scale divided out of the per-example gradients",
     COVERAGE_CHECK: "a coverage check",
     SHARDED_SUMS: "each parameter's clipped sum handed to a reduce as it is formed (train.sharding=fsdp)",
+    PER_LAYER_NORMS: "each parameter's own per-example norm (privacy.clipping=per_layer)",
 }
 
 
@@ -155,11 +160,12 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     return PER_SAMPLE_ENGINES.register(spec.name)(spec)
 
 
-register_engine(EngineSpec("materialize", PerSampleGradients, frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE})))
+register_engine(EngineSpec("materialize", PerSampleGradients,
+                           frozenset({PER_EXAMPLE_GRADIENTS, LOSS_SCALE, PER_LAYER_NORMS})))
 register_engine(EngineSpec("ghost", lambda model, overrides: BookKeeping(model, overrides, passes=2),
-                           frozenset({COVERAGE_CHECK, SHARDED_SUMS}), backwards=2))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS, PER_LAYER_NORMS}), backwards=2))
 register_engine(EngineSpec("bk", lambda model, overrides: BookKeeping(model, overrides, passes=1),
-                           frozenset({COVERAGE_CHECK, SHARDED_SUMS})))
+                           frozenset({COVERAGE_CHECK, SHARDED_SUMS, PER_LAYER_NORMS})))
 
 
 def engine_spec(mode: str) -> EngineSpec:

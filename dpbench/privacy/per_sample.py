@@ -18,7 +18,9 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 
 from dpbench.precision import unscaled_per_example
-from dpbench.privacy.clipping import Reduce, clipped_sum, per_sample_norms, reduce_each, sum_rows_per_example
+from dpbench.privacy.clipping import (
+    Reduce, clipped_sum, per_sample_layer_norms, per_sample_norms, reduce_each, sum_rows_per_example,
+)
 from dpbench.privacy.layers import (
     check_rows, embedding_grad_sample, is_layer_norm, opacus_corrections, summed_shapes, zero_sum,
 )
@@ -162,11 +164,15 @@ class PerSampleGradients:
         self.meter(sum(g.numel() * g.element_size() for g in per_sample))
         return per_sample
 
-    def clipped_sum(self, losses: torch.Tensor, factors_fn, reduce: Reduce | None = None) -> list[torch.Tensor]:
+    def clipped_sum(self, losses: torch.Tensor, factors_fn, reduce: Reduce | None = None,
+                    per_layer: bool = False) -> list[torch.Tensor]:
         """Σ_i f_i g_i (fp32) with f = factors_fn(per-example norms); `reduce` (the engine
-        protocol's) applied to each, in the order of `params`, after they are all formed."""
+        protocol's) applied to each, in the order of `params`, after they are all formed.
+        `per_layer`: factors_fn gets [L, B] bounds on each parameter's per-example norms (rounding
+        included) and returns [L, B] factors, row l scaling parameter l."""
         per_sample = self.backward_per_sample(losses)
-        sums = clipped_sum(per_sample, factors_fn(per_sample_norms(per_sample)), overwrite=True)
+        norms = per_sample_layer_norms(per_sample) if per_layer else per_sample_norms(per_sample)
+        sums = clipped_sum(per_sample, factors_fn(norms), overwrite=True)
         del per_sample
         sums = reduce_each(sums, reduce)
         if self.sum_observer is not None:  # the engine protocol's observation point (read only)

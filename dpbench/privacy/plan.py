@@ -76,8 +76,9 @@ class PrivacySetup:
     expected_batch_size: float  # public B = q * n; the clipped noisy sum is divided by it
     sample_rate: float  # q
     noise: GaussianNoise  # entropy-seeded generator (dpbench.privacy.noise)
-    clipping: str = "flat"  # rule in dpbench.privacy.clipping.CLIP_FACTORS
+    clipping: str = "flat"  # rule in dpbench.privacy.clipping.CLIPPING_RULES
     clipping_gamma: float = 0.01
+    per_layer_thresholds: str = "equal"  # clipping=per_layer: how C splits into C_l (clipping.LAYER_THRESHOLDS)
     neighboring: str = "add_remove"  # add_remove | replace_one: the relation epsilon is stated for
     # what an algorithm's own calibration derived (`calibrate_noise`, e.g. DC-DPSGD's EpsilonSplit
     # with sigma_tr); None for the one-sigma calibration. Planning and the algorithm read it as is:
@@ -202,7 +203,8 @@ class PrivacyPlan:
         return {
             "noise_multiplier": setup.noise_multiplier, "clip_norm": setup.clip_norm, "sample_rate": setup.sample_rate,
             "expected_batch_size": setup.expected_batch_size, "clipping": setup.clipping,
-            "clipping_gamma": setup.clipping_gamma, "neighboring": setup.neighboring, "secure_rng": setup.noise.secure,
+            "clipping_gamma": setup.clipping_gamma, "per_layer_thresholds": setup.per_layer_thresholds,
+            "neighboring": setup.neighboring, "secure_rng": setup.noise.secure,
             "accountant": self.accountant.name, "delta": self.delta, "target_epsilon": self.target_epsilon,
             "sampling": self.sampling, "batches_per_epoch": self.batches_per_epoch, "steps": self.steps,
             "algo": self.algo_config, "derived": asdict(setup.derived) if setup.derived is not None else None,
@@ -360,6 +362,7 @@ def plan_privacy(cfg, algo_cls, train_size: int, steps: int, device: torch.devic
         noise=GaussianNoise(device, secure=bool(p.secure_rng)),
         clipping=p.clipping,
         clipping_gamma=float(p.clipping_gamma),
+        per_layer_thresholds=str(p.get("per_layer_thresholds", "equal")),
         neighboring=relation,
         derived=derived,
     )

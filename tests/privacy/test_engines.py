@@ -280,13 +280,13 @@ def test_capabilities_are_declared_in_the_registry_and_asked_for_before_training
     from dpbench.algorithms import algorithm_class
 
     from dpbench.privacy.engines import (
-        COVERAGE_CHECK, LOSS_SCALE, PER_EXAMPLE_GRADIENTS, PER_SAMPLE_ENGINES, SHARDED_SUMS, CoverageChecked, Engine,
-        LossScaled, PerExampleGradients, engine_spec,
+        COVERAGE_CHECK, LOSS_SCALE, PER_EXAMPLE_GRADIENTS, PER_LAYER_NORMS, PER_SAMPLE_ENGINES, SHARDED_SUMS,
+        CoverageChecked, Engine, LossScaled, PerExampleGradients, engine_spec,
     )
 
     assert {name: engine_spec(name).capabilities for name in PER_SAMPLE_ENGINES.names()} == {
-        "materialize": {PER_EXAMPLE_GRADIENTS, LOSS_SCALE}, "ghost": {COVERAGE_CHECK, SHARDED_SUMS},
-        "bk": {COVERAGE_CHECK, SHARDED_SUMS}}
+        "materialize": {PER_EXAMPLE_GRADIENTS, LOSS_SCALE, PER_LAYER_NORMS},
+        "ghost": {COVERAGE_CHECK, SHARDED_SUMS, PER_LAYER_NORMS}, "bk": {COVERAGE_CHECK, SHARDED_SUMS, PER_LAYER_NORMS}}
     protocols = {PER_EXAMPLE_GRADIENTS: PerExampleGradients, LOSS_SCALE: LossScaled, COVERAGE_CHECK: CoverageChecked}
     for name in PER_SAMPLE_ENGINES.names():
         engine = build_engine(name, tiny_cnn(), unprobed=True)
@@ -294,6 +294,8 @@ def test_capabilities_are_declared_in_the_registry_and_asked_for_before_training
         for capability in engine_spec(name).capabilities:  # what a capability promises, the engine offers
             if capability == SHARDED_SUMS:  # a keyword of clipped_sum: each sum handed to a reduce as formed
                 assert "reduce" in inspect.signature(engine.clipped_sum).parameters, name
+            elif capability == PER_LAYER_NORMS:  # a keyword of clipped_sum: [L, B] norms and factors
+                assert "per_layer" in inspect.signature(engine.clipped_sum).parameters, name
             else:
                 assert isinstance(engine, protocols[capability]), (name, capability)
         engine.detach()

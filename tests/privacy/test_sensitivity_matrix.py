@@ -149,3 +149,23 @@ def test_automatic_clipping_moves_the_release_by_c_in_every_engine(engine):
     (with_adversary, _), = automatic(task.train_size)
     assert sensitivity == clip
     assert 0.99 * clip <= (with_adversary - without).norm().item() <= 1.0001 * clip
+
+
+@pytest.mark.parametrize("engine", ["materialize", "ghost", "bk"])
+def test_per_layer_clipping_moves_the_release_by_at_most_c_in_every_engine(engine):
+    """privacy.clipping=per_layer at C = 0.5 (thresholds from the initial weights' norms): the
+    adversary's parts are clipped to C_l each, Σ_l C_l² = C², so one added example moves the sum
+    by at most C, and, its gradient being large in every layer, by nearly C."""
+    clip = 0.5
+    task = neighbouring_tasks()
+
+    def per_layer(examples):
+        setup = PrivacySetup(noise_multiplier=1.0, clip_norm=clip, expected_batch_size=float(BATCH), sample_rate=0.5,
+                             noise=ZeroNoise(), clipping="per_layer", per_layer_thresholds="init_norm")
+        algorithm = algorithm_class("dpsgd")(tiny_vit(), task, algo_config("dpsgd", engine).algo, 1e-3, setup)
+        return step_releases(algorithm, "fp32", task, examples)["gradient"]
+
+    (without, sensitivity), = per_layer(task.train_size - 1)
+    (with_adversary, _), = per_layer(task.train_size)
+    assert sensitivity == clip
+    assert 0.9 * clip <= (with_adversary - without).norm().item() <= 1.0001 * clip

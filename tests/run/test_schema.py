@@ -75,13 +75,14 @@ def test_choices_are_the_names_of_the_registries_they_select_from():
     from dpbench.algorithms.grape import PROJECTORS, Projector
     from dpbench.precision import DTYPES
     from dpbench.privacy.accountants import ACCOUNTANTS
-    from dpbench.privacy.clipping import CLIP_FACTORS
+    from dpbench.privacy.clipping import CLIPPING_RULES, LAYER_THRESHOLDS
     from dpbench.privacy.engines import PER_SAMPLE_ENGINES
     from dpbench.privacy.mechanisms import NEIGHBORING_RELATIONS
     from dpbench.privacy.sampling import build_sampler
+    from dpbench.options import LayerThresholds
     from dpbench.schema import AccountantName, Clipping, Neighboring, PrecisionName, Sampling
 
-    generated = [(Clipping, CLIP_FACTORS), (AccountantName, ACCOUNTANTS.names()), (Neighboring, NEIGHBORING_RELATIONS),
+    generated = [(Clipping, CLIPPING_RULES), (LayerThresholds, LAYER_THRESHOLDS), (AccountantName, ACCOUNTANTS.names()), (Neighboring, NEIGHBORING_RELATIONS),
                  (PrecisionName, DTYPES), (PerSample, PER_SAMPLE_ENGINES.names()), (Direction, DIRECTIONS),
                  (Projector, PROJECTORS)]
     for choice, registry in generated:

@@ -57,6 +57,10 @@ def checks(report, name: str, release: str | None = None) -> list:
     "algo=dpsgd train.physical_batch_size=3", "algo=dpadam algo.per_sample=ghost train.physical_batch_size=3",
     "algo=dpadam algo.per_sample=bk train.physical_batch_size=3",
     "algo=dpadam algo.per_sample=ghost train.precision=bf16",  # failed when ghost summed in bf16
+    # privacy.clipping=per_layer in the engines that take per-layer norms from pieces (materialize:
+    # tests/privacy/test_per_layer_clipping.py)
+    "algo=dpsgd algo.per_sample=ghost privacy.clipping=per_layer",
+    "algo=grape algo.per_sample=bk privacy.clipping=per_layer privacy.per_layer_thresholds=init_norm",
 ])
 @pytest.mark.slow  # end-to-end audits (the slow tier)
 def test_variants_pass_the_audit(variant, tmp_path):
