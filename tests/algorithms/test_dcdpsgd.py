@@ -319,6 +319,14 @@ def test_dense_basis_scores_are_those_of_the_orthonormal_basis_of_the_same_draw(
     assert abs(draws.mean()) < 0.15 and draws.abs().mean().item() == pytest.approx(1.0, rel=0.1)  # Laplace(0, 1) at theta 1
 
 
+@pytest.mark.parametrize("theta", [2.0, 1.5])
+def test_sub_weibull_entries_are_the_sign_and_inverse_cdf_of_one_uniform(theta):
+    drawn = SubWeibullSubspaces(50, 4, theta, torch.Generator().manual_seed(2)).draw().raw
+    uniform = torch.rand((50, 4), generator=torch.Generator().manual_seed(2))
+    expected = torch.copysign((-torch.log((2 * uniform - 1).abs().clamp_min(1e-12))) ** theta, uniform - 0.5)
+    assert torch.allclose(drawn, expected, rtol=1e-6, atol=0)
+
+
 def test_subspace_and_its_generator_live_on_the_models_device_and_are_drawn_once_per_step(monkeypatch):
     algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8")
     device = algorithm.params[0].device
