@@ -269,33 +269,31 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     # --- one step (DPFirstOrderAlgorithm's phases, clip_and_accumulate and the noise changed) ---
     def clip_and_accumulate(self, batches):
-        """Scores of every example (pass 1), the tail set (rank mode: from the noisy scores' release;
-        threshold mode: exact scores above the public tau_t, the histogram kept for `add_noise`),
-        then the sum of each example's gradient clipped at its threshold (pass 2). With several physical chunks pass 2
-        recomputes per-example gradients (dropout may differ) and clips each with its own norm;
-        only the tail/body assignment comes from pass 1."""
+        """Scores of every example, the tail set, and the sum of each example's gradient clipped at
+        its threshold. Threshold mode (the default) does it in one pass over the physical chunks:
+        an example's threshold needs only its own exact score and the public tau_t; the step's
+        score histogram is kept for `add_noise`. Rank mode needs every noisy score of the batch
+        before any threshold, so it makes two passes: scores, then clipped sums. With several
+        physical chunks its pass 2 recomputes per-example gradients (dropout may differ) and clips
+        each with its own norm; only the tail/body assignment comes from pass 1."""
         chunks = [b for b in batches if self.task.batch_size(b) > 0]
         basis = None if self.subspaces is None else self.subspaces.draw()
-        tally, scores, finite, kept = LossTally(), [], [], None
-        for _, losses in self.chunks(chunks, tally):
+        if self.threshold_selection:
+            return self._clip_by_threshold(chunks, basis)
+        tally, scores, finite, seen, kept = LossTally(), [], [], [], None
+        for batch, losses in self.chunks(chunks, tally):
             per_sample = self.engine.backward_per_sample(losses)
             scores.append(self.example_scores(per_sample, basis))
             norms = per_sample_norms(per_sample)
             finite.append(torch.isfinite(norms))  # a non-finite example is in no release
-            kept = (per_sample, norms) if len(chunks) == 1 else None  # one chunk: reused in pass 2
+            seen.append(batch)  # a step hook's extra examples included (`chunks`)
+            kept = (per_sample, norms) if len(seen) == 1 else None  # one chunk: reused in pass 2
             del per_sample, norms
-        device = self.params[0].device
-        scores_all = torch.cat(scores) if scores else torch.zeros(0, device=device)
-        finite_all = torch.cat(finite) if finite else torch.zeros(0, dtype=torch.bool, device=device)
-        if self.threshold_selection:
-            tail, thresholds = self.threshold_clip_thresholds(scores_all, finite_all)
-        else:
-            tail, thresholds = self.clip_thresholds(self.release_scores(scores_all[finite_all]), finite_all)
-        if tally.count:
-            self.last_tail = tail  # [B] bool, for diagnostics and tests
-            self.tail_fraction_seen.append(tail[finite_all].float().mean().item() if bool(finite_all.any()) else 0.0)
+        scores_all, finite_all = self._batch_of(scores, torch.float32), self._batch_of(finite, torch.bool)
+        tail, thresholds = self.clip_thresholds(self.release_scores(scores_all[finite_all]), finite_all)
+        self._record_tail(tally, tail, finite_all)
         sums, start = self.zero_sums(), 0
-        for batch in chunks:
+        for batch in seen:
             if kept is not None:
                 per_sample, norms = kept
             else:  # recomputed: clipped with the norms of the gradients it sums
@@ -303,15 +301,48 @@ class DCDPSGD(DPFirstOrderAlgorithm):
                 norms = per_sample_norms(per_sample)
             size = per_sample[0].shape[0]
             factors = self.example_factors(norms, thresholds[start : start + size])
-            for s, c in zip(sums, clipped_sum(per_sample, factors)):
+            for s, c in zip(sums, clipped_sum(per_sample, factors, overwrite=True)):  # per_sample is dropped next
                 s.add_(c)
             start += size
             del per_sample, norms
         return sums, tally
 
+    def _clip_by_threshold(self, chunks, basis):
+        """Threshold mode's one pass: each chunk's exact scores against the public tau_t give its
+        tail set and thresholds at once, so its gradients are clipped and summed as formed."""
+        threshold = self.current_threshold()
+        tally, scores, finite, tails, sums = LossTally(), [], [], [], self.zero_sums()
+        for _, losses in self.chunks(chunks, tally):
+            per_sample = self.engine.backward_per_sample(losses)
+            chunk_scores = self.example_scores(per_sample, basis)
+            norms = per_sample_norms(per_sample)
+            chunk_finite = torch.isfinite(norms)  # a non-finite example is in no release
+            tail = (chunk_scores > threshold) & chunk_finite
+            factors = self.example_factors(norms, torch.where(tail, self.tail_clip, self.body_clip))
+            for s, c in zip(sums, clipped_sum(per_sample, factors, overwrite=True)):  # per_sample is dropped next
+                s.add_(c)
+            scores.append(chunk_scores)
+            finite.append(chunk_finite)
+            tails.append(tail)
+            del per_sample, norms
+        scores_all, finite_all = self._batch_of(scores, torch.float32), self._batch_of(finite, torch.bool)
+        self.pending_histogram = score_histogram(scores_all[finite_all])  # released with the sum (`add_noise`)
+        self._record_tail(tally, self._batch_of(tails, torch.bool), finite_all)
+        return sums, tally
+
+    def _batch_of(self, parts: list[torch.Tensor], dtype) -> torch.Tensor:
+        """The step's [B] values from its chunks' (an empty batch: an empty tensor)."""
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.params[0].device)
+
+    def _record_tail(self, tally: LossTally, tail: torch.Tensor, finite: torch.Tensor) -> None:
+        if tally.count:
+            self.last_tail = tail  # [B] bool, for diagnostics and tests
+            self.tail_fraction_seen.append(tail[finite].float().mean().item() if bool(finite.any()) else 0.0)
+
     def example_scores(self, per_sample: list[torch.Tensor], basis) -> torch.Tensor:
-        ident = torch.cat([per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification], 1)
-        return subspace_scores(ident, basis)  # [b]; basis: drawn on the model's device
+        # the identification tensors as column pieces of [b, d_id]: no concatenated copy
+        pieces = [per_sample[i].reshape(per_sample[i].shape[0], -1).float() for i in self.identification]
+        return subspace_scores(pieces, basis)  # [b]; basis: drawn on the model's device
 
     def release_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores + N(0, sigma_tr^2) (sensitivity 1). Runs on every step: an empty batch releases
@@ -324,14 +355,6 @@ class DCDPSGD(DPFirstOrderAlgorithm):
         if self.score_histogram_average is None:
             return math.inf
         return histogram_threshold(self.score_histogram_average, self.cfg.tail_fraction)
-
-    def threshold_clip_thresholds(self, scores: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Threshold selection: tail = exact score > tau_t (public). The step's score histogram of
-        the finite examples (sensitivity 1) waits for `add_noise`, which releases it with the
-        gradient sum."""
-        tail = (scores > self.current_threshold()) & finite
-        self.pending_histogram = score_histogram(scores[finite])
-        return tail, torch.where(tail, self.tail_clip, self.body_clip)
 
     def add_noise(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradient release; in threshold mode one release of two parts, the score histogram

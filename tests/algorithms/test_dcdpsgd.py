@@ -19,14 +19,17 @@ from helpers.config import OFFLINE, compose
 from dpbench.algorithms import dcdpsgd
 from dpbench.algorithms.dcdpsgd import split_noise_multipliers
 from dpbench.algorithms.dcdpsgd_tail import SCORE_BIN_EDGES, histogram_threshold, score_histogram, tail_mask
-from dpbench.algorithms.dcdpsgd_subspaces import MAX_PROJECTION_ELEMENTS, BlockBasis, SubWeibullSubspaces, subspace_scores
+from dpbench.algorithms.dcdpsgd_subspaces import (
+    MAX_HELD_ELEMENTS, MAX_PROJECTION_ELEMENTS, BlockBasis, SubWeibullSubspaces, subspace_scores,
+)
 from dpbench.runtime.algorithm_state import algorithm_state, load_algorithm_state
 from dpbench.privacy.accountants import (
     RDPAccountant,
     calibrate_noise_multiplier,
     ledger_of_plan,
 )
-from dpbench.privacy.clipping import clip_factors, per_sample_norms
+from dpbench.algorithms.base import LossTally
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
 from dpbench.run import setup
 
 
@@ -285,9 +288,13 @@ def test_the_released_histogram_average_survives_a_checkpoint():
     assert resumed.current_threshold() == algorithm.current_threshold() < math.inf
 
 
-def test_block_basis_is_the_orthonormal_basis_of_the_same_draw():
-    subspaces = SubWeibullSubspaces(300, 20, 2.0, torch.Generator().manual_seed(0), max_elements=1000)
-    assert subspaces.blocks == 6 and subspaces.basis.shape == (50, 20)  # one block of rows held at a time
+@pytest.mark.parametrize("held", [True, False])
+def test_block_basis_is_the_orthonormal_basis_of_the_same_draw(held):
+    subspaces = SubWeibullSubspaces(300, 20, 2.0, torch.Generator().manual_seed(0), max_elements=1000,
+                                    max_held_elements=6000 if held else 5999)
+    # held for the step, or one block of rows held at a time; generated one block at a time either way
+    assert subspaces.blocks == 6 and subspaces.basis.shape == (300 if held else 50, 20)
+    assert subspaces.signs.shape == (50, 20)
     basis = subspaces.draw()
     assert isinstance(basis, BlockBasis)
     dense = basis.dense()
@@ -312,6 +319,14 @@ def test_dense_basis_scores_are_those_of_the_orthonormal_basis_of_the_same_draw(
     assert abs(draws.mean()) < 0.15 and draws.abs().mean().item() == pytest.approx(1.0, rel=0.1)  # Laplace(0, 1) at theta 1
 
 
+@pytest.mark.parametrize("theta", [2.0, 1.5])
+def test_sub_weibull_entries_are_the_sign_and_inverse_cdf_of_one_uniform(theta):
+    drawn = SubWeibullSubspaces(50, 4, theta, torch.Generator().manual_seed(2)).draw().raw
+    uniform = torch.rand((50, 4), generator=torch.Generator().manual_seed(2))
+    expected = torch.copysign((-torch.log((2 * uniform - 1).abs().clamp_min(1e-12))) ** theta, uniform - 0.5)
+    assert torch.allclose(drawn, expected, rtol=1e-6, atol=0)
+
+
 def test_subspace_and_its_generator_live_on_the_models_device_and_are_drawn_once_per_step(monkeypatch):
     algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8")
     device = algorithm.params[0].device
@@ -333,11 +348,82 @@ def test_dcdpsgd_t3_points_beyond_the_projection_limit_run(k):
     job = setup(cfg)
     algorithm = job.algorithm
     assert algorithm.subspaces.blocks > 1
-    assert algorithm.subspaces.basis.numel() <= MAX_PROJECTION_ELEMENTS
+    assert algorithm.subspaces.signs.numel() <= MAX_PROJECTION_ELEMENTS  # generated a block at a time
+    assert algorithm.subspaces.held and algorithm.subspaces.basis.numel() <= MAX_HELD_ELEMENTS  # held for the step
     assert algorithm.extra_results()["score_subspace_blocks"] == algorithm.subspaces.blocks
     if k == 200:  # one step (two physical chunks) of the paper's default k
         result = algorithm.train_step([job.task.batch([0, 1]), job.task.batch([2, 3])], 0)
         assert result.batch_size == 4 and algorithm.last_tail.shape == (4,)
+
+
+def _two_pass_clip_and_accumulate(algorithm, batches):
+    """The step before each block of the subspace was generated once a step: scores of every
+    example (pass 1, the blocks regenerated for the Gram and again for every chunk), the tail set,
+    then every chunk's per-example gradients recomputed and clipped (pass 2)."""
+    basis, tally, scores, finite = algorithm.subspaces.draw(), LossTally(), [], []
+    for _, losses in algorithm.chunks(batches, tally):
+        per_sample = algorithm.engine.backward_per_sample(losses)
+        ident = torch.cat([g.reshape(g.shape[0], -1) for g in per_sample], 1)
+        scores.append(subspace_scores(ident, basis))
+        finite.append(torch.isfinite(per_sample_norms(per_sample)))
+    scores, finite = torch.cat(scores), torch.cat(finite)
+    algorithm.recorded_scores = scores
+    if algorithm.threshold_selection:
+        tail = (scores > algorithm.current_threshold()) & finite
+        algorithm.pending_histogram = score_histogram(scores[finite])
+    else:
+        tail = algorithm.clip_thresholds(algorithm.release_scores(scores[finite]), finite)[0]
+    thresholds, sums, start = torch.where(tail, algorithm.tail_clip, algorithm.body_clip), algorithm.zero_sums(), 0
+    for batch in batches:
+        per_sample = algorithm.engine.backward_per_sample(algorithm.per_example_losses(batch))
+        size = per_sample[0].shape[0]
+        factors = clip_factors(per_sample_norms(per_sample), thresholds[start : start + size])
+        for total, part in zip(sums, clipped_sum(per_sample, factors)):
+            total.add_(part)
+        start += size
+    algorithm.last_tail = tail
+    return sums, tally
+
+
+@pytest.mark.parametrize("selection", ["threshold", "rank"])
+def test_blocks_generated_once_a_step_give_the_two_pass_steps_subspace_scores_and_update(selection):
+    """The step generates each block of a blocked subspace once (held for the step) and, in
+    threshold mode, clips each chunk as it is scored: on the same batch (three physical chunks)
+    and generator states, the subspace, the scores and the released update are those of the
+    step that regenerated the blocks for every chunk and recomputed the gradients."""
+    runs = []
+    for fast in (True, False):
+        algorithm, task, _ = build_algorithm("dcdpsgd", "algo.subspace_dim=8", f"algo.tail_selection={selection}",
+                                             "algo.tail_fraction=0.25")
+        # the tiny model's 556 parameters in 5 blocks of 125 rows (parameter boundaries inside blocks)
+        algorithm.subspaces = SubWeibullSubspaces(556, 8, 2.0, algorithm.projection_generator, max_elements=1000,
+                                                  max_held_elements=10**9 if fast else 0)
+        assert algorithm.subspaces.blocks == 5 and algorithm.subspaces.held == fast
+        subspaces, scores, generated = [], [], []
+        block = algorithm.subspaces.block
+        algorithm.subspaces.block = lambda seed, index, f=block, seen=generated: seen.append(index) or f(seed, index)
+        draw = algorithm.subspaces.draw
+        algorithm.subspaces.draw = lambda draw=draw, seen=subspaces: seen.append(draw()) or seen[-1]
+        example_scores = algorithm.example_scores
+        algorithm.example_scores = lambda per_sample, basis, f=example_scores, seen=scores: seen.append(f(per_sample, basis)) or seen[-1]
+        if not fast:
+            algorithm.clip_and_accumulate = lambda batches, a=algorithm: _two_pass_clip_and_accumulate(a, batches)
+        recorded = record_updates(algorithm, apply=True)
+        algorithm.current_threshold = lambda: 0.02  # some of the tiny model's scores exceed it, most do not
+        for step in range(2):
+            algorithm.projection_generator.manual_seed(11 + step)
+            algorithm.privacy.noise.generator.manual_seed(5 + step)
+            generated.clear()
+            algorithm.train_step([task.batch(list(range(i, i + 4))) for i in (0, 4, 8)], step)
+            assert generated == list(range(5)) or not fast  # each block once a step (not once per chunk too)
+            runs.append((subspaces[-1].dense(), torch.cat(scores) if fast else algorithm.recorded_scores,
+                         algorithm.last_tail.clone(), recorded[-1]))
+            scores.clear()
+    for (basis, scores, tail, update), (slow_basis, slow_scores, slow_tail, slow_update) in zip(runs[:2], runs[2:]):
+        assert torch.allclose(basis, slow_basis, atol=1e-5)
+        assert torch.allclose(scores, slow_scores, atol=1e-5)
+        assert torch.equal(tail, slow_tail) and 0 < int(tail.sum()) < 12  # both thresholds used
+        assert all(torch.allclose(g, h, atol=1e-5) for g, h in zip(update, slow_update))
 
 
 def test_block_subspaces_follow_the_generator_state():
