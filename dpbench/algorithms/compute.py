@@ -5,7 +5,7 @@ shared cores is noise; this count is not.
 `ComputeTally` counts what runs, in the one place where per-example losses are formed
 (`Algorithm.per_example_losses`): each forward of a chunk of b examples adds b forwards, and a
 hook on its losses adds b backwards each time a backward runs through them, so a second backward
-(ghost clipping's reweighted pass) counts again, and a recomputed chunk (DC-DPSGD's pass 2 with
+(ghost clipping's reweighted pass) counts again, and a recomputed chunk (DC-DPSGD's rank-mode pass 2 with
 several physical chunks, DIFF2's gradients at the previous parameters) counts its forward and
 backward again. Zeroth-order steps run forwards only (two per example). What is not a pass of the
 model (book-keeping's norms from kept activations, DPZero's direction draws, the noise, the

@@ -209,9 +209,11 @@ class DCDPSGD(DPFirstOrderAlgorithm):
 
     @classmethod
     def forward_equivalents_per_example(cls, cfg, chunks: int) -> float:
-        """Pass 1 scores every example; with several physical chunks pass 2 recomputes each chunk's
-        forward and backward (`clip_and_accumulate`), so a step costs twice as much."""
-        return super().forward_equivalents_per_example(cfg, chunks) * (2 if chunks > 1 else 1)
+        """Threshold mode scores and clips each chunk in one pass; rank mode with several physical
+        chunks recomputes each chunk's forward and backward in pass 2 (`clip_and_accumulate`), so
+        its step costs twice as much."""
+        twice = tail_selection(cfg) == "rank" and chunks > 1
+        return super().forward_equivalents_per_example(cfg, chunks) * (2 if twice else 1)
 
     @classmethod
     def privacy_notes(cls, cfg) -> list[str]:

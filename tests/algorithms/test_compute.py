@@ -36,8 +36,9 @@ ANALYTIC = [
     ("dpsgd", (), SIZES, 1, 1),  # materialize: one forward, one backward
     ("dpsgd", ("algo.per_sample=ghost",), SIZES, 1, 2),  # ghost clipping: a second (reweighted) backward
     ("dpzero", (), SIZES, 2, 0),  # two forwards (theta +- lambda z), no backward
-    ("dcdpsgd", (SMALL_SUBSPACE,), SIZES, 2, 2),  # several chunks: pass 2 recomputes every chunk's forward and backward
-    ("dcdpsgd", (SMALL_SUBSPACE,), (12,), 1, 1),  # one chunk: pass 2 reuses pass 1's per-example gradients
+    ("dcdpsgd", (SMALL_SUBSPACE,), SIZES, 1, 1),  # threshold mode: each chunk scored and clipped in one pass
+    ("dcdpsgd", (SMALL_SUBSPACE, "algo.tail_selection=rank"), SIZES, 2, 2),  # rank, several chunks: pass 2 recomputes
+    ("dcdpsgd", (SMALL_SUBSPACE, "algo.tail_selection=rank"), (12,), 1, 1),  # rank, one chunk: pass 1's gradients reused
 ]
 
 
@@ -77,7 +78,8 @@ BUDGET = [*OFFLINE, "dataset=synthetic", "train.batch_size=32"]
 
 @pytest.mark.parametrize("algo,overrides,per_example", [
     ("dpadam", (), 3), ("dpadam", ("algo.per_sample=ghost",), 5), ("dpzero", (), 2),
-    ("dcdpsgd", ("train.physical_batch_size=16",), 6), ("dcdpsgd", (), 3),
+    ("dcdpsgd", ("train.physical_batch_size=16", "algo.tail_selection=rank"), 6), ("dcdpsgd", (), 3),
+    ("dcdpsgd", ("train.physical_batch_size=16",), 3),
 ])
 def test_the_budget_sets_the_steps_from_the_declared_cost(algo, overrides, per_example):
     """train.compute_budget=6 (two epochs of forward and backward) over n = 256 examples at B = 32:
