@@ -82,7 +82,8 @@ def test_in_place_decomposition_equals_the_copying_one_and_its_norm_bounds_what_
     alpha_fast, perps_fast = decompose(overwritten, bases, overwrite=True)
     assert torch.allclose(alpha_fast, alpha, rtol=1e-6, atol=0)
     for slow, fast in zip(perps, perps_fast):
-        assert fast.dtype == torch.float32 and torch.allclose(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
+        assert fast.dtype == torch.float32
+        assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
     # an fp32 gradient is its own orthogonal part (no per-sample copy); a wider one is left as it was
     for g, original, fast in zip(overwritten, per_sample, perps_fast):
         assert (fast.data_ptr() == g.data_ptr()) == (dtype == torch.float32)
