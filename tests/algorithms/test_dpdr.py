@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import dp_accounting as dpa
 import pytest
 import torch
-from helpers.algorithms import build_algorithm, record_updates
+from helpers.algorithms import build_algorithm, record_updates, tiny_model
 from helpers.config import OFFLINE, compose
 
+from dpbench.algorithms.base import LossTally
 from dpbench.algorithms.dpdr import DPDR, clip_alpha, decompose, effective_noise_multiplier
 from dpbench.privacy.accountants import RDPAccountant, ledger_of_plan
+from dpbench.privacy.clipping import clip_factors, clipped_sum, per_sample_norms
+from dpbench.privacy.noise import GaussianNoise
 
 
 def _mean_gradient(model, images, labels):
@@ -53,6 +58,96 @@ def test_decomposition_is_exact_and_alpha_clipping_bounds_both_signs():
     assert clipped[2, 0] < -0.29  # clipped to the bound, sign kept
     small = alpha * 1e-4
     assert torch.allclose(clip_alpha(small, 0.3), small)  # below the bound: untouched
+
+
+def _adversarial_gradients(dtype):
+    """Per-sample gradients on unit bases: one nearly parallel to b (||g_perp|| ~ 1e-4 ||g||), one
+    huge, one tiny, one exactly parallel, one ordinary; a contiguous [B, 3, 4] and a [B, 5] layer."""
+    generator = torch.Generator().manual_seed(1)
+    bases = [torch.randn(3, 4, generator=generator), torch.randn(5, generator=generator)]
+    bases = [b / b.norm() for b in bases]
+    layers = []
+    for b in bases:
+        noise = torch.randn(5, *b.shape, generator=generator)
+        layers.append(torch.stack([1e3 * b + 1e-1 * noise[0], 1e18 * noise[1], 1e-18 * noise[2], -7 * b, noise[4]])
+                      .to(dtype))
+    return layers, bases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_in_place_decomposition_equals_the_copying_one_and_its_norm_bounds_what_is_summed(dtype):
+    per_sample, bases = _adversarial_gradients(dtype)
+    alpha, perps = decompose([g.clone() for g in per_sample], bases)
+    overwritten = [g.clone() for g in per_sample]
+    alpha_fast, perps_fast = decompose(overwritten, bases, overwrite=True)
+    assert torch.allclose(alpha_fast, alpha, rtol=1e-6, atol=0)
+    for slow, fast in zip(perps, perps_fast):
+        assert fast.dtype == torch.float32
+        assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-5 * slow.abs().max().item())
+    # an fp32 gradient is its own orthogonal part (no per-sample copy); a wider one is left as it was
+    for g, original, fast in zip(overwritten, per_sample, perps_fast):
+        assert (fast.data_ptr() == g.data_ptr()) == (dtype == torch.float32)
+        assert dtype == torch.float32 or torch.equal(g, original)
+    # the clip factor's norm is the norm of what is summed: each example's clipped part is within C
+    norms = per_sample_norms(perps_fast)
+    factors = clip_factors(norms, 0.5)
+    for i in range(norms.shape[0]):
+        one = clipped_sum([p[i:i + 1] for p in perps_fast], factors[i:i + 1])
+        assert per_sample_norms([s.unsqueeze(0) for s in one]).item() <= 0.5  # exact: no rounding margin needed
+
+
+def test_a_strided_gradient_is_decomposed_from_a_copy_not_through_its_alias():
+    generator = torch.Generator().manual_seed(2)
+    storage = torch.randn(4, 6, generator=generator)
+    strided = storage.t()  # [6, 4], not contiguous: reshape copies, so the copy is overwritten
+    base = torch.randn(4, generator=generator)
+    base = base / base.norm()
+    kept = storage.clone()
+    alpha, (perp,) = decompose([strided], [base], overwrite=True)
+    assert torch.equal(storage, kept)
+    assert torch.allclose(perp, strided - alpha[:, :1] * base, atol=1e-6)
+
+
+def _copying_decomposed_sums(algorithm, batches):
+    """DPDR's sums as first written: g_perp formed as a copy of the gradients and summed from a
+    second copy (the reference the in-place form must equal)."""
+    perp_sums, alpha_sum, tally = algorithm.zero_sums(), torch.zeros(len(algorithm.params)), LossTally()
+    for _, losses in algorithm.chunks(batches, tally):
+        alpha, perps = decompose(algorithm.engine.backward_per_sample(losses), algorithm.bases)
+        alpha_norms, perp_norms = alpha.norm(dim=1), per_sample_norms(perps)
+        keep = torch.isfinite(alpha_norms) & torch.isfinite(perp_norms)
+        factors = algorithm.example_factors(perp_norms, algorithm.cfg.perp_clip, keep=keep)
+        for s, c in zip(perp_sums, clipped_sum(perps, factors)):
+            s.add_(c)
+        alpha_sum += clip_alpha(alpha, algorithm.cfg.alpha_clip, keep=keep).sum(dim=0)
+    return perp_sums, alpha_sum, tally
+
+
+def test_decomposed_sums_and_released_updates_equal_the_copying_version():
+    """Over three chunks, a NaN example among them; the bounds clip about half the examples."""
+    overrides = ("algo.decomposition_steps=3", "algo.perp_clip=4.0", "algo.alpha_clip=1.0")  # some clipped, some not
+    fast, task, cfg = build_algorithm("dpdr", *overrides, sigma=0.5, batch=24.0)
+    slow = DPDR(tiny_model(), task, cfg.algo, 0.1, dataclasses.replace(fast.privacy, noise=GaussianNoise("cpu")))
+    slow.decomposed_sums = lambda batches: _copying_decomposed_sums(slow, batches)
+    images, labels = task.batch(list(range(24)))
+    images[13] = float("nan")
+    batches = [(images[:10], labels[:10]), (images[10:17], labels[10:17]), (images[17:], labels[17:])]
+    updates = {}
+    for name, algorithm in (("fast", fast), ("slow", slow)):
+        algorithm.privacy.noise.generator.manual_seed(0)
+        updates[name] = record_updates(algorithm, apply=True)
+        algorithm.train_step(batches, 0)  # DP-SGD: b from its noisy gradient
+        if name == "fast":  # the same state, both forms of the sums
+            perp_fast, alpha_fast, _ = fast.decomposed_sums(batches)
+            perp_slow, alpha_slow, _ = _copying_decomposed_sums(fast, batches)
+            assert torch.allclose(alpha_fast, alpha_slow, atol=1e-5)
+            assert all(torch.allclose(f, s, atol=1e-5) for f, s in zip(perp_fast, perp_slow))
+            assert all(torch.isfinite(p).all() for p in perp_fast)
+        for step in (1, 2):  # decomposition steps
+            algorithm.train_step(batches, step)
+    assert slow.nonfinite_examples == 3 and fast.nonfinite_examples == 3 + 2  # dropped alike (fast ran two more sums)
+    for got, want in zip(updates["fast"], updates["slow"]):
+        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
 
 
 def test_base_is_refreshed_from_the_noisy_reconstructed_gradient():
