@@ -65,7 +65,7 @@ BAD_INPUTS = [
     (["privacy.clip_norm=-1"], "privacy.clip_norm must be positive"),
     (["train.physical_batch_size=64"], "train.physical_batch_size=64 must lie in 1..train.batch_size=32"),
     (["privacy.sampling=fixed"], "privacy.sampling='fixed' is not known"),
-    (["privacy.clipping=flatt"], "privacy.clipping='flatt' is not known; use one of automatic, flat, psac"),
+    (["privacy.clipping=flatt"], "privacy.clipping='flatt' is not known; use one of automatic, flat, per_layer, psac"),
     (["privacy.neighboring=swap"], "privacy.neighboring='swap' is not known"),
     (["privacy.epsilon=abc"], "privacy.epsilon must be a number or null, got 'abc'"),
     (["seed=abc"], "seed must be an integer, got 'abc'"),
