@@ -68,9 +68,9 @@ def test_two_pass_dcdpsgd_clips_each_recomputed_gradient_to_its_threshold(monkey
     contributions, thresholds = [], []
     original_clipped_sum, original_thresholds = dcdpsgd.clipped_sum, algorithm.clip_thresholds
 
-    def recording_clipped_sum(per_sample, factors):
+    def recording_clipped_sum(per_sample, factors, **options):
         contributions.append(per_sample_norms(per_sample) * factors)
-        return original_clipped_sum(per_sample, factors)
+        return original_clipped_sum(per_sample, factors, **options)
 
     def recording_thresholds(noisy, finite=None):
         tail, limit = original_thresholds(noisy, finite)
