@@ -307,6 +307,7 @@ def test_naive_galore_uses_top_r_singular_vectors_of_the_noisy_gradient_refreshe
 # --- end to end --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # three whole runs (the fast tier's five minutes)
 @pytest.mark.parametrize("name", ["grape", "galore_naive", "galore"])
 def test_a_run_writes_results(name, tmp_path):
     run_job(compose([*TINY, f"algo={name}", "train.steps=4"]), tmp_path, show_progress=False)

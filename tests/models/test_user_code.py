@@ -62,6 +62,7 @@ def test_a_users_model_trains_with_its_declared_family(user_folder, tmp_path):
     assert 0 < results.privacy.epsilon <= 8
 
 
+@pytest.mark.slow  # two whole runs (the fast tier's five minutes)
 @pytest.mark.parametrize("algo", ["dpadam", "grape"])
 def test_a_hugging_face_classifier_on_token_ids_trains_as_a_users_model(algo, user_folder, tmp_path):
     """docs/bring-your-own.md's tiny BERT from a config: int64 token ids reach it unchanged, its

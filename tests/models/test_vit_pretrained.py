@@ -95,6 +95,7 @@ def test_missing_weights_fail_with_one_line(tmp_path):
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # a whole run (the fast tier's five minutes)
 def test_pretrained_vit_fine_tunes_end_to_end(checkpoint, tiny_cfg, tmp_path):
     folder, _ = checkpoint
     cfg = tiny_cfg("algo=dpadam", "model.pretrained=test_vit", f"model.path={folder / 'model.safetensors'}",
