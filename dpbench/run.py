@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from dpbench import saved_model
 from dpbench.runtime import distributed, sharding
 from dpbench.algorithms import ALGORITHMS, Algorithm, algorithm_class
-from dpbench.algorithms.compute import BACKWARD, FORWARD, planned_chunks, steps_for_budget
+from dpbench.algorithms.compute import ComputeTally, planned_chunks, steps_for_budget
 from dpbench.algorithms.learning_rates import mark_head
 from dpbench.runtime.algorithm_state import CheckpointMismatch
 from dpbench.runtime.checkpoint import Checkpointer, StopSignals, delete_checkpoint, incompatible
@@ -251,13 +251,12 @@ def record(job: Job, trainer: Trainer, status: str, memory: PeakMemory, started:
 
 def compute_figures(job: Job, privacy: PrivacyResults) -> dict:
     """results.json's `compute`: the passes the steps ran (summed over the ranks) and the plan."""
-    tally = job.algorithm.compute
-    forwards, backwards, examples = (int(v) for v in distributed.all_reduce_scalars(*tally.state()))
-    total = FORWARD * forwards + BACKWARD * backwards
+    tally = ComputeTally()  # every rank's passes summed
+    tally.load(distributed.all_reduce_scalars(*job.algorithm.compute.state()))
     planned = planned_per_example(job.cfg)
     return {
-        "forward_equivalents": total, "per_example": total / examples if examples else None,
-        "forwards": forwards, "backwards": backwards, "examples": examples,
+        "forward_equivalents": tally.forward_equivalents, "per_example": tally.per_example,
+        "forwards": tally.forwards, "backwards": tally.backwards, "examples": tally.examples,
         "planned_per_example": planned,
         "planned_forward_equivalents": planned * privacy.expected_batch_size * privacy.planned_steps,
         "budget": job.cfg.train.get("compute_budget"),

@@ -90,3 +90,13 @@ def write_corpus(path: Path, rows: list[dict] | None = None) -> Path:
     writer.writerows(corpus_rows() if rows is None else rows)
     Path(path).write_bytes(bz2.compress(buffer.getvalue().encode("utf-8")))
     return Path(path)
+
+
+def tiny_bert_cfg(files: tuple[Path, Path], *extra: str):
+    """model=minilm on the tiny BERT folder and dataset=rt_snippets on the tiny corpus (`files`: the
+    paths write_tiny_bert and write_corpus return), offline, 8 tokens, half the movies for testing."""
+    from helpers.config import OFFLINE, compose
+
+    model, corpus = files
+    return compose([*OFFLINE, "model=minilm", f"model.path={model}", "dataset=rt_snippets", f"dataset.path={corpus}",
+                    "dataset.test_fraction=0.5", "dataset.max_length=8", *extra])

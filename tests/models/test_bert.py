@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.config import FIXED_SIGMA, OFFLINE, compose
-from helpers.tiny_bert import write_corpus, write_tiny_bert
+from helpers.tiny_bert import tiny_bert_cfg, write_corpus, write_tiny_bert
 
 from dpbench.errors import UserError
 from dpbench.models import family_of
@@ -25,18 +25,12 @@ def files(tmp_path_factory):
     return write_tiny_bert(folder / "model"), write_corpus(folder / "corpus.csv.bz2")
 
 
-def bert_cfg(files, *extra):
-    model, corpus = files
-    return compose([*OFFLINE, "model=minilm", f"model.path={model}", "dataset=rt_snippets", f"dataset.path={corpus}",
-                    "dataset.test_fraction=0.5", "dataset.max_length=8", *extra])
-
-
 @pytest.mark.parametrize("pooling", ["mean", pytest.param("pooler", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", PER_SAMPLE_ENGINES.names())
 def test_engines_match_per_example_autograd_in_float64(files, mode, pooling):
     """Every layer trains (embeddings too): each engine's per-example norms and its clipped sum
     Σ f_i g_i equal autograd's on each example alone. Padded batch: the pads must not count."""
-    cfg = bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null", f"model.pooling={pooling}")
+    cfg = tiny_bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null", f"model.pooling={pooling}")
     task = build_task(cfg, CPU)
     torch.manual_seed(0)
     model = task.build_model(cfg.model).double().train()
@@ -69,7 +63,7 @@ def test_engines_match_per_example_autograd_in_float64(files, mode, pooling):
 
 
 def test_family_record_freezing_and_split(files):
-    cfg = bert_cfg(files, "model.trained_blocks=1")
+    cfg = tiny_bert_cfg(files, "model.trained_blocks=1")
     task = build_task(cfg, CPU)
     assert isinstance(task, SentenceClassificationTask)
     model = task.build_model(cfg.model)
@@ -88,17 +82,17 @@ def test_family_record_freezing_and_split(files):
     # (every module the engines hook has a rule or an Opacus grad sampler), embeddings trained too.
     from dpbench.privacy.layers import by_functorch, hooked_modules
 
-    everything = task.build_model(bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null").model)
+    everything = task.build_model(tiny_bert_cfg(files, "model.freeze_embeddings=false", "model.trained_blocks=null").model)
     hooked = hooked_modules(everything, {})
     assert {type(m).__name__ for m in hooked} == {"Linear", "Embedding", "LayerNorm"}
     assert not [m for m in hooked if by_functorch(m)]
-    embeddings_only = task.build_model(bert_cfg(files).model)  # the default: embeddings frozen, every layer trained
+    embeddings_only = task.build_model(tiny_bert_cfg(files).model)  # the default: embeddings frozen, every layer trained
     frozen = {n for n, p in embeddings_only.named_parameters() if not p.requires_grad}
     assert frozen == {n for n, _ in embeddings_only.named_parameters() if n.startswith("bert.embeddings.")}
     with pytest.raises(UserError, match=r"model.trained_blocks=3 must lie in 0..2"):
-        task.build_model(bert_cfg(files, "model.trained_blocks=3").model)
+        task.build_model(tiny_bert_cfg(files, "model.trained_blocks=3").model)
     with pytest.raises(UserError, match="model.pooling=cls is not known"):
-        task.build_model(bert_cfg(files, "model.pooling=cls").model)
+        task.build_model(tiny_bert_cfg(files, "model.pooling=cls").model)
 
 
 @pytest.mark.parametrize("pooling", ["mean", pytest.param("pooler", marks=pytest.mark.slow)])
@@ -108,17 +102,17 @@ def test_cached_frozen_part_gives_the_uncached_logits_and_gradients(files, pooli
     k = 0 (the probe) .. L; a padded batch; the float64 copy (the layout probe's) shares the cache."""
     import copy
 
-    task = build_task(bert_cfg(files), CPU)
+    task = build_task(tiny_bert_cfg(files), CPU)
     indices = [0, 1, 2, 3]
     batch = task.batch(indices)
     assert int(batch.attention_mask.sum(dim=1).min()) < batch.attention_mask.shape[1]  # padded
     for k in (0, 1, 2):
-        cfg = bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}")
+        cfg = tiny_bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}")
         torch.manual_seed(0)
         cached = task.build_model(cfg.model).eval()
         assert cached.prefix_cache is not None and cached.prefix_cache.depth == 2 - k
         torch.manual_seed(0)
-        plain = task.build_model(bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}",
+        plain = task.build_model(tiny_bert_cfg(files, f"model.trained_blocks={k}", f"model.pooling={pooling}",
                                           "model.cache_frozen=false").model).eval()
         assert plain.prefix_cache is None
         got, want = cached(batch.input_ids, batch.attention_mask), plain(batch.input_ids, batch.attention_mask)
@@ -138,7 +132,7 @@ def test_cached_frozen_part_gives_the_uncached_logits_and_gradients(files, pooli
 def test_cached_model_under_each_engine_matches_autograd(files):
     """The top block and head trained on the cached lower part: each engine's per-example norms
     equal autograd's one example at a time (the cache hands each example its own rows)."""
-    cfg = bert_cfg(files, "model.trained_blocks=1")
+    cfg = tiny_bert_cfg(files, "model.trained_blocks=1")
     task = build_task(cfg, CPU)
     torch.manual_seed(0)
     model = task.build_model(cfg.model).double().train()
@@ -161,7 +155,7 @@ def test_cached_model_under_each_engine_matches_autograd(files):
 def test_dplora_adapts_the_trained_layers_only(files):
     from dpbench.models.lora import inject_lora
 
-    cfg = bert_cfg(files, "model.trained_blocks=1", "algo=dplora")
+    cfg = tiny_bert_cfg(files, "model.trained_blocks=1", "algo=dplora")
     task = build_task(cfg, CPU)
     model = inject_lora(task.build_model(cfg.model), cfg.algo)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -170,10 +164,10 @@ def test_dplora_adapts_the_trained_layers_only(files):
 
 
 def test_validation_fraction_holds_out_whole_movies(files):
-    task = build_task(bert_cfg(files, "dataset.validation_fraction=0.3"), CPU)
+    task = build_task(tiny_bert_cfg(files, "dataset.validation_fraction=0.3"), CPU)
     assert task.split is not None and task.split.validation_indices and task.validation_labels
     assert task.train_size == len(task.split.train_indices) == len(task.train_labels)
-    assert len(task.validation_scores(task.build_model(bert_cfg(files).model))) == len(task.validation_labels)
+    assert len(task.validation_scores(task.build_model(tiny_bert_cfg(files).model))) == len(task.validation_labels)
 
 
 def test_a_sentence_model_with_another_dataset_is_a_user_error(files, tmp_path):
@@ -199,7 +193,7 @@ def test_an_asset_folder_holding_an_unpinned_adapter_is_refused_before_any_load(
     shutil.copytree(files[0], folder)
     pinned = {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*")}
     monkeypatch.setitem(assets.ASSETS, "tiny-bert", assets.Asset("tiny-bert", "tiny-bert", "0", "model", pinned, "test"))
-    model_cfg = bert_cfg(files).model
+    model_cfg = tiny_bert_cfg(files).model
     model_cfg.path, model_cfg.asset = None, "tiny-bert"
     vocab = len(load_tokenizer(model_cfg))
     assert isinstance(load_classifier(model_cfg, 2, vocab), torch.nn.Module)  # the pinned files alone: loaded
@@ -223,7 +217,7 @@ def test_one_step_of_each_algorithm_family(files, algo, tmp_path):
     from dpbench.run import run_job
 
     sigma = FIXED_SIGMA if algo != "adam" else []  # a non-private run refuses a privacy setting
-    cfg = bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *sigma, "train.batch_size=2", "train.physical_batch_size=2",
+    cfg = tiny_bert_cfg(files, f"algo={algo}", *FAMILIES[algo], *sigma, "train.batch_size=2", "train.physical_batch_size=2",
                    "train.steps=1",
                    "train.eval_every=1", "train.lr=1e-3")
     results = run_job(cfg, tmp_path, show_progress=False)
@@ -259,7 +253,7 @@ def test_the_audits_dropout_off_silences_attention_dropout(files):
     (the audit of MiniLM, attention dropout 0.1, saw 1.05-1.15x the stated sensitivity)."""
     from dpbench.tools.audit.harness import dropout_off
 
-    cfg = bert_cfg(files, "model.trained_blocks=null", "model.cache_frozen=false")
+    cfg = tiny_bert_cfg(files, "model.trained_blocks=null", "model.cache_frozen=false")
     task = build_task(cfg, CPU)
     model = task.build_model(cfg.model).train()
     for module in model.modules():

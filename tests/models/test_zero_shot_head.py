@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.config import FIXED_SIGMA, OFFLINE, compose
-from helpers.tiny_bert import write_corpus, write_tiny_bert
+from helpers.tiny_bert import tiny_bert_cfg, write_corpus, write_tiny_bert
 
 from dpbench.errors import UserError
 from dpbench.run_config import validate
@@ -28,10 +28,7 @@ def files(tmp_path_factory):
 
 
 def zero_shot_cfg(files, *extra):
-    model, corpus = files
-    return compose([*OFFLINE, "model=minilm", f"model.path={model}", "dataset=rt_snippets", f"dataset.path={corpus}",
-                    "dataset.test_fraction=0.5", "dataset.max_length=8", "model.head_init=zero_shot",
-                    f"dataset.label_descriptions=[{','.join(DESCRIPTIONS)}]", *extra])
+    return tiny_bert_cfg(files, "model.head_init=zero_shot", f"dataset.label_descriptions=[{','.join(DESCRIPTIONS)}]", *extra)
 
 
 def mean_pooled(folder, task, sequences) -> torch.Tensor:

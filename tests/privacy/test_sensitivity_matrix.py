@@ -137,18 +137,25 @@ def test_automatic_clipping_moves_the_release_by_c_in_every_engine(engine):
     contribution has norm C |g| / (|g| + gamma), just under C, so one added example moves the sum
     by at most C and, its gradient being large, by nearly C: the bound is C, not 1 or C / gamma."""
     clip = 0.5
+    sensitivity, moved = release_moved_by_the_adversary("dpadam", engine, clip, clipping="automatic", clipping_gamma=0.01)
+    assert sensitivity == clip
+    assert 0.99 * clip <= moved <= 1.0001 * clip
+
+
+def release_moved_by_the_adversary(algo: str, engine: str, clip: float, **clipping) -> tuple[float, float]:
+    """(stated sensitivity, how far the gradient release moves) when `algo` on `engine`, clipping at
+    `clip` with `clipping` (PrivacySetup's options), steps with and without the adversarial example."""
     task = neighbouring_tasks()
 
-    def automatic(examples):
+    def release(examples):
         setup = PrivacySetup(noise_multiplier=1.0, clip_norm=clip, expected_batch_size=float(BATCH), sample_rate=0.5,
-                             noise=ZeroNoise(), clipping="automatic", clipping_gamma=0.01)
-        algorithm = algorithm_class("dpadam")(tiny_vit(), task, algo_config("dpadam", engine).algo, 1e-3, setup)
+                             noise=ZeroNoise(), **clipping)
+        algorithm = algorithm_class(algo)(tiny_vit(), task, algo_config(algo, engine).algo, 1e-3, setup)
         return step_releases(algorithm, "fp32", task, examples)["gradient"]
 
-    (without, sensitivity), = automatic(task.train_size - 1)
-    (with_adversary, _), = automatic(task.train_size)
-    assert sensitivity == clip
-    assert 0.99 * clip <= (with_adversary - without).norm().item() <= 1.0001 * clip
+    (without, sensitivity), = release(task.train_size - 1)
+    (with_adversary, _), = release(task.train_size)
+    return sensitivity, (with_adversary - without).norm().item()
 
 
 @pytest.mark.parametrize("engine", ["materialize", "ghost", "bk"])
@@ -157,15 +164,7 @@ def test_per_layer_clipping_moves_the_release_by_at_most_c_in_every_engine(engin
     adversary's parts are clipped to C_l each, Σ_l C_l² = C², so one added example moves the sum
     by at most C, and, its gradient being large in every layer, by nearly C."""
     clip = 0.5
-    task = neighbouring_tasks()
-
-    def per_layer(examples):
-        setup = PrivacySetup(noise_multiplier=1.0, clip_norm=clip, expected_batch_size=float(BATCH), sample_rate=0.5,
-                             noise=ZeroNoise(), clipping="per_layer", per_layer_thresholds="init_norm")
-        algorithm = algorithm_class("dpsgd")(tiny_vit(), task, algo_config("dpsgd", engine).algo, 1e-3, setup)
-        return step_releases(algorithm, "fp32", task, examples)["gradient"]
-
-    (without, sensitivity), = per_layer(task.train_size - 1)
-    (with_adversary, _), = per_layer(task.train_size)
+    sensitivity, moved = release_moved_by_the_adversary("dpsgd", engine, clip, clipping="per_layer",
+                                                        per_layer_thresholds="init_norm")
     assert sensitivity == clip
-    assert 0.9 * clip <= (with_adversary - without).norm().item() <= 1.0001 * clip
+    assert 0.9 * clip <= moved <= 1.0001 * clip
