@@ -136,6 +136,17 @@ def default_learning_rate(dataset_lr, lr_family: str, algo_lr: float) -> float:
     return float(algo_lr if rate is None else rate)
 
 
+def default_head_init(dataset_head_init, lr_family: str) -> str:
+    """model.head_init when the command line gives none: a data set's train_defaults.head_init (one
+    choice for every algorithm, or a map from lr family to choice, decided on a validation part) where
+    it has one for this algorithm's family, else `random` (a fresh head)."""
+    if dataset_head_init is None:
+        return "random"
+    if isinstance(dataset_head_init, str):
+        return dataset_head_init
+    return str(dataset_head_init.get(str(lr_family)) or "random")
+
+
 def default_batch_size(dataset_batch, algo_batch) -> int:
     """train.batch_size when the command line gives none: the data set's, the algorithm's, else 256."""
     return int(next((b for b in (dataset_batch, algo_batch) if b is not None), 256))
@@ -224,6 +235,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("dpbench_excluded_from_dirname", excluded_from_dirname, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_lr", default_learning_rate, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_batch_size", default_batch_size, replace=True)
+    OmegaConf.register_new_resolver("dpbench_default_head_init", default_head_init, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_epochs", default_epochs, replace=True)
     OmegaConf.register_new_resolver("dpbench_default_steps", default_steps, replace=True)
     OmegaConf.register_new_resolver("dpbench_setting", preset_setting, replace=True)  # presets' tables by algo.name

@@ -235,7 +235,9 @@ def test_a_dataset_config_sets_the_train_defaults_it_needs():
     real = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets"])
     wanted = OmegaConf.to_container(real.dataset.train_defaults)
     rates = wanted.pop("lr")  # one per lr family
+    heads = wanted.pop("head_init")  # model.head_init, one per lr family (test_zero_shot_head.py)
     assert {key: real.train[key] for key in wanted} == wanted
+    assert real.model.head_init == heads.get(real.algo.lr_family, "random")
     for algo in ("dpadam", "dpsgd", "dpzero"):
         chosen = compose([*OFFLINE, "model=minilm", "dataset=rt_snippets", f"algo={algo}"])
         assert chosen.train.lr == rates[chosen.algo.lr_family] and rates[chosen.algo.lr_family] > 0

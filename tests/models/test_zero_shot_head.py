@@ -113,3 +113,16 @@ def test_resume_and_the_report_tell_zero_shot_runs_apart_and_keep_older_runs():
         "dataset.label_descriptions (['a terrible movie', 'a great movie'] -> ['bad', 'good'])"]
     assert method_name(RunRow(".", algo="dpzero", config=flatten(zero_shot))) == "dpzero_zero_shot"
     assert method_name(RunRow(".", algo="dpzero", config=flatten(random_head))) == "dpzero"
+
+
+def test_the_real_tiers_default_head_follows_the_algorithms_family_and_the_command_line_wins():
+    """rt_snippets' train_defaults.head_init: zero-shot for zeroth-order methods (decided on the
+    validation part, docs/real-tier.md), the random head for every other family; a typed value wins."""
+    real = ["model=minilm", "dataset=rt_snippets"]
+    assert {a: compose([*OFFLINE, *real, f"algo={a}"]).model.head_init for a in ("dpzero", "mezo", "dpgd0th")} \
+        == dict.fromkeys(("dpzero", "mezo", "dpgd0th"), "zero_shot")
+    assert {a: compose([*OFFLINE, *real, f"algo={a}"]).model.head_init for a in ("dpadam", "dpsgd", "grape")} \
+        == dict.fromkeys(("dpadam", "dpsgd", "grape"), "random")
+    assert compose([*OFFLINE, *real, "algo=dpzero", "model.head_init=random"]).model.head_init == "random"
+    assert compose([*OFFLINE, *real, "algo=dpadam", "model.head_init=zero_shot"]).model.head_init == "zero_shot"
+    assert compose([*OFFLINE, *real, "algo=dpzero", "dataset.train_defaults.head_init=null"]).model.head_init == "random"
