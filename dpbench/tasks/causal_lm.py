@@ -32,6 +32,9 @@ class CausalBatch:
     target_mask: torch.Tensor  # [R, T]: 1 where the token is scored (predicted from t-1)
     labels: torch.Tensor  # [B] gold candidate (classification) or zeros
     rows_per_example: int
+    # Every scored token lies in the last `scored_span` positions (rows are left-padded and end in
+    # their scored tokens); None: anywhere. `row_nll` computes logits for those positions only.
+    scored_span: int | None = None
 
 
 class _PlaceholderRow(dict):
@@ -115,13 +118,18 @@ class CausalLMTask(LanguageTask):
             self.validation_gold = [self.prompt.gold(r) for r in self.validation_rows]
 
     def _batch(self, encoded: list[list[tuple[list[int], int]]], gold: list[int]) -> CausalBatch:
+        """Rows left-padded (OPT's positions count from each row's first token), so that every
+        row's scored tokens (its candidate or answer, at its end) lie in the batch's last columns."""
         rows_per_example = len(encoded[0]) if encoded else 1
-        sequences = [ids for example in encoded for ids, _ in example]
-        ids, attention = self.pad(sequences)
+        pairs = [pair for example in encoded for pair in example]
+        ids, attention = self.pad([seq for seq, _ in pairs], left=True)
         target = torch.zeros_like(attention)
-        for row, (seq, scored) in enumerate(pair for example in encoded for pair in example):
-            target[row, len(seq) - scored: len(seq)] = 1
-        return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device), rows_per_example)
+        width = ids.shape[1]
+        for row, (_, scored) in enumerate(pairs):
+            target[row, width - scored: width] = 1
+        span = max((scored for _, scored in pairs), default=0)
+        return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device),
+                           rows_per_example, span)
 
     def batch(self, indices):
         return self._batch([self.train_encoded[i] for i in indices], [self.train_gold[i] for i in indices])
@@ -131,11 +139,17 @@ class CausalLMTask(LanguageTask):
 
     # --- losses ---------------------------------------------------------------------------
     def row_nll(self, model: nn.Module, batch: CausalBatch) -> torch.Tensor:
-        """Mean NLL of each row's scored tokens: [R]."""
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [R, T, V]
-        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        nll = -log_probs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [R, T-1]
-        scored = batch.target_mask[:, 1:].float()
+        """Mean NLL of each row's scored tokens: [R]. Logits only where the loss reads them: the
+        span's S positions that predict the scored tokens (transformers' `logits_to_keep`), so no
+        [R, T, V] table, nor its fp32 copy, exists (a candidate is a token or two; T is the prompt)."""
+        width = batch.input_ids.shape[1]
+        span = width - 1 if batch.scored_span is None else min(int(batch.scored_span), width - 1)
+        keep = {"logits_to_keep": span + 1} if span + 1 < width else {}  # 0 / absent: every position
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,  # no KV cache
+                       **keep).logits  # [R, S+1, V]
+        log_probs = torch.log_softmax(logits[:, -span - 1:-1].float(), dim=-1)  # predict positions T-S .. T-1
+        nll = -log_probs.gather(-1, batch.input_ids[:, width - span:, None]).squeeze(-1)  # [R, S]
+        scored = batch.target_mask[:, width - span:].float()
         return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
 
     def per_sample_loss(self, model, batch):

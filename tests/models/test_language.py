@@ -181,3 +181,30 @@ def test_wrong_pairings_are_user_errors(workspace):
         task_and_model(workspace, "roberta", "squad")
     with pytest.raises(UserError, match="model.path"):
         build_task(compose(["dataset=sst2", "model=opt", "model.path=/nonexistent", f"dataset.path={workspace / 'data' / 'sst2'}"]), CPU)
+
+
+@pytest.mark.parametrize("dataset", ["boolq", "squad"])  # candidate rows; a generation answer
+def test_opt_scores_only_the_positions_its_loss_reads_and_each_row_as_it_would_alone(workspace, dataset):
+    """row_nll against each row run alone, unpadded, with every position's logits (the textbook
+    mean NLL of the row's scored tokens); and the LM head sees only the scored span (+1), not T."""
+    task, model = task_and_model(workspace, "opt", dataset)
+    model.eval()
+    batch = task.batch(list(range(4)))
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: heads.append(args[0].shape))
+    with torch.no_grad():
+        nll = task.row_nll(model, batch)
+    hook.remove()
+    assert heads == [(batch.input_ids.shape[0], batch.scored_span + 1, model.config.hidden_size)]
+    assert batch.scored_span + 1 < batch.input_ids.shape[1]  # the prompt is longer than what is scored
+    expected = []
+    for row in range(batch.input_ids.shape[0]):
+        real = batch.attention_mask[row].bool()
+        ids, target = batch.input_ids[row, real][None], batch.target_mask[row, real][None]
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.double()
+        token_nll = -torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        scored = target[:, 1:].double()
+        assert scored.sum() > 0
+        expected.append(((token_nll * scored).sum() / scored.sum()).item())
+    torch.testing.assert_close(nll.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-5)

@@ -395,15 +395,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def zeroth_order(overrides: list[str]) -> bool:
+    """The run's algorithm steps on forward passes alone (its lr family is zeroth_order)."""
+    from dpbench.api import compose
+
+    return str(compose(list(overrides)).algo.get("lr_family")) == "zeroth_order"
+
+
 def traced_section(overrides: list[str], batch: int | None, seq_len: int | None, budget_gib: float | None) -> str:
     """The traced prediction of one process's step (docs/memory-prediction.md), as text."""
     from dpbench.tools.benchmarks.memory_trace import predict_step_peak
 
-    traced = predict_step_peak(overrides, batch=batch, seq_len=seq_len)
+    traced = predict_step_peak(overrides, batch=batch, seq_len=seq_len, inference_floor=zeroth_order(overrides))
     lines = [f"traced step (one process, {traced['seconds']:.0f} s): peak allocated "
              f"{traced['allocated_bytes'] / GIB:.2f} GiB, predicted reserved {traced['reserved_bytes'] / GIB:.2f} GiB "
              f"(allocated x {1 + traced['reserved_slack']:g})"]
     lines += [f"  {what:12}{size / GIB:9.2f} GiB" for what, size in traced["by_category"].items() if size]
+    if "inference_floor_bytes" in traced:  # a zeroth-order method's claim: the memory of inference
+        floor = traced["inference_floor_bytes"]
+        lines.append(f"inference floor (one forward, no gradient, logits only where the loss reads): "
+                     f"{floor / GIB:.2f} GiB allocated; the step is {traced['allocated_bytes'] / floor:.2f}x it")
     if budget_gib is not None:
         fits = traced["reserved_bytes"] <= budget_gib * GIB
         lines.append(f"traced: {'fits' if fits else 'does NOT fit'} in {budget_gib:g} GiB")

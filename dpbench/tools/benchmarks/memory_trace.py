@@ -179,6 +179,16 @@ def task_without_data(cfg, device: torch.device):
     return task, kind
 
 
+# Scored tokens per row of a traced causal-LM batch: a candidate's label word (MeZO's SST-2 words are one
+# token each, BoolQ's " Yes"/" No" too); a generation task's gold answer, whose length is data: every
+# position (the upper bound).
+CANDIDATE_TOKENS = 1
+
+
+def scored_span(prompt, tokens: int) -> int:
+    return tokens - 1 if prompt.generation else min(tokens - 1, CANDIDATE_TOKENS)
+
+
 def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
     """One physical batch of `batch` examples in the task's own batch type (token ids and images
     drawn at random: a real run's checks need gradients that do not cancel; labels 0)."""
@@ -200,7 +210,10 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
         prompt = task.prompt
         rows = 1 if prompt.generation else len(prompt.candidates(_PlaceholderRow()))
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
-        return CausalBatch(ids(batch * rows, tokens), ones, ones.clone(), zeros(batch), rows)
+        span = scored_span(prompt, tokens)
+        target = torch.zeros_like(ones)
+        target[:, tokens - span:] = 1  # a real batch's rows end in their scored tokens (causal_lm._batch)
+        return CausalBatch(ids(batch * rows, tokens), ones, target, zeros(batch), rows, span)
     return torch.randn(batch, *info["shape"], device=device), zeros(batch)
 
 
@@ -276,6 +289,10 @@ def build_step(overrides: list[str], batch: int | None = None, seq_len: int | No
         assumptions.append(f"attention: transformers' {info['attention']} (dpbench's default); the trace runs "
                            "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities, except "
                            "with attention dropout (CPU torch's math path then keeps them; see fused_dropout)")
+    if kind == "causal_lm":
+        span = scored_span(task.prompt, tokens)
+        assumptions.append(f"scored tokens per row: the last {span} (" + ("a generation answer's length is data: every "
+                           "position" if task.prompt.generation else "one label-word token per candidate") + ")")
     return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device), model, batch, tokens, assumptions)
 
 
@@ -341,8 +358,35 @@ def measure(step: Traced, steps: int = TRACED_STEPS) -> dict:
     return {"allocated_bytes": int(device_peak["Total"]), "by_category": by_category}
 
 
+def measure_inference_floor(step: Traced) -> int:
+    """The floor a zeroth-order step is held to (MeZO's and DPZero's claim: inference memory): the
+    peak of live tensors of one forward with no gradient, to the model's last hidden state plus the
+    logits of the positions the loss reads (a causal LM's scored span, through its output
+    embedding, built here apart from the task's loss); any other task: its loss, with no gradient."""
+    model, batch = step.model, step.batch
+    tracker = step_tracker()
+    tracker.track_external(model, *batch_tensors(batch))
+    was_training = model.training
+    model.eval()
+    try:
+        with tracker, torch.no_grad():
+            if getattr(batch, "scored_span", None) is not None:
+                span = int(batch.scored_span)
+                hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                             use_cache=False).last_hidden_state
+                logits = model.get_output_embeddings()(hidden[:, -span - 1:-1])
+                torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, -span:, None])
+            else:
+                step.algorithm.task.per_sample_loss(model, batch)
+    finally:
+        model.train(was_training)
+    peaks = tracker.get_tracker_snapshot("peak")
+    (device_peak,) = [v for k, v in peaks.items() if k.type == "cpu"] or list(peaks.values())
+    return int(device_peak["Total"])
+
+
 def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True,
-          fused_dropout: bool = False) -> dict:
+          fused_dropout: bool = False, inference_floor: bool = False) -> dict:
     """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check);
     `fused_dropout`: attention with dropout as CUDA's fused SDPA kernel holds it (`fused_attention_dropout`)."""
     started = time.perf_counter()
@@ -350,20 +394,24 @@ def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None
     attention = fused_attention_dropout() if fused_dropout else contextlib.nullcontext()
     with mode, fake_safe_engines(), attention:
         step = build_step(overrides, batch, seq_len)
+        floor = measure_inference_floor(step) if inference_floor else None
         result = measure(step)
+    if floor is not None:
+        result["inference_floor_bytes"] = floor
     result["assumptions"] = step.assumptions
     result["seconds"] = time.perf_counter() - started
     return result
 
 
 def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None,
-                      fused_dropout: bool = True) -> dict:
+                      fused_dropout: bool = True, inference_floor: bool = False) -> dict:
     """Trace one training step of the run `dpbench <overrides>` would make (model at its real size,
     built under FakeTensorMode; the algorithm's real step: forward, per-example work of its engine,
     clipping, noise, optimizer step) and return
     {"allocated_bytes": int (peak), "reserved_bytes": int (allocated x (1 + RESERVED_SLACK)),
      "reserved_slack": float, "by_category": {...MemTracker's categories...}, "assumptions": [str, ...]}"""
-    result = trace(overrides, batch=batch, seq_len=seq_len, fake=True, fused_dropout=fused_dropout)
+    result = trace(overrides, batch=batch, seq_len=seq_len, fake=True, fused_dropout=fused_dropout,
+                   inference_floor=inference_floor)
     allocated = result["allocated_bytes"]
     attention = (["attention dropout as CUDA's fused SDPA kernel holds it (no T x T probabilities or mask)"]
                  if fused_dropout else [])
@@ -373,4 +421,5 @@ def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len
         f"reserved = allocated x (1 + {RESERVED_SLACK})"]
     return {"allocated_bytes": allocated, "reserved_bytes": int(allocated * (1 + RESERVED_SLACK)),
             "reserved_slack": RESERVED_SLACK, "by_category": result["by_category"], "assumptions": assumptions,
-            "seconds": result["seconds"]}
+            "seconds": result["seconds"], **({"inference_floor_bytes": result["inference_floor_bytes"]}
+                                            if "inference_floor_bytes" in result else {})}

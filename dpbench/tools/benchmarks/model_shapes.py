@@ -21,6 +21,8 @@ KNOWN_CONFIGS: dict[str, dict] = {
                               word_embed_proj_dim=4096),
     "facebook/opt-13b": dict(_OPT, hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, ffn_dim=20480,
                              word_embed_proj_dim=5120),
+    "facebook/opt-30b": dict(_OPT, hidden_size=7168, num_hidden_layers=48, num_attention_heads=56, ffn_dim=28672,
+                             word_embed_proj_dim=7168),
     "FacebookAI/roberta-base": dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                     intermediate_size=3072, max_position_embeddings=514, type_vocab_size=1,
                                     pad_token_id=1),
@@ -31,9 +33,11 @@ KNOWN_CONFIGS: dict[str, dict] = {
                                           num_attention_heads=12, intermediate_size=3072,
                                           max_position_embeddings=512, type_vocab_size=2, pad_token_id=0),
 }
-# Sizes the memory model and the trace know by shape alone, for families whose runs load only a
-# local folder (model=bert loads model.path; `+model.size=base` names BERT-base's shapes here)
-SHAPE_ONLY_SIZES: dict[str, dict[str, str]] = {"bert": {"base": "google-bert/bert-base-uncased"}}
+# Sizes the memory model and the trace know by shape alone: for families whose runs load only a
+# local folder (model=bert loads model.path; `+model.size=base` names BERT-base's shapes here), and
+# sizes no run offers (OPT-30B: the zeroth-order inference-memory figure, docs/memory-prediction.md)
+SHAPE_ONLY_SIZES: dict[str, dict[str, str]] = {"bert": {"base": "google-bert/bert-base-uncased"},
+                                               "opt": {"30b": "facebook/opt-30b"}}  # the zeroth-order memory figure
 TINY_VOCAB = 4096  # the tiny models' byte-level BPE (dpbench.models.language.train_tiny_tokenizer)
 
 
