@@ -4,14 +4,15 @@
         model=opt model.size=6.7b dataset=squad algo=dpadam algo.per_sample=bk train.physical_batch_size=1
     python -m dpbench.tools.benchmarks.max_batch --sharding --world-size 8 --budget-mib 81920 -- <the same overrides>
 
-The config is composed as `dpbench` composes it (`dpbench.api.compose`); the model is built on the
-`meta` device (no memory, no weights: a language model from its transformers config, read from a
-local folder or the hub cache, else from `KNOWN_CONFIGS`), its parameters counted exactly, and one
-forward of a physical batch on `meta` tensors gives every hooked layer's input and output shapes.
+The config is composed as `dpbench` composes it (`dpbench.api.compose`); the model is built as a
+run builds it (its frozen parts, head and pooler; the traced mode's builder) on fake tensors (no
+memory, no weights: a language model from its transformers config, read from a local folder or the
+hub cache, else from `KNOWN_CONFIGS`), its parameters counted exactly, and one forward of a physical
+batch on fake tensors gives every hooked layer's input and output shapes.
 For a world size K (`train.sharding=fsdp`: FSDP2's Shard(0), torch.chunk's rows; rank 0 holds the
 most), the table gives rank 0's bytes of:
 
-* parameters / K (their dtype) and, while a block runs, the gathered blocks: FSDP2 all-gathers a
+* parameters / K (their dtype; the frozen ones, a row of their own, hold weights only) and, while a block runs, the gathered blocks: FSDP2 all-gathers a
   block's full parameters for its forward and backward and prefetches the next (2 blocks), and the
   root's own parameters (embeddings, tied head, final norm) stay gathered from the forward to the
   end of the backward;
@@ -142,32 +143,27 @@ def reduce_scatter_bytes(shape, world_size: int) -> int:
 
 
 # --- the model, on meta ---------------------------------------------------------------------------------------
-def meta_model(cfg) -> tuple[nn.Module, dict]:
-    """(`cfg.model` built on the meta device, the keyword inputs of one example of `cfg`'s task
-    with batch and tokens left to `example_inputs`)."""
-    from dpbench.models import MODELS, apply_opacus_fixes
-    from dpbench.models.language import AUTO_CLASSES, LanguageFamily, family
+def shaped_model(cfg) -> tuple[nn.Module, dict]:
+    """`cfg.model` as a run builds it (the traced mode's builder: the run's frozen parts, head and
+    pooler, so a sentence classifier with `model.trained_blocks=k` trains k blocks and the head),
+    with no storage: call it under `memory_trace.tracing_mode()` (fake tensors, whose host reads,
+    such as transformers' is-it-padded check, read a fixed value), and the facts `example_inputs`
+    needs."""
+    from dpbench.models.bert import SentenceClassifier
+    from dpbench.tools.benchmarks.memory_trace import build_model
 
-    name = str(cfg.model.name)
-    if isinstance(MODELS.get(name).family, LanguageFamily):
-        import transformers
-
-        config = language_config(cfg)
-        auto = getattr(transformers, AUTO_CLASSES[family(cfg.model).objective])
-        with torch.device("meta"):
-            model = auto.from_config(config)
-        return apply_opacus_fixes(model, name), {"kind": "language", "vocab": config.vocab_size}
-    spec = image_spec(cfg)  # the task's input: digits is 1 x 8 x 8, not the config's absent size
-    with torch.device("meta"):
-        model = apply_opacus_fixes(MODELS.get(name).build(cfg.model, spec), name)
-    return model, {"kind": "image", "shape": spec.input_shape or (spec.channels, spec.image_size, spec.image_size)}
+    model, info = build_model(cfg)
+    return model, {**info, "sentence_classifier": isinstance(model, SentenceClassifier)}
 
 
 def example_inputs(info: dict, batch: int, tokens: int) -> dict:
+    """One physical batch's keyword inputs (under the caller's tensor mode)."""
     if info["kind"] == "language":
-        # no attention mask: a meta tensor cannot say whether it pads (transformers asks)
-        return {"input_ids": torch.zeros(batch, tokens, dtype=torch.long, device="meta")}
-    return {"x": torch.zeros(batch, *info["shape"], device="meta")}
+        ids = torch.zeros(batch, tokens, dtype=torch.long)
+        # dpbench's sentence classifier pools with the mask, an argument; a causal/MLM model needs none
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)} if info.get("sentence_classifier") else \
+            {"input_ids": ids}
+    return {"x": torch.zeros(batch, *info["shape"])}
 
 
 # --- layer calls ------------------------------------------------------------------------------------------
@@ -269,6 +265,11 @@ def estimate_model(model: nn.Module, inputs: dict, *, algo: str = "dpadam", engi
     est = Estimate(label, K, batch, tokens, engine, precision, numel)
     param_bytes = sum(shard_numel(p.shape, K) * p.element_size() for _, p in params)
     est.rows.append(("parameters / K", param_bytes, f"{numel:,} trained, {params[0][1].dtype}".replace("torch.", "")))
+    trained_ids = {id(p) for _, p in params}
+    frozen = list({id(p): p for p in model.parameters() if id(p) not in trained_ids}.values())
+    if frozen:  # held like the trained weights (FSDP2 shards them too), with no gradient or state
+        est.rows.append(("frozen parameters / K", sum(shard_numel(p.shape, K) * p.element_size() for p in frozen),
+                         f"{sum(p.numel() for p in frozen):,} not trained (weights only)"))
     if K > 1:
         blocks = block_modules(model, tuple(block_patterns))
         in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
@@ -320,17 +321,20 @@ def estimate(overrides: list[str], world_size: int, batch: int | None = None, to
     from dpbench.api import compose
     from dpbench.runtime.sharding import block_patterns
 
+    from dpbench.tools.benchmarks.memory_trace import tracing_mode
+
     cfg = compose(overrides)
     algo, engine = str(cfg.algo.name), str(cfg.algo.get("per_sample", "materialize"))
     batch = int(batch or cfg.train.get("physical_batch_size") or cfg.train.batch_size)
-    model, info = meta_model(cfg)
-    tokens = 1 if info["kind"] == "image" else int(tokens or cfg.dataset.get("max_length") or 512)
-    projected = build_projections(model, cfg.algo)[1] if algo == "grape" else None
     label = f"model={cfg.model.name}" + (f" size={cfg.model.size}" if cfg.model.get("size") else "") + f" algo={algo}"
-    est = estimate_model(model, example_inputs(info, batch, tokens), algo=algo, engine=engine, batch=batch,
-                         tokens=tokens, precision=str(cfg.train.get("precision", "fp32")), world_size=world_size,
-                         block_patterns=block_patterns(str(cfg.model.name)), momentum=float(cfg.algo.get("momentum") or 0),
-                         projected=projected, label=label)
+    with tracing_mode():  # shapes only: a 6.7B model costs no memory
+        model, info = shaped_model(cfg)
+        tokens = 1 if info["kind"] == "image" else int(tokens or cfg.dataset.get("max_length") or 512)
+        projected = build_projections(model, cfg.algo)[1] if algo == "grape" else None
+        est = estimate_model(model, example_inputs(info, batch, tokens), algo=algo, engine=engine, batch=batch,
+                             tokens=tokens, precision=str(cfg.train.get("precision", "fp32")), world_size=world_size,
+                             block_patterns=block_patterns(str(cfg.model.name)),
+                             momentum=float(cfg.algo.get("momentum") or 0), projected=projected, label=label)
     if info["kind"] == "image":
         est.tokens = 1
     if world_size > 1:

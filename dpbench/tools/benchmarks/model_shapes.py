@@ -29,6 +29,9 @@ KNOWN_CONFIGS: dict[str, dict] = {
     "FacebookAI/roberta-large": dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                      intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1,
                                      pad_token_id=1),
+    # all-MiniLM-L6-v2's shapes (model=minilm's asset), for the memory tools before `dpbench-fetch minilm-l6`
+    "asset:minilm-l6": dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                            intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0),
     "google-bert/bert-base-uncased": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
                                           num_attention_heads=12, intermediate_size=3072,
                                           max_position_embeddings=512, type_vocab_size=2, pad_token_id=0),
@@ -55,6 +58,11 @@ def language_config(cfg):
         return transformers.AutoConfig.for_model(fam.model_type, vocab_size=TINY_VOCAB, **fam.tiny_config)
     sizes = {**fam.hub, **SHAPE_ONLY_SIZES.get(str(cfg.model.name), {})}
     source = str(cfg.model.path) if cfg.model.get("path") else sizes.get(size)
+    if source is None and cfg.model.get("asset") and not cfg.model.get("size"):  # model=minilm: a fetched asset
+        from dpbench.assets import asset_dir
+
+        folder = asset_dir(str(cfg.model.asset))
+        source = str(folder) if (folder / "config.json").is_file() else f"asset:{cfg.model.asset}"
     if source is None:
         raise UserError(f"model.size={size} is not a size of model={cfg.model.name}; use one of "
                         f"tiny, {', '.join(sizes)}")
