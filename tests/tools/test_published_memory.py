@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpbench.tools.benchmarks.published_memory import GB, POINTS, Point, compare
+from dpbench.tools.benchmarks.published_memory import GB, POINTS, Point, compare, predict
 
 
 def test_an_unstated_measure_compares_as_an_interval():
@@ -33,8 +33,5 @@ def test_the_slow_test_traces_only_claimed_points():
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [p for p in POINTS if p.quick], ids=lambda p: f"{p.source}: {p.method}")
 def test_every_quick_claimed_point_holds(point):
-    from dpbench.tools.benchmarks.memory_trace import predict_step_peak
-
-    result = compare(point, predict_step_peak(list(point.overrides), batch=point.batch, seq_len=point.seq_len,
-                                              fused_dropout=point.fused_dropout))
+    result = predict(point)
     assert result.within, (point.method, result.allocated, result.reserved, result.ratio)

@@ -185,11 +185,12 @@ def task_without_data(cfg, device: torch.device):
 CANDIDATE_TOKENS = 1
 
 
-def scored_span(prompt, tokens: int) -> int:
-    return tokens - 1 if prompt.generation else min(tokens - 1, CANDIDATE_TOKENS)
+def scored_span(prompt, tokens: int, every_position: bool = False) -> int:
+    """`every_position`: as the papers' code scores (every position's logits), not dpbench's batches."""
+    return tokens - 1 if prompt.generation or every_position else min(tokens - 1, CANDIDATE_TOKENS)
 
 
-def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
+def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device, every_position: bool = False):
     """One physical batch of `batch` examples in the task's own batch type (token ids and images
     drawn at random: a real run's checks need gradients that do not cancel; labels 0)."""
     zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
@@ -210,7 +211,7 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device):
         prompt = task.prompt
         rows = 1 if prompt.generation else len(prompt.candidates(_PlaceholderRow()))
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
-        span = scored_span(prompt, tokens)
+        span = scored_span(prompt, tokens, every_position)
         target = torch.zeros_like(ones)
         target[:, tokens - span:] = 1  # a real batch's rows end in their scored tokens (causal_lm._batch)
         return CausalBatch(ids(batch * rows, tokens), ones, target, zeros(batch), rows, span)
@@ -256,7 +257,8 @@ def build_model(cfg, info_only: bool = False):
     return model, {"kind": "image", "shape": spec.input_shape or (spec.channels, spec.image_size, spec.image_size)}
 
 
-def build_step(overrides: list[str], batch: int | None = None, seq_len: int | None = None) -> Traced:
+def build_step(overrides: list[str], batch: int | None = None, seq_len: int | None = None,
+               every_position: bool = False) -> Traced:
     """Model, algorithm and batch of `dpbench <overrides>` (under the caller's tensor mode)."""
     from dpbench.algorithms import algorithm_class
     from dpbench.algorithms.learning_rates import mark_head
@@ -290,10 +292,13 @@ def build_step(overrides: list[str], batch: int | None = None, seq_len: int | No
                            "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities, except "
                            "with attention dropout (CPU torch's math path then keeps them; see fused_dropout)")
     if kind == "causal_lm":
-        span = scored_span(task.prompt, tokens)
-        assumptions.append(f"scored tokens per row: the last {span} (" + ("a generation answer's length is data: every "
-                           "position" if task.prompt.generation else "one label-word token per candidate") + ")")
-    return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device), model, batch, tokens, assumptions)
+        span = scored_span(task.prompt, tokens, every_position)
+        why = ("every position's logits, as the paper's code computes them" if every_position else
+               "a generation answer's length is data: every position" if task.prompt.generation else
+               "one label-word token per candidate")
+        assumptions.append(f"scored tokens per row: the last {span} ({why})")
+    return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device, every_position), model, batch, tokens,
+                  assumptions)
 
 
 def batch_tensors(batch) -> list[torch.Tensor]:
@@ -386,14 +391,14 @@ def measure_inference_floor(step: Traced) -> int:
 
 
 def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True,
-          fused_dropout: bool = False, inference_floor: bool = False) -> dict:
+          fused_dropout: bool = False, inference_floor: bool = False, every_position: bool = False) -> dict:
     """`measure` of the step built from `overrides`, on fake tensors (or real ones: the self-check);
     `fused_dropout`: attention with dropout as CUDA's fused SDPA kernel holds it (`fused_attention_dropout`)."""
     started = time.perf_counter()
     mode = tracing_mode() if fake else contextlib.nullcontext()
     attention = fused_attention_dropout() if fused_dropout else contextlib.nullcontext()
     with mode, fake_safe_engines(), attention:
-        step = build_step(overrides, batch, seq_len)
+        step = build_step(overrides, batch, seq_len, every_position)
         floor = measure_inference_floor(step) if inference_floor else None
         result = measure(step)
     if floor is not None:
@@ -404,14 +409,14 @@ def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None
 
 
 def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None,
-                      fused_dropout: bool = True, inference_floor: bool = False) -> dict:
+                      fused_dropout: bool = True, inference_floor: bool = False, every_position: bool = False) -> dict:
     """Trace one training step of the run `dpbench <overrides>` would make (model at its real size,
     built under FakeTensorMode; the algorithm's real step: forward, per-example work of its engine,
     clipping, noise, optimizer step) and return
     {"allocated_bytes": int (peak), "reserved_bytes": int (allocated x (1 + RESERVED_SLACK)),
      "reserved_slack": float, "by_category": {...MemTracker's categories...}, "assumptions": [str, ...]}"""
     result = trace(overrides, batch=batch, seq_len=seq_len, fake=True, fused_dropout=fused_dropout,
-                   inference_floor=inference_floor)
+                   inference_floor=inference_floor, every_position=every_position)
     allocated = result["allocated_bytes"]
     attention = (["attention dropout as CUDA's fused SDPA kernel holds it (no T x T probabilities or mask)"]
                  if fused_dropout else [])
