@@ -12,6 +12,7 @@ stopping at a newline) and scores SQuAD F1 against every gold answer.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,8 @@ class CausalBatch:
     target_mask: torch.Tensor  # [R, T]: 1 where the token is scored (predicted from t-1)
     labels: torch.Tensor  # [B] gold candidate (classification) or zeros
     rows_per_example: int
-    # Every scored token lies in the last `scored_span` positions (rows are left-padded and end in
-    # their scored tokens); None: anywhere. `row_nll` computes logits for those positions only.
+    # Every row's scored tokens are among its last `scored_span` tokens (its candidate or answer);
+    # None: anywhere. `row_nll` computes logits for those positions only.
     scored_span: int | None = None
 
 
@@ -42,6 +43,23 @@ class _PlaceholderRow(dict):
 
     def __missing__(self, key):
         return "text"
+
+
+@contextlib.contextmanager
+def _head_reads(head: nn.Module, positions: torch.Tensor):
+    """While it holds, the LM head reads only `positions` [R, P] of its input [R, T, d] (a gather
+    in front of it; transformers' `logits_to_keep` keeps the same positions for every row, which
+    right-padded rows of different lengths do not share)."""
+    def gather(module, args):
+        hidden = args[0]
+        index = positions.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        return (hidden.gather(1, index), *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @TASKS.register("causal_lm")
@@ -118,15 +136,12 @@ class CausalLMTask(LanguageTask):
             self.validation_gold = [self.prompt.gold(r) for r in self.validation_rows]
 
     def _batch(self, encoded: list[list[tuple[list[int], int]]], gold: list[int]) -> CausalBatch:
-        """Rows left-padded (OPT's positions count from each row's first token), so that every
-        row's scored tokens (its candidate or answer, at its end) lie in the batch's last columns."""
         rows_per_example = len(encoded[0]) if encoded else 1
         pairs = [pair for example in encoded for pair in example]
-        ids, attention = self.pad([seq for seq, _ in pairs], left=True)
+        ids, attention = self.pad([seq for seq, _ in pairs])
         target = torch.zeros_like(attention)
-        width = ids.shape[1]
-        for row, (_, scored) in enumerate(pairs):
-            target[row, width - scored: width] = 1
+        for row, (seq, scored) in enumerate(pairs):
+            target[row, len(seq) - scored: len(seq)] = 1
         span = max((scored for _, scored in pairs), default=0)
         return CausalBatch(ids, attention, target, torch.as_tensor(gold, dtype=torch.long, device=self.device),
                            rows_per_example, span)
@@ -139,17 +154,30 @@ class CausalLMTask(LanguageTask):
 
     # --- losses ---------------------------------------------------------------------------
     def row_nll(self, model: nn.Module, batch: CausalBatch) -> torch.Tensor:
-        """Mean NLL of each row's scored tokens: [R]. Logits only where the loss reads them: the
-        span's S positions that predict the scored tokens (transformers' `logits_to_keep`), so no
-        [R, T, V] table, nor its fp32 copy, exists (a candidate is a token or two; T is the prompt)."""
+        """Mean NLL of each row's scored tokens: [R]. Logits only where the loss reads them: the LM
+        head sees each row's last S + 1 positions (S = the batch's longest scored span), so no
+        [R, T, V] table, nor its fp32 copy, exists (a candidate is a token or two; T is the prompt).
+        Rows stay right-padded: each row's tokens sit where they would alone, whatever the batch's
+        width, so a row's loss does not depend on the other rows (not even by rounding)."""
         width = batch.input_ids.shape[1]
-        span = width - 1 if batch.scored_span is None else min(int(batch.scored_span), width - 1)
-        keep = {"logits_to_keep": span + 1} if span + 1 < width else {}  # 0 / absent: every position
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,  # no KV cache
-                       **keep).logits  # [R, S+1, V]
-        log_probs = torch.log_softmax(logits[:, -span - 1:-1].float(), dim=-1)  # predict positions T-S .. T-1
-        nll = -log_probs.gather(-1, batch.input_ids[:, width - span:, None]).squeeze(-1)  # [R, S]
-        scored = batch.target_mask[:, width - span:].float()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        span = width - 1 if batch.scored_span is None or head is None else min(int(batch.scored_span), width - 1)
+        if span + 1 >= width:  # every position: the plain forward
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            nll = -log_probs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [R, T-1]
+            scored = batch.target_mask[:, 1:].float()
+            return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
+        # row r's positions len_r - S - 1 .. len_r - 1; those before the row's start are not scored
+        offsets = torch.arange(-span - 1, 0, device=batch.input_ids.device)
+        starts = batch.attention_mask.sum(dim=1, keepdim=True) + offsets  # [R, S+1]
+        positions = starts.clamp(min=0)
+        with _head_reads(head, positions):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [R, S, V]: predict positions + 1
+        predicted = positions[:, :-1] + 1
+        nll = -log_probs.gather(-1, batch.input_ids.gather(1, predicted)[..., None]).squeeze(-1)  # [R, S]
+        scored = batch.target_mask.gather(1, predicted).float() * (starts[:, :-1] >= 0)
         return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
 
     def per_sample_loss(self, model, batch):

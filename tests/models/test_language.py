@@ -208,3 +208,17 @@ def test_opt_scores_only_the_positions_its_loss_reads_and_each_row_as_it_would_a
         assert scored.sum() > 0
         expected.append(((token_nll * scored).sum() / scored.sum()).item())
     torch.testing.assert_close(nll.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-5)
+
+
+def test_a_row_shorter_than_the_scored_span_counts_each_token_once(workspace):
+    """Rows of 2 and 9 tokens beside one whose answer is 6 tokens long (S = 6): the short rows'
+    positions before their start are left out, not read twice; each row as it would score alone."""
+    task, model = task_and_model(workspace, "opt", "squad")
+    model.eval()
+    encoded = [[([2, 40], 1)], [([2, 41, 42, 43, 44, 45, 46, 47, 48], 2)], [([2, 50, 51, 52, 53, 54, 55, 56], 6)]]
+    batch = task._batch(encoded, [0, 0, 0])
+    assert batch.scored_span == 6
+    with torch.no_grad():
+        together = task.row_nll(model, batch)
+        alone = torch.cat([task.row_nll(model, task._batch([row], [0])) for row in encoded])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)

@@ -213,7 +213,7 @@ def fake_batch(task, kind: str, info: dict, batch: int, tokens: int, device, eve
         ones = torch.ones(batch * rows, tokens, dtype=torch.long, device=device)
         span = scored_span(prompt, tokens, every_position)
         target = torch.zeros_like(ones)
-        target[:, tokens - span:] = 1  # a real batch's rows end in their scored tokens (causal_lm._batch)
+        target[:, tokens - span:] = 1  # a real row ends in its scored tokens (causal_lm._batch)
         return CausalBatch(ids(batch * rows, tokens), ones, target, zeros(batch), rows, span)
     return torch.randn(batch, *info["shape"], device=device), zeros(batch)
 
