@@ -12,7 +12,8 @@ batch on fake tensors gives every hooked layer's input and output shapes.
 For a world size K (`train.sharding=fsdp`: FSDP2's Shard(0), torch.chunk's rows; rank 0 holds the
 most), the table gives rank 0's bytes of:
 
-* parameters / K (their dtype; the frozen ones, a row of their own, hold weights only) and, while a block runs, the gathered blocks: FSDP2 all-gathers a
+* parameters / K (their dtype; the frozen ones, a row of their own, hold weights only) and, while
+  a block runs, the gathered blocks: FSDP2 all-gathers a
   block's full parameters for its forward and backward and prefetches the next (2 blocks), and the
   root's own parameters (embeddings, tied head, final norm) stay gathered from the forward to the
   end of the backward;
@@ -63,7 +64,6 @@ import torch
 from torch import nn
 
 from dpbench.errors import UserError
-from dpbench.tools.benchmarks.model_shapes import image_spec, language_config
 
 GIB = 2**30
 FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -142,7 +142,7 @@ def reduce_scatter_bytes(shape, world_size: int) -> int:
     return (padded + per_rank * rest) * 4
 
 
-# --- the model, on meta ---------------------------------------------------------------------------------------
+# --- the model, shapes only -----------------------------------------------------------------------------------
 def shaped_model(cfg) -> tuple[nn.Module, dict]:
     """`cfg.model` as a run builds it (the traced mode's builder: the run's frozen parts, head and
     pooler, so a sentence classifier with `model.trained_blocks=k` trains k blocks and the head),
