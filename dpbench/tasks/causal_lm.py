@@ -164,20 +164,19 @@ class CausalLMTask(LanguageTask):
         span = width - 1 if batch.scored_span is None or head is None else min(int(batch.scored_span), width - 1)
         if span + 1 >= width:  # every position: the plain forward
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-            log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            nll = -log_probs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [R, T-1]
-            scored = batch.target_mask[:, 1:].float()
-            return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
-        # row r's positions len_r - S - 1 .. len_r - 1; those before the row's start are not scored
-        offsets = torch.arange(-span - 1, 0, device=batch.input_ids.device)
-        starts = batch.attention_mask.sum(dim=1, keepdim=True) + offsets  # [R, S+1]
-        positions = starts.clamp(min=0)
-        with _head_reads(head, positions):
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [R, S, V]: predict positions + 1
-        predicted = positions[:, :-1] + 1
-        nll = -log_probs.gather(-1, batch.input_ids.gather(1, predicted)[..., None]).squeeze(-1)  # [R, S]
-        scored = batch.target_mask.gather(1, predicted).float() * (starts[:, :-1] >= 0)
+            tokens, scored = batch.input_ids[:, 1:], batch.target_mask[:, 1:].float()  # [R, T-1]
+        else:
+            # row r's positions len_r - S - 1 .. len_r - 1; those before the row's start are not scored
+            offsets = torch.arange(-span - 1, 0, device=batch.input_ids.device)
+            starts = batch.attention_mask.sum(dim=1, keepdim=True) + offsets  # [R, S+1]
+            positions = starts.clamp(min=0)
+            with _head_reads(head, positions):
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+            predicted = positions[:, :-1] + 1  # [R, S]: the tokens the kept positions predict
+            tokens = batch.input_ids.gather(1, predicted)
+            scored = batch.target_mask.gather(1, predicted).float() * (starts[:, :-1] >= 0)
+        log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # each position predicts the next token
+        nll = -log_probs.gather(-1, tokens[..., None]).squeeze(-1)
         return (nll * scored).sum(dim=1) / scored.sum(dim=1).clamp(min=1)
 
     def per_sample_loss(self, model, batch):

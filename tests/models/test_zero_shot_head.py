@@ -118,11 +118,15 @@ def test_resume_and_the_report_tell_zero_shot_runs_apart_and_keep_older_runs():
 def test_the_real_tiers_default_head_follows_the_algorithms_family_and_the_command_line_wins():
     """rt_snippets' train_defaults.head_init: zero-shot for zeroth-order methods (decided on the
     validation part, docs/real-tier.md), the random head for every other family; a typed value wins."""
+    from dpbench.algorithms import ALGORITHMS
+
     real = ["model=minilm", "dataset=rt_snippets"]
-    assert {a: compose([*OFFLINE, *real, f"algo={a}"]).model.head_init for a in ("dpzero", "mezo", "dpgd0th")} \
-        == dict.fromkeys(("dpzero", "mezo", "dpgd0th"), "zero_shot")
-    assert {a: compose([*OFFLINE, *real, f"algo={a}"]).model.head_init for a in ("dpadam", "dpsgd", "grape")} \
-        == dict.fromkeys(("dpadam", "dpsgd", "grape"), "random")
+    composed = {name: compose([*OFFLINE, *real, f"algo={name}"]) for name in ALGORITHMS.names()}
+    heads = {name: cfg.model.head_init for name, cfg in composed.items()}
+    assert heads == {name: "zero_shot" if cfg.algo.lr_family == "zeroth_order" else "random"
+                     for name, cfg in composed.items()}
+    assert {"dpzero", "mezo"} <= {name for name, head in heads.items() if head == "zero_shot"}
+    assert {"dpadam", "dpsgd", "grape"} <= {name for name, head in heads.items() if head == "random"}
     assert compose([*OFFLINE, *real, "algo=dpzero", "model.head_init=random"]).model.head_init == "random"
     assert compose([*OFFLINE, *real, "algo=dpadam", "model.head_init=zero_shot"]).model.head_init == "zero_shot"
     assert compose([*OFFLINE, *real, "algo=dpzero", "dataset.train_defaults.head_init=null"]).model.head_init == "random"

@@ -291,14 +291,13 @@ def build_step(overrides: list[str], batch: int | None = None, seq_len: int | No
         assumptions.append(f"attention: transformers' {info['attention']} (dpbench's default); the trace runs "
                            "its CPU kernel, which like CUDA's fused kernels keeps no T x T probabilities, except "
                            "with attention dropout (CPU torch's math path then keeps them; see fused_dropout)")
+    physical = fake_batch(task, kind, info, batch, tokens, device, every_position)
     if kind == "causal_lm":
-        span = scored_span(task.prompt, tokens, every_position)
         why = ("every position's logits, as the paper's code computes them" if every_position else
                "a generation answer's length is data: every position" if task.prompt.generation else
                "one label-word token per candidate")
-        assumptions.append(f"scored tokens per row: the last {span} ({why})")
-    return Traced(algorithm, fake_batch(task, kind, info, batch, tokens, device, every_position), model, batch, tokens,
-                  assumptions)
+        assumptions.append(f"scored tokens per row: the last {physical.scored_span} ({why})")
+    return Traced(algorithm, physical, model, batch, tokens, assumptions)
 
 
 def batch_tensors(batch) -> list[torch.Tensor]:
@@ -357,10 +356,16 @@ def measure(step: Traced, steps: int = TRACED_STEPS) -> dict:
     with tracker:
         for index in range(steps):
             step.algorithm.train_step([step.batch], index)
-    peaks = tracker.get_tracker_snapshot("peak")
-    (device_peak,) = [v for k, v in peaks.items() if k.type == "cpu"] or list(peaks.values())
+    device_peak = tracked_peak(tracker)
     by_category = {getattr(k, "value", str(k)): int(v) for k, v in device_peak.items() if k != "Total"}
     return {"allocated_bytes": int(device_peak["Total"]), "by_category": by_category}
+
+
+def tracked_peak(tracker) -> dict:
+    """MemTracker's peak snapshot of the device the step ran on (the CPU: the trace's device), by category."""
+    peaks = tracker.get_tracker_snapshot("peak")
+    (device_peak,) = [v for k, v in peaks.items() if k.type == "cpu"] or list(peaks.values())
+    return device_peak
 
 
 def measure_inference_floor(step: Traced) -> int:
@@ -385,9 +390,7 @@ def measure_inference_floor(step: Traced) -> int:
                 step.algorithm.task.per_sample_loss(model, batch)
     finally:
         model.train(was_training)
-    peaks = tracker.get_tracker_snapshot("peak")
-    (device_peak,) = [v for k, v in peaks.items() if k.type == "cpu"] or list(peaks.values())
-    return int(device_peak["Total"])
+    return int(tracked_peak(tracker)["Total"])
 
 
 def trace(overrides: list[str], *, batch: int | None = None, seq_len: int | None = None, fake: bool = True,
