@@ -180,6 +180,7 @@ def test_calibration_meets_the_target_and_rank_coupled_costs_more():
     assert results["rank_coupled"] > results["tail_clip"]
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_k_none_scores_every_nonzero_gradient_one_and_runs_end_to_end(tmp_path):
     from helpers.config import TINY, compose
 

@@ -38,6 +38,7 @@ def composes_with_its_own_defaults(selection: list[str]) -> None:
     assert compose([*OFFLINE, *selection, "train.lr=0.123", "privacy.clip_norm=4"]).train.lr == 0.123
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_every_algorithm_composes_with_its_own_defaults_and_the_command_line_wins():
     for name in ALGORITHMS.names():
         composes_with_its_own_defaults([f"algo={name}"])

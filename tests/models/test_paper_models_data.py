@@ -167,11 +167,12 @@ def test_resnet18_has_groupnorm_only():
     assert "GroupNorm" in kinds and "BatchNorm2d" not in kinds
 
 
-# --- end to end on synthetic data ---------------------------------------------------------------
+# --- end to end on synthetic data (slow: a run each) --------------------------------------------
 SMALL = ["dataset=synthetic", "train.steps=2", "train.batch_size=8", "train.eval_every=2", "dataset.test_size=16",
          "dataset.train_size=64"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["algo=dcdpsgd", "model=tanh_cnn", "dataset.image_size=28", "train.physical_batch_size=4"],  # calibrated
     ["algo=dpdr", "model=cnn5", "dataset.channels=3", "dataset.image_size=32", "algo.decomposition_steps=2", *FIXED_SIGMA],

@@ -115,6 +115,7 @@ def test_resume_and_the_report_tell_zero_shot_runs_apart_and_keep_older_runs():
     assert method_name(RunRow(".", algo="dpzero", config=flatten(random_head))) == "dpzero"
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_the_real_tiers_default_head_follows_the_algorithms_family_and_the_command_line_wins():
     """rt_snippets' train_defaults.head_init: zero-shot for zeroth-order methods (decided on the
     validation part, docs/real-tier.md), the random head for every other family; a typed value wins."""

@@ -21,6 +21,7 @@ def ledger(sigma: float, q: float, steps: int):
     return planned
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_prv_whose_grid_would_not_fit_falls_back_to_pld():
     """q = 0.3, sigma = 0.5, 1e5 steps: Opacus's PRV asked for a 57 GiB grid (a MemoryError)."""
     from opacus.accountants import PRVAccountant

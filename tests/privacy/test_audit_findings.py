@@ -46,6 +46,7 @@ def test_tail_clip_not_above_body_clip_is_a_user_error(tail_clip):
         _gradient_multiplier(f"algo.tail_clip={tail_clip}", clip=clip)
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_absolute_tail_clip_run_reports_the_epsilon_of_its_real_ledger(tmp_path):
     cfg = compose(TINY + ["algo=dcdpsgd", "algo.tail_selection=rank", "privacy.clip_norm=0.1", "algo.tail_clip=1.0",
                           "privacy.noise_multiplier=1.0", "train.steps=5", "accountant=pld"])
@@ -139,6 +140,7 @@ def test_a_step_releasing_other_than_its_plan_stops_the_run(tmp_path, monkeypatc
         run_job(compose(TINY + ["algo=dpsgd"]), tmp_path, show_progress=False)
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_ledger_records_the_mechanisms_each_step_released(tmp_path):
     results = run_job(compose(TINY + ["algo=dpdr", "algo.decomposition_steps=3", "train.steps=4"]),
                       tmp_path, show_progress=False)

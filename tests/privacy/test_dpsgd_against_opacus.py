@@ -228,6 +228,7 @@ def test_poisson_batch_sizes_have_binomial_mean_and_variance():
     assert abs(sizes.var() / var - 1) < 5 * math.sqrt(2 / draws)
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_zero_size_poisson_batches_are_possible_and_handled(tiny_cfg, tmp_path):
     from dpbench.run import run_job
 

@@ -17,7 +17,7 @@ from dpbench.privacy.mechanisms import GaussianMechanism, Ledger
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 STORED = json.loads((FIXTURES / "pld_reference.json").read_text())
 POINTS = STORED["points"]
-HEAVY = {2, 3}  # q = 1e-4 over 1e4-1e5 steps: the grid refines to 1e-5 (seconds)
+HEAVY = {2, 3, 4}  # q = 1e-4 over 1e4-1e5 steps, q = 1e-3 over 1e4: the grid refines to 1e-5 (seconds each)
 
 
 def ledger_of(point: dict) -> Ledger:

@@ -179,7 +179,36 @@ def finished_run(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("name", CASES)
+# Mistakes the config's value checks (dpbench.run_config.validate) refuse: the fast tier checks each of them
+# there (below), and runs one of them, "zero clip norm", through the console script; the slow tier runs them all
+# through it (about a second each, most of it Hydra composing the config three times).
+VALUE_CHECKS = ("negative lr", "zero lr", "zero batch", "negative steps", "no steps, zero epochs",
+                "physical > logical batch", "validation fraction 1.5", "negative eval_every", "negative threads",
+                "negative clipping gamma", "checkpoint_every zero", "evaluate nothing", "zero epsilon",
+                "negative epsilon", "epsilon and sigma", "budget, non-private", "infinite epsilon", "delta of 1.5",
+                "zero clip norm", "no CUDA", "zero-shot head without a text encoder", "user builder not importable")
+CLI_IN_THE_FAST_TIER = "zero clip norm"
+
+
+@pytest.mark.parametrize("name", VALUE_CHECKS)
+def test_each_value_mistake_is_refused_by_the_config_checks(name, monkeypatch, tmp_path):
+    import torch
+
+    from dpbench.api import compose
+    from dpbench.run_config import validate
+
+    if name == "no CUDA" and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    monkeypatch.chdir(tmp_path)
+    case = CASES[name]
+    with pytest.raises(UserError) as raised:
+        validate(compose(list(case.args)), grid=False)
+    assert "\n" not in str(raised.value) and case.says in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow if name in VALUE_CHECKS and name != CLI_IN_THE_FAST_TIER else ())
+    for name in CASES])
 def test_each_mistake_is_one_line_and_exit_2(name, tmp_path, request):
     import torch
 

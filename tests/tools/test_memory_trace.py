@@ -30,6 +30,7 @@ def within(fake: dict, real: dict, tolerance: float = 0.05) -> bool:
     return abs(fake["allocated_bytes"] - real["allocated_bytes"]) <= tolerance * real["allocated_bytes"]
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_a_fake_trace_predicts_the_real_step_of_a_tiny_vit():
     overrides = VIT + ["algo=dpadam", "algo.per_sample=bk"]
     fake, real = trace(overrides, batch=4, fake=True), trace(overrides, batch=4, fake=False)
@@ -67,6 +68,7 @@ def test_the_memory_predictor_traces_an_algorithm_its_analytic_table_does_not_mo
     assert captured.out == "" and captured.err.count("\n") == 1 and "algo=partial" in captured.err
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_the_prediction_grows_with_the_batch_and_states_its_assumptions():
     overrides = VIT + ["algo=dpadam", "algo.per_sample=materialize"]
     small, large = predict_step_peak(overrides, batch=2), predict_step_peak(overrides, batch=8)
@@ -101,6 +103,7 @@ def test_a_sentence_classifier_traces_and_fused_dropout_drops_the_attention_prob
     assert any("fused SDPA" in a for a in fused["assumptions"])
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_an_image_model_is_traced_on_the_input_its_task_gives_it():
     """digits declares no image size in its config: the trace reads it from the data set (1 x 8 x 8),
     as the run's task does, not a default of 32 x 32 (16 times the tokens per image)."""

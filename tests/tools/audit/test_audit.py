@@ -88,6 +88,7 @@ def test_one_noise_step_is_refused(tmp_path):
         run_audit(compose(TINY + ["audit.noise_steps=1", "algo=dpsgd"]), tmp_path)
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_fails_when_the_noise_is_smaller_than_stated(tmp_path, monkeypatch):
     """A generator that draws half the stated std: the chi-square noise check catches it."""
     from dpbench.privacy.noise import GaussianNoise
@@ -100,6 +101,7 @@ def test_audit_fails_when_the_noise_is_smaller_than_stated(tmp_path, monkeypatch
     assert report.passed is False
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
     """Right std, but one noise vector reused every step: independence across steps fails (the
     chi-square may too: a repeated vector is not 3 independent draws)."""
@@ -123,6 +125,7 @@ def test_audit_fails_when_every_step_adds_the_same_noise(tmp_path, monkeypatch):
     assert all(c.passed for c in others), [c for c in others if not c.passed]
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_fails_when_the_noise_generator_is_seeded_from_the_seed(tmp_path, monkeypatch):
     """Two fresh jobs of one config draw the same noise: independence across jobs fails."""
     monkeypatch.setattr("dpbench.privacy.noise.entropy_seed", lambda: torch.initial_seed())  # = cfg.seed
@@ -147,6 +150,7 @@ class DrawsTwiceThePlannedNoise(DPSGD):
         return 2 * super().gradient_noise_std()
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 @pytest.mark.parametrize("broken, ratio", [(PlanClaimsTwiceTheNoise, 0.5), (DrawsTwiceThePlannedNoise, 2.0)])
 def test_audit_compares_the_drawn_noise_with_the_plan(broken, ratio, tmp_path, monkeypatch):
     """The noise drawn is tested against the plan's multiplier x sensitivity, not the algorithm's own std."""
@@ -161,6 +165,7 @@ def test_audit_compares_the_drawn_noise_with_the_plan(broken, ratio, tmp_path, m
     assert all(c.passed for c in checks(report, "sensitivity") + checks(report, "independence"))
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_fails_when_clipping_is_weaker_than_the_stated_sensitivity(tmp_path, monkeypatch):
     """A release that claims sensitivity C/2 for a sum clipped at C: the sensitivity check fails."""
 
@@ -186,6 +191,7 @@ def test_audit_flags_the_unproven_tail_clip_model_under_a_tail_swap(tmp_path):
     assert not gradient.passed
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_flags_the_approximate_gdp_accountant(tmp_path):
     # the issue's point: sigma 1.1, q 0.0445 (1139 examples, batch ~50.7), 40 steps: gdp 1.21 vs PLD 1.79
     cfg = compose(TINY + AUDIT + ["algo=dpsgd", "accountant=gdp", "privacy.noise_multiplier=1.1",
@@ -231,6 +237,7 @@ def test_audit_fails_a_step_charged_as_two_independent_mechanisms(tmp_path, monk
     assert json.loads((tmp_path / "audit.json").read_text())["passed"] is False
 
 
+@pytest.mark.slow  # a run (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_audit_fails_when_a_nan_record_halts_dpdr(tmp_path, monkeypatch):
     """The old DPDR clipped alpha by multiplying with the clip factor: 0 * NaN is NaN, the release is
     NaN and the run halts on one record. The sensitivity check adds such a record."""

@@ -251,6 +251,7 @@ def test_bf16_rounded_noise_is_caught_by_the_precision_row(tmp_path):
     assert noise.passed  # its std is right: only its precision is wrong
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_fp32_noise_passes_the_precision_row(tmp_path):
     """The same sizes without the bug: 0 of ~1,000 informative residuals on the grid (each with
     probability about 2^-11: above 1% has probability below 1e-9)."""
@@ -274,6 +275,7 @@ def test_validation_score_on_training_records_is_caught(tmp_path):
     assert noise.passed  # the score is still noised as planned
 
 
+@pytest.mark.slow  # an audit (or a trace) of seconds: the fast tier stays under its 5 minutes
 def test_a_clean_validation_score_passes_its_rows(tmp_path):
     report = run_audit(compose(VALIDATION), tmp_path)
     assert report.passed, [c for c in report.checks if not c.passed]
