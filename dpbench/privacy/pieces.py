@@ -18,6 +18,12 @@ gradient, not the parts' norms (`merge_pieces`): calls of one layer kind concate
 an output layer tied to the input embedding keeps both parts and adds their cross term; anything
 else is instantiated and summed.
 
+Per-example work runs over chunks of examples (`Piece.select`, `_in_chunks`): a norm's Grams and wide
+copies (fp64 where the bound needs it) and a clipped sum's scaled copy of g would otherwise grow with
+the batch, B times one example's, where ghost clipping is meant to hold one layer's working set; a
+chunk's temporaries stay within `WORK_BYTES`. Each example's norm reads only its own rows, so chunks
+change no norm; a clipped sum adds the chunks' sums (fp32, the order of the additions changes).
+
 Every piece's squared norm is an upper bound that covers its own rounding (N̂_i + E_i, E_i bounding
 |N̂_i − ‖G_i‖²| for the arithmetic used), because the Gram identities cancel when an example's
 tokens do. docs/privacy.md, "Rounding and the clip norm".
@@ -44,6 +50,14 @@ class Piece(ABC):
     def nbytes(self) -> int: ...
 
     @abstractmethod
+    def examples(self) -> int:
+        """B."""
+
+    @abstractmethod
+    def select(self, rows: slice) -> Piece:
+        """The piece of the examples `rows` only (views, no copy)."""
+
+    @abstractmethod
     def tensors(self) -> list[torch.Tensor]: ...
 
     @abstractmethod
@@ -66,6 +80,38 @@ class Piece(ABC):
 
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+WORK_BYTES = 32 * 2**20  # per-example temporaries of one norm or clipped sum held at once (module doc)
+
+
+def _example_chunks(examples: int, bytes_per_example: int) -> list[slice]:
+    """Slices of the examples whose temporaries, at `bytes_per_example` each, fit in WORK_BYTES
+    (at least one example a chunk)."""
+    step = max(1, WORK_BYTES // max(1, bytes_per_example))
+    return [slice(i, min(i + step, examples)) for i in range(0, max(examples, 1), step)]
+
+
+def _in_chunks(piece: "Piece", bytes_per_example: int, per_example):
+    """`per_example(chunk piece, its slice)` -> a [b] tensor or a tuple of them, over chunks of the
+    examples, joined: the same values as one call on every example."""
+    chunks = _example_chunks(piece.examples(), bytes_per_example)
+    if len(chunks) == 1:
+        return per_example(piece, chunks[0])
+    parts = [per_example(piece.select(rows), rows) for rows in chunks]
+    return tuple(torch.cat(column) for column in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
+
+
+def _summed_in_chunks(piece: "Piece", bytes_per_example: int, summed) -> torch.Tensor:
+    """`summed(chunk piece, its slice)` -> a tensor, added up over chunks of the examples (fp32)."""
+    chunks = _example_chunks(piece.examples(), bytes_per_example)
+    if len(chunks) == 1:
+        return summed(piece, chunks[0])
+    total = None
+    for rows in chunks:
+        part = summed(piece.select(rows), rows)
+        total = part if total is None else total.add_(part)
+    return total
 
 
 def _scaled_rows(g: torch.Tensor, factors: torch.Tensor, all_finite: bool = False, in_place: bool = False) -> torch.Tensor:
@@ -94,6 +140,12 @@ class Instantiated(Piece):
     def nbytes(self) -> int:
         return _bytes(self.grad_sample)
 
+    def examples(self) -> int:
+        return self.grad_sample.shape[0]
+
+    def select(self, rows: slice) -> Instantiated:
+        return Instantiated(self.grad_sample[rows])
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.grad_sample]
 
@@ -109,10 +161,13 @@ class Instantiated(Piece):
         return _sum_of_squares(self.grad_sample)
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
-        if not all_finite:  # zero the rows of dropped examples first (0 · inf)
-            return clipped_sum([self.grad_sample], factors)[0]
-        flat = self.grad_sample.reshape(self.grad_sample.shape[0], -1).float()
-        return (factors.float() @ flat).view(self.grad_sample.shape[1:])
+        def summed(piece: Instantiated, rows: slice) -> torch.Tensor:
+            if not all_finite:  # zero the rows of dropped examples first (0 · inf)
+                return clipped_sum([piece.grad_sample], factors[rows])[0]
+            flat = piece.grad_sample.reshape(piece.grad_sample.shape[0], -1).float()
+            return (factors[rows].float() @ flat).view(piece.grad_sample.shape[1:])
+
+        return _summed_in_chunks(self, 4 * self.grad_sample[0].numel(), summed)  # an fp32 copy
 
 
 class OuterProduct(Piece):
@@ -123,6 +178,12 @@ class OuterProduct(Piece):
 
     def nbytes(self) -> int:
         return _bytes(self.a, self.g)
+
+    def examples(self) -> int:
+        return self.a.shape[0]
+
+    def select(self, rows: slice) -> OuterProduct:
+        return OuterProduct(self.a[rows], self.g[rows])
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.a, self.g]
@@ -149,23 +210,32 @@ class OuterProduct(Piece):
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N̂, E, S) per example, fp64."""
         tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
-        return (_instantiated_norm_sq if tokens * tokens >= d_in * d_out else _gram_norm_sq)(self.a, self.g)
+        if tokens * tokens >= d_in * d_out:  # G_i in fp32 (fp64 for a float64 model), and its squares
+            return _in_chunks(self, 16 * d_in * d_out, lambda piece, _: _instantiated_norm_sq(piece.a, piece.g))
+        # fp64 copies of a and g (where `_gram_dtype` says), two Grams and their products and magnitudes
+        return _in_chunks(self, 8 * tokens * (d_in + d_out) + 48 * tokens * tokens,
+                          lambda piece, _: _gram_norm_sq(piece.a, piece.g))
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
         """Σ_i f_i G_i = (f ⊙ g)ᵀ a = gᵀ (f ⊙ a). Rows of dropped examples (f_i = 0: a non-finite
         gradient) are zeroed in a and g, unless `all_finite` says no f_i is 0 (then every row is
         finite). The factors scale g in place when `own_g` says nothing else reads it (book-keeping
         after its backward: no copy, no new memory), else a copy of the narrower of a and g."""
-        def unscaled(x):
-            return x.float() if all_finite else _keep_rows(x.float(), factors > 0)
+        def summed(piece: OuterProduct, rows: slice) -> torch.Tensor:
+            f = factors[rows]
 
-        if own_g and self.g.dtype == torch.float32 and self.g.is_contiguous():
-            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite, in_place=True)
-        elif self.a.shape[2] < self.g.shape[2]:
-            a, g = _scaled_rows(self.a, factors, all_finite), unscaled(self.g)
-        else:
-            a, g = unscaled(self.a), _scaled_rows(self.g, factors, all_finite)
-        return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
+            def unscaled(x):
+                return x.float() if all_finite else _keep_rows(x.float(), f > 0)
+
+            if own_g and piece.g.dtype == torch.float32 and piece.g.is_contiguous():
+                a, g = unscaled(piece.a), _scaled_rows(piece.g, f, all_finite, in_place=True)
+            elif piece.a.shape[2] < piece.g.shape[2]:
+                a, g = _scaled_rows(piece.a, f, all_finite), unscaled(piece.g)
+            else:
+                a, g = unscaled(piece.a), _scaled_rows(piece.g, f, all_finite)
+            return g.reshape(-1, g.shape[2]).transpose(0, 1) @ a.reshape(-1, a.shape[2])  # [out, in]
+
+        return _summed_in_chunks(self, 4 * self.a.shape[1] * (self.a.shape[2] + self.g.shape[2]), summed)  # fp32 copies
 
     def merge(self, other: OuterProduct) -> OuterProduct:
         """Two calls of one layer: their tokens concatenate (G_i = Σ over both calls)."""
@@ -243,6 +313,12 @@ class EmbeddingRows(Piece):
     def nbytes(self) -> int:
         return _bytes(self.ids, self.g)
 
+    def examples(self) -> int:
+        return self.g.shape[0]
+
+    def select(self, rows: slice) -> EmbeddingRows:
+        return EmbeddingRows(self.ids[rows], self.g[rows], self.num_embeddings)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.ids, self.g]
 
@@ -264,6 +340,10 @@ class EmbeddingRows(Piece):
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N̂, E, Q) per example, fp64."""
         tokens, dim = self.g.shape[1:]
+        return _in_chunks(self, 8 * tokens * dim + 40 * tokens * tokens, lambda piece, _: piece._bounds())
+
+    def _bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, dim = self.g.shape[1:]
         dtype = _gram_dtype(dim, tokens, self.g)
         g = self.g.to(dtype)
         same_row = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).to(dtype)  # [B, T, T]
@@ -277,9 +357,11 @@ class EmbeddingRows(Piece):
         return estimate, error * fp64_slack(area + 8), spread
 
     def clipped_sum(self, factors: torch.Tensor, all_finite: bool = False, own_g: bool = False) -> torch.Tensor:
-        g = _scaled_rows(self.g, factors, all_finite)
-        table = torch.zeros((self.num_embeddings, g.shape[2]), dtype=torch.float32, device=g.device)
-        return table.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
+        table = torch.zeros((self.num_embeddings, self.g.shape[2]), dtype=torch.float32, device=self.g.device)
+        for rows in _example_chunks(self.examples(), 4 * self.g.shape[1] * self.g.shape[2]):  # a scaled copy of g
+            g = _scaled_rows(self.g[rows], factors[rows], all_finite)
+            table.index_add_(0, self.ids[rows].reshape(-1), g.reshape(-1, g.shape[2]))
+        return table
 
     def merge(self, other: EmbeddingRows) -> EmbeddingRows:
         return EmbeddingRows(torch.cat([self.ids, other.ids], 1), torch.cat([self.g, other.g], 1), self.num_embeddings)
@@ -319,6 +401,12 @@ class TiedPieces(Piece):
     def nbytes(self) -> int:
         return self.outer.nbytes() + self.rows.nbytes()
 
+    def examples(self) -> int:
+        return self.outer.examples()
+
+    def select(self, rows: slice) -> TiedPieces:
+        return TiedPieces(self.outer.select(rows), self.rows.select(rows))
+
     def tensors(self) -> list[torch.Tensor]:
         return self.outer.tensors() + self.rows.tensors()
 
@@ -334,7 +422,9 @@ class TiedPieces(Piece):
         nothing clamped but the total)."""
         outer_estimate, outer_error, _ = self.outer.bounds()
         rows_estimate, rows_error, _ = self.rows.bounds()
-        cross, cross_error = _outer_embedding_cross(self.outer, self.rows)
+        tokens, others, dim = self.outer.g.shape[1], self.rows.g.shape[1], self.outer.a.shape[2]
+        cross, cross_error = _in_chunks(self, 8 * (tokens + others) * dim + 40 * tokens * others,
+                                        lambda piece, _: _outer_embedding_cross(piece.outer, piece.rows))
         terms = [outer_estimate, rows_estimate, 2 * cross, outer_error, rows_error, 2 * cross_error]
         # fp64 rounding of adding signed terms: relative to the terms, not to their (cancelling) sum
         return sum(terms) + 8 * UNIT_ROUNDOFF[torch.float64] * sum(t.abs() for t in terms)

@@ -49,6 +49,27 @@ def test_engine_output_equals_the_reference(reference, case, engine, monkeypatch
     expected = reference["results"][case][engine]
     actual = run(case, engine, seed=reference["seeds"][case])
     where = f"{case}/{engine} (reference made at {reference['made_with']['commit'][:10]})"
+    assert_same(actual, expected, where)
+
+
+@pytest.mark.parametrize("engine", ["ghost", "bk"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_example_at_a_time_gives_the_reference(reference, case, engine, monkeypatch):
+    """Per-example work over chunks of examples (pieces.WORK_BYTES, which keeps ghost clipping's
+    temporaries from growing with the batch), here the smallest chunk, one example: the same norms,
+    sums and metered bytes."""
+    from dpbench.privacy import pieces
+
+    chunked = []
+    monkeypatch.setattr(pieces, "WORK_BYTES", 1)
+    original = pieces._example_chunks
+    monkeypatch.setattr(pieces, "_example_chunks", lambda *args: chunked.append(1) or original(*args))
+    actual = run(case, engine, seed=reference["seeds"][case])
+    assert chunked, "no piece went through the chunks"
+    assert_same(actual, reference["results"][case][engine], f"{case}/{engine}, one example a chunk")
+
+
+def assert_same(actual: dict, expected: dict, where: str) -> None:
 
     # norms: [calls, B]; a non-finite example's norm stays non-finite
     norms, reference_norms = actual["norms"], expected["norms"]
