@@ -33,6 +33,7 @@ def per_example(outputs, labels):
     return F.cross_entropy(outputs, labels, reduction="none")
 
 
+@pytest.mark.slow  # a run of seconds: the fast tier stays under its 5 minutes
 def test_a_users_module_is_trained_in_place_with_its_own_loss(tmp_path):
     model, (train, test) = mlp(), data()
     before = model[0].weight.detach().clone()

@@ -651,6 +651,7 @@ def test_a_second_grid_into_the_same_folder_keeps_the_first_grids_studies_in_the
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # composes every method of each tuned preset (seconds): the fast tier stays under its 5 minutes
 @pytest.mark.parametrize("preset, methods", [("bench_mini_tuned", 8), ("bench_vit_tuned", 8),
                                              ("bench_roberta_tuned", 6), ("bench_opt_tuned", 6)])
 def test_tuned_presets_declare_a_space_for_every_method_they_tune(preset, methods):

@@ -65,6 +65,7 @@ def test_every_job_of_the_real_presets_composes_on_one_task(name):
             assert j["train"]["lr"] == j["paper_setting"]["lr"][j["algo"]["name"]]
 
 
+@pytest.mark.slow  # composes every method of each tuned preset (seconds): the fast tier stays under its 5 minutes
 def test_the_tuned_preset_sweeps_existing_keys_of_each_method():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir

@@ -180,6 +180,25 @@ def test_max_batch_sharding_prints_the_same_table(capsys):
     assert "K=2" in out and "clipped-sum accumulators" in out and "fits in 1 GiB" in out
 
 
+def test_one_process_largest_batch_is_bisected_on_the_traced_step(monkeypatch, capsys):
+    """max_batch --sharding at K = 1 (and memory_model with a budget) reads the traced step, not the
+    table's linear rows: here a traced step of 100 MiB + 3 MiB per example, so 1 GiB fits B = 308."""
+    from dpbench.tools.benchmarks import max_batch, memory_trace
+
+    traced = []
+
+    def predict(overrides, batch, seq_len=None, **_):
+        traced.append(batch)
+        return {"reserved_bytes": (100 + 3 * batch) * 2**20}
+
+    monkeypatch.setattr(memory_trace, "predict_step_peak", predict)
+    max_batch.main(["--sharding", "--world-size", "1", "--budget-mib", "1024", "--", "model=opt", "model.size=tiny",
+                    "dataset=squad", "algo=dpadam", "algo.per_sample=bk", "train.physical_batch_size=1"])
+    out = capsys.readouterr().out
+    assert "traced: largest physical batch that fits in 1 GiB: 308 (" in out, out[-400:]
+    assert 308 in traced and 309 in traced and len(traced) < 20
+
+
 def test_the_fsdp_launcher_runs_one_rank_per_gpu_and_opts_in_to_slurm_ranks():
     from omegaconf import OmegaConf
 

@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
 
         for k in args.world_size:
             print(memory_model.table(memory_model.estimate(args.overrides, k), args.budget_mib / 1024) + "\n")
+        if 1 in args.world_size:  # one process: the traced step's own largest batch (the table's is linear)
+            print(memory_model.traced_max_batch_line(args.overrides, args.budget_mib / 1024))
         return None
     if args.capped_probe:
         return run_capped_probe(args.budget_mib, args.overrides)

@@ -362,8 +362,8 @@ def table(est: Estimate, budget_gib: float | None = None) -> str:
     if budget_gib is not None:
         budget = budget_gib * GIB
         verdict = "fits" if est.total <= budget else "does NOT fit"
-        lines.append(f"{verdict} in {budget_gib:g} GiB per GPU (largest physical batch that fits: "
-                     f"{est.max_batch(budget)})")
+        lines.append(f"{verdict} in {budget_gib:g} GiB per GPU (largest physical batch that fits, by this table's "
+                     f"linear per-example rows: {est.max_batch(budget)}; one process: the traced line below)")
     lines.extend(f"note: {n}" for n in est.notes)
     lines.append("not counted: autograd's other saved tensors (attention probabilities, nonlinearity inputs), "
                  "logits, CUDA context, NCCL buffers, allocator slack (+10-20 % reserved)")
@@ -422,8 +422,24 @@ def traced_section(overrides: list[str], batch: int | None, seq_len: int | None,
     if budget_gib is not None:
         fits = traced["reserved_bytes"] <= budget_gib * GIB
         lines.append(f"traced: {'fits' if fits else 'does NOT fit'} in {budget_gib:g} GiB")
+        lines.append(traced_max_batch_line(overrides, budget_gib, seq_len))
     lines += [f"assumed: {a}" for a in traced["assumptions"]]
     return "\n".join(lines)
+
+
+def traced_max_batch_line(overrides: list[str], budget_gib: float, seq_len: int | None = None) -> str:
+    """The largest physical batch whose traced step (predicted reserved memory) fits `budget_gib`, by
+    doubling then bisection over traces (max_batch.py's `predicted_search`): what the run itself
+    holds, where the analytic table's largest batch extrapolates its per-example rows linearly."""
+    from dpbench.tools.benchmarks.max_batch import predicted_search
+    from dpbench.tools.benchmarks.memory_trace import predict_step_peak
+
+    def predict(points, batch):
+        return predict_step_peak(points, batch=batch, seq_len=seq_len)
+
+    best, traces = predicted_search(overrides, budget_gib * 1024, predict=predict)
+    return (f"traced: largest physical batch that fits in {budget_gib:g} GiB: {best} "
+            f"({traces} traces: doubling, then bisection; one process)")
 
 
 if __name__ == "__main__":
