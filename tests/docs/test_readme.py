@@ -63,9 +63,11 @@ def overrides_of(command: str) -> list[str]:
 COMMANDS = readme_commands()
 # (file name, command) of every document, each command once per file.
 DOCUMENT_COMMANDS = [(path.name, command) for path in DOCUMENTS for command in dict.fromkeys(commands_of(path))]
-# Each distinct config once (under the first file that shows it): a command repeated on several pages, or
-# differing only in flags, composes the same config.
+
+
 def distinct_configs(commands: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Each distinct config once, under the first file that shows it: a command repeated on several
+    pages, or differing only in flags, composes the same config."""
     firsts: dict[tuple[str, ...], tuple[str, str]] = {}
     for name, command in commands:
         firsts.setdefault(tuple(overrides_of(command)), (name, command))
