@@ -70,13 +70,25 @@ def sensitivity_check(cfg) -> list[Check]:
 OUTWEIGH = 100  # the outweighing neighbour's loss weight, x the batch size x the other examples' weight
 
 
+def _worst_fit(pair, indices: list[int]) -> int:
+    """The record of `indices` with the largest loss on the model as it is (a forward on both jobs, so
+    that any running statistics stay identical between them)."""
+    losses = None
+    for job, _ in pair:
+        with torch.no_grad():
+            chunk_losses = [job.algorithm.per_example_losses(chunk).float()
+                            for chunk in physical_chunks(job, indices, [1.0] * len(indices))]
+        losses = torch.cat(chunk_losses) if losses is None else losses
+    return indices[int(torch.nan_to_num(losses, nan=-math.inf).argmax())]
+
+
 def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
     batch = int(cfg.audit.batch)
     worst: dict[str, tuple[float, float, str]] = {}  # part -> (ratio, distance, how)
     generator = torch.Generator().manual_seed(1)
     halted: list[str] = []  # steps a non-finite record halted
     for step in range(int(cfg.audit.sensitivity_steps)):
-        for trial in range(int(cfg.audit.trials) + 2):
+        for trial in range(int(cfg.audit.trials) + 3):
             if trial >= int(cfg.audit.trials) and step < int(cfg.audit.sensitivity_steps) - 1:
                 continue  # the non-finite and outweighing records: at the last audited step only (every step kind by then)
             pair = [audited_job(cfg, zero_noise=True) for _ in range(2)]
@@ -97,12 +109,17 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
             }
             # the last trial adds a record whose loss is NaN: it must contribute nothing and never halt
             neighbours["add non-finite"] = (base + [outsider], [scale] * batch + [math.nan])
-            # and then a copy of the batch's first example (a record may repeat) whose loss, against its own,
-            # outweighs the whole batch: clipping the SUM instead of each example moves the release by up
-            # to 2x the sensitivity (the clipped sum turns round), per-example clipping by at most 1x
-            neighbours["add outweighing"] = (base + [base[0]], [scale] * batch + [-OUTWEIGH * batch * scale])
-            kind = ("add non-finite" if trial == int(cfg.audit.trials) else "add outweighing" if trial > int(cfg.audit.trials)
-                    else ("add", "remove", "replace")[trial % 3])
+            extra = trial - int(cfg.audit.trials)
+            kind = (("add", "remove", "replace")[trial % 3] if extra < 0 else
+                    ("add non-finite", "add outweighing, against", "add outweighing, with")[extra])
+            # and then a copy of the batch's worst-fit example (a record may repeat; a well-fit one can have an
+            # exactly zero gradient) whose loss outweighs the whole batch, against its own and with it: clipping
+            # the SUM instead of each example turns the clipped sum from the batch's direction u to ∓ the record's
+            # v, a move of C |u ± v|; one of the two is at least √2 C whatever the angle (|u − v|² + |u + v|² = 4),
+            # where per-example clipping moves it by at most C
+            heaviest = _worst_fit(pair, base) if kind.startswith("add outweighing") else base[0]
+            neighbours["add outweighing, against"] = (base + [heaviest], [scale] * batch + [-OUTWEIGH * batch * scale])
+            neighbours["add outweighing, with"] = (base + [heaviest], [scale] * batch + [OUTWEIGH * batch * scale])
             try:
                 for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbours[kind]]):
                     recorder.releases.clear()

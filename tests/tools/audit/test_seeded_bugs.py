@@ -206,6 +206,18 @@ def test_every_seeded_bug_is_caught_by_its_check(name, tmp_path):
         assert any(not c.passed for c in rows(report, CATALOGUE[name].check))
 
 
+@pytest.mark.slow  # two audits (about a minute)
+@pytest.mark.parametrize("algo", ["dpbitfit", "dpsgd"])
+def test_clipping_the_sum_is_caught_on_a_small_release_too(algo, tmp_path):
+    """DP-BiTFiT releases the biases and the head only: the outweighing record copied from the batch's first
+    example pointed nearly against the batch's sum there, and clipping the sum moved the release by 0.54 C
+    (missed). With the worst-fit example, against its own loss and with it, one of the two moves it by at
+    least sqrt(2) C whatever the angle."""
+    report, result = run_bug(compose([*CATALOGUE_DEFAULTS, f"algo={algo}"]), "clip_after_sum", tmp_path)
+    sensitivity = [c for c in rows(report, "sensitivity") if c.release == "gradient"]
+    assert result.ok and sensitivity and sensitivity[0].measured > 2 ** 0.5 * 0.99, sensitivity
+
+
 @pytest.mark.slow
 def test_a_clean_run_passes_the_new_checks(tmp_path):
     report = run_audit(compose(CATALOGUE_DEFAULTS), tmp_path)
