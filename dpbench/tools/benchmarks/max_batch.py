@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from dpbench.runtime.metering import own_peak_bytes
+from dpbench.tools.benchmarks.memory_trace import predicted_search  # noqa: F401 - the traced bisection (--predicted); it lives beside the trace
 
 MIB = 2**20
 
@@ -167,32 +168,6 @@ def search(overrides, budget_mib, baseline_mib, start, limit, workdir, timeout_s
         else:
             bad = middle
     return good, probes
-
-
-def predicted_search(overrides: list[str], budget_mib: float, start: int = 8, limit: int = 4096,
-                     predict=None) -> tuple[int, int]:
-    """(largest batch whose traced reserved memory fits `budget_mib`, traces run): doubling, then
-    bisection, on `memory_trace.predict_step_peak` instead of probe runs."""
-    if predict is None:
-        from dpbench.tools.benchmarks.memory_trace import predict_step_peak as predict
-    traces = 0
-
-    def fits(batch: int) -> bool:
-        nonlocal traces
-        traces += 1
-        return predict(list(overrides), batch=batch)["reserved_bytes"] <= budget_mib * MIB
-
-    good, bad = 0, None
-    candidate = max(1, min(start, limit))
-    while bad is None and good < limit:
-        if fits(candidate):
-            good, candidate = candidate, min(2 * candidate, limit)
-        else:
-            bad = candidate
-    while bad is not None and bad - good > 1:
-        middle = (good + bad) // 2
-        good, bad = (middle, bad) if fits(middle) else (good, middle)
-    return good, traces
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -429,10 +429,9 @@ def traced_section(overrides: list[str], batch: int | None, seq_len: int | None,
 
 def traced_max_batch_line(overrides: list[str], budget_gib: float, seq_len: int | None = None) -> str:
     """The largest physical batch whose traced step (predicted reserved memory) fits `budget_gib`, by
-    doubling then bisection over traces (max_batch.py's `predicted_search`): what the run itself
+    doubling then bisection over traces (memory_trace.py's `predicted_search`): what the run itself
     holds, where the analytic table's largest batch extrapolates its per-example rows linearly."""
-    from dpbench.tools.benchmarks.max_batch import predicted_search
-    from dpbench.tools.benchmarks.memory_trace import predict_step_peak
+    from dpbench.tools.benchmarks.memory_trace import predict_step_peak, predicted_search
 
     def predict(points, batch):
         return predict_step_peak(points, batch=batch, seq_len=seq_len)

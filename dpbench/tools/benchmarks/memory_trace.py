@@ -431,3 +431,28 @@ def predict_step_peak(overrides: list[str], *, batch: int | None = None, seq_len
             "reserved_slack": RESERVED_SLACK, "by_category": result["by_category"], "assumptions": assumptions,
             "seconds": result["seconds"], **({"inference_floor_bytes": result["inference_floor_bytes"]}
                                             if "inference_floor_bytes" in result else {})}
+
+
+def predicted_search(overrides: list[str], budget_mib: float, start: int = 8, limit: int = 4096,
+                     predict=None) -> tuple[int, int]:
+    """(largest batch whose traced reserved memory fits `budget_mib`, traces run): doubling, then
+    bisection, on `memory_trace.predict_step_peak` instead of probe runs."""
+    predict = predict or predict_step_peak
+    traces = 0
+
+    def fits(batch: int) -> bool:
+        nonlocal traces
+        traces += 1
+        return predict(list(overrides), batch=batch)["reserved_bytes"] <= budget_mib * 2**20
+
+    good, bad = 0, None
+    candidate = max(1, min(start, limit))
+    while bad is None and good < limit:
+        if fits(candidate):
+            good, candidate = candidate, min(2 * candidate, limit)
+        else:
+            bad = candidate
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good, traces
