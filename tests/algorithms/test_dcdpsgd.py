@@ -165,6 +165,7 @@ def test_a_step_is_one_joint_mechanism_checked_against_dp_accounting(sigma, frac
     assert ours > separate * 1.05  # the old, unsound charge was smaller
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 def test_calibration_meets_the_target_and_rank_coupled_costs_more():
     q, steps = 0.02, 300
     results = {}

@@ -200,6 +200,7 @@ def test_paper_accounting_reproduces_the_digest_overrun():
     assert 8.3 < true_epsilon < 8.65
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 def test_an_engine_option_dpdr_does_not_declare_is_ignored_as_the_note_says(tmp_path):
     """algo.per_sample reaches DPDR from the command line (grids set it for every algorithm); it is
     not one of DPDR's options, so the run says it is ignored and DPDR keeps every per-example gradient."""

@@ -226,6 +226,7 @@ def run(tmp_path, *overrides) -> dict:
     return read_results(tmp_path)
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 def test_dpzero_ledger_and_epsilon_match_dp_accounting(tmp_path):
     import dp_accounting as dpa
     from dp_accounting.pld import PLDAccountant

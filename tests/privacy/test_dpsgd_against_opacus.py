@@ -195,7 +195,7 @@ def test_heterogeneous_ledger_composes_like_dp_accounting():
         GDPAccountant().epsilon(book, 1e-5)
 
 
-@pytest.mark.parametrize("accountant", [RDPAccountant(), PLDAccountant()])
+@pytest.mark.parametrize("accountant", [RDPAccountant(), pytest.param(PLDAccountant(), marks=pytest.mark.slow)])  # PLD: seconds
 @pytest.mark.parametrize("target", [1.0, 8.0])
 def test_calibrated_sigma_is_tight_and_agrees_with_dp_accounting(accountant, target):
     import dp_accounting as dpa

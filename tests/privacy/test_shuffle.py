@@ -165,6 +165,7 @@ def test_a_private_shuffled_checkpoint_restores_the_epoch_in_progress():
         make().load_state_dict(without)
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 def test_a_shuffled_run_records_its_bound(tmp_path):
     results = run_job(compose(TINY + ["train.steps=null", "train.epochs=2", "privacy.sampling=shuffle", "accountant=pld"]),
                       tmp_path, show_progress=False)

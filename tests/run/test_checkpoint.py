@@ -226,6 +226,7 @@ def test_damaged_or_incompatible_checkpoints_are_one_line_errors_naming_the_fix(
     assert run_job(cfg, tmp_path, show_progress=False).resumed_from_step == 4
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 def test_another_config_or_resume_false_starts_over(tmp_path, monkeypatch, capsys):
     cfg = compose(TINY + STEPS + SIGMA + ["algo=dpsgd"])
     with monkeypatch.context() as patch:

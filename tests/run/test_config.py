@@ -112,6 +112,7 @@ def test_pyproject_lists_every_subpackage():
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
 
 
+@pytest.mark.slow  # seconds each: the fast tier stays under its 5 minutes
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_experiment_composes(experiment):
     cfg = compose([f"experiment={experiment}"])

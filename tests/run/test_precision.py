@@ -239,7 +239,7 @@ def test_one_step_of_each_preset_algorithm_trains_its_weights(name, text_data):
         check_one_step(name, algo, text_data)
 
 
-@pytest.mark.slow  # every point of every grid (tests/run/test_config.py composes each preset's own point fast)
+@pytest.mark.slow  # every point of every grid (tests/run/test_config.py composes each preset's own point, slow too)
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_point_of_every_preset_grid_composes(name):
     """Hydra composes each combination of the grid's config groups, each algorithm with its own
