@@ -73,13 +73,12 @@ OUTWEIGH = 100  # the outweighing neighbour's loss weight, x the batch size x th
 def _worst_fit(pair, indices: list[int]) -> int:
     """The record of `indices` with the largest loss on the model as it is (a forward on both jobs, so
     that any running statistics stay identical between them)."""
-    losses = None
+    per_job = []
     for job, _ in pair:
         with torch.no_grad():
-            chunk_losses = [job.algorithm.per_example_losses(chunk).float()
-                            for chunk in physical_chunks(job, indices, [1.0] * len(indices))]
-        losses = torch.cat(chunk_losses) if losses is None else losses
-    return indices[int(torch.nan_to_num(losses, nan=-math.inf).argmax())]
+            per_job.append(torch.cat([job.algorithm.per_example_losses(chunk).float()
+                                      for chunk in physical_chunks(job, indices, [1.0] * len(indices))]))
+    return indices[int(torch.nan_to_num(per_job[0], nan=-math.inf).argmax())]
 
 
 def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
@@ -117,9 +116,9 @@ def _sensitivity_checks(cfg, scale: float, scaling: str) -> list[Check]:
             # the SUM instead of each example turns the clipped sum from the batch's direction u to ∓ the record's
             # v, a move of C |u ± v|; one of the two is at least √2 C whatever the angle (|u − v|² + |u + v|² = 4),
             # where per-example clipping moves it by at most C
-            heaviest = _worst_fit(pair, base) if kind.startswith("add outweighing") else base[0]
-            neighbours["add outweighing, against"] = (base + [heaviest], [scale] * batch + [-OUTWEIGH * batch * scale])
-            neighbours["add outweighing, with"] = (base + [heaviest], [scale] * batch + [OUTWEIGH * batch * scale])
+            if kind.startswith("add outweighing"):
+                against = -1.0 if kind.endswith("against") else 1.0
+                neighbours[kind] = (base + [_worst_fit(pair, base)], [scale] * batch + [against * OUTWEIGH * batch * scale])
             try:
                 for (job, recorder), (indices, weights) in zip(pair, [(base, [scale] * batch), neighbours[kind]]):
                     recorder.releases.clear()

@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from dpbench.runtime.metering import own_peak_bytes
-from dpbench.tools.benchmarks.memory_trace import predicted_search  # noqa: F401 - the traced bisection (--predicted); it lives beside the trace
+from dpbench.tools.benchmarks.memory_trace import predicted_search  # --predicted's bisection, beside the trace it runs
 
 MIB = 2**20
 
